@@ -1,0 +1,16 @@
+"""pyspark-safetensors: safetensors datasets from Apache Spark to torch SAE training.
+
+``df.write.format("safetensors")`` works with no registration call: Spark imports every
+``pyspark_*`` module at session start and registers its ``DefaultSource``. Importing this
+package is therefore kept cheap; heavy layers (Spark, torch) load on first use.
+"""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "DefaultSource":
+        from .spark.source import SafetensorsDataSource
+
+        return SafetensorsDataSource
+    raise AttributeError(f"module 'pyspark_safetensors' has no attribute {name!r}")

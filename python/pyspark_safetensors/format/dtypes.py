@@ -1,0 +1,113 @@
+"""The safetensors dtype table: names, sizes, alignment order and numpy mapping.
+
+Reading accepts every dtype of the reference library (0.8); writing accepts the twelve of
+the dataset format spec (``WRITABLE``). Types without a numpy dtype (the 4- and 6-bit
+floats) are readable as raw bytes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DType:
+    """One safetensors dtype."""
+
+    name: str
+    """The header string, e.g. ``"BF16"``."""
+    bits: int
+    """Bits per element (4 and 6 for the packed sub-byte floats)."""
+    rank: int
+    """Position in the reference library's dtype enum. Writers order tensors by rank,
+    largest first, then by name, so every tensor stays aligned."""
+    numpy: np.dtype | None
+    """The numpy dtype holding this type's bytes, or None (sub-byte floats)."""
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element; raises for the packed sub-byte floats."""
+        if self.bits % 8:
+            raise ValueError(f"dtype {self.name} packs {self.bits}-bit elements; it has no itemsize")
+        return self.bits // 8
+
+    def nbytes(self, numel: int) -> int | None:
+        """Bytes taken by ``numel`` elements, or None when they do not end on a byte."""
+        total_bits = numel * self.bits
+        return total_bits // 8 if total_bits % 8 == 0 else None
+
+    @property
+    def is_float(self) -> bool:
+        return self.name.startswith(("F", "BF", "C"))
+
+    @property
+    def is_integer(self) -> bool:
+        return self.name[0] in "IU"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _np(name: str | None) -> np.dtype | None:
+    if name is None:
+        return None
+    return np.dtype(getattr(ml_dtypes, name, None) or name).newbyteorder("<")
+
+
+# (name, bits, numpy dtype) in the reference library's enum order (its sort key).
+_TABLE = [
+    ("BOOL", 8, "bool"),
+    ("F4", 4, None),
+    ("F6_E2M3", 6, None),
+    ("F6_E3M2", 6, None),
+    ("U8", 8, "uint8"),
+    ("I8", 8, "int8"),
+    ("F8_E5M2", 8, "float8_e5m2"),
+    ("F8_E4M3", 8, "float8_e4m3fn"),
+    ("F8_E8M0", 8, "float8_e8m0fnu"),
+    ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz"),
+    ("I16", 16, "int16"),
+    ("U16", 16, "uint16"),
+    ("F16", 16, "float16"),
+    ("BF16", 16, "bfloat16"),
+    ("I32", 32, "int32"),
+    ("U32", 32, "uint32"),
+    ("F32", 32, "float32"),
+    ("C64", 64, "complex64"),
+    ("F64", 64, "float64"),
+    ("I64", 64, "int64"),
+    ("U64", 64, "uint64"),
+]
+
+DTYPES: dict[str, DType] = {
+    name: DType(name, bits, rank, _np(np_name)) for rank, (name, bits, np_name) in enumerate(_TABLE)
+}
+"""Every readable dtype by header name."""
+
+WRITABLE: tuple[str, ...] = (
+    "F16", "F32", "F64", "BF16", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64",
+)  # fmt: skip
+"""The twelve dtypes of the dataset format spec (§1.3) that writers produce."""
+
+_BY_NUMPY = {d.numpy: d for d in DTYPES.values() if d.numpy is not None}
+
+
+def get_dtype(name: str, *, writable: bool = False) -> DType:
+    """Look a dtype up by its header name (case-insensitive); a clear error lists the choices."""
+    d = DTYPES.get(name.upper()) if isinstance(name, str) else None
+    if d is None or (writable and d.name not in WRITABLE):
+        choices = WRITABLE if writable else tuple(DTYPES)
+        raise ValueError(f"unknown dtype {name!r}; valid dtypes: {', '.join(choices)}")
+    return d
+
+
+def dtype_of(array: np.ndarray) -> DType:
+    """The safetensors dtype whose bytes a numpy array holds."""
+    d = _BY_NUMPY.get(array.dtype.newbyteorder("<"))
+    if d is None:
+        raise TypeError(f"numpy dtype {array.dtype} has no safetensors equivalent")
+    return d
