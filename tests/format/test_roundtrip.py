@@ -34,7 +34,8 @@ def random_array(rng, name, shape):
     raw = rng.integers(0, 256, size=int(np.prod(shape)) * d.itemsize, dtype=np.uint8)
     arr = raw.view(d.numpy).reshape(shape)
     if d.is_float:  # keep NaN payloads out of the comparison; bytes still random otherwise
-        arr = np.where(np.isnan(arr.astype(np.float32)), np.zeros((), d.numpy), arr).astype(d.numpy)
+        with np.errstate(over="ignore", invalid="ignore"):
+            arr = np.where(np.isnan(arr.astype(np.float32)), np.zeros((), d.numpy), arr).astype(d.numpy)
     return arr
 
 

@@ -1,0 +1,40 @@
+"""python -m benchmarks [name ...] — run benchmarks and update docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import re
+import sys
+from pathlib import Path
+
+ALL = ["casts", "writer", "reader"]
+DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+
+
+def machine() -> str:
+    import os
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def update(name: str, body: str) -> None:
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    block = f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
+    pattern = re.compile(rf"<!-- bench:{name} -->.*?<!-- /bench:{name} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
+def main(argv: list[str]) -> None:
+    names = argv or ALL
+    for name in names:
+        module = importlib.import_module(f"benchmarks.bench_{name}")
+        print(f"== {name}", flush=True)
+        body = module.run()
+        print(body, flush=True)
+        update(name, body + f"\n\n_Measured on {machine()}._")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
