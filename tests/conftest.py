@@ -25,3 +25,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One local Spark session per test module (local[2]; task retries for retry tests)."""
+    from pyspark_safetensors.spark.session import local_session
+
+    session = local_session("local[2, 4]", app_name="pyspark-safetensors-tests", **{"spark.ui.showConsoleProgress": "false"})
+    yield session
+    session.stop()

@@ -21,10 +21,10 @@ from .errors import (
     UnknownDTypeError,
 )
 from .header import MAX_HEADER_BYTES, Header, TensorInfo, decode_header, encode_header, layout_order
-from .shard import SafetensorsFile, read_header, write_shard
+from .shard import ChunkedTensor, SafetensorsFile, read_header, write_shard
 
 __all__ = [
-    "DTYPES", "MAX_HEADER_BYTES", "WRITABLE", "CastError", "DType", "DuplicateKeyError",
+    "DTYPES", "MAX_HEADER_BYTES", "ChunkedTensor", "WRITABLE", "CastError", "DType", "DuplicateKeyError",
     "FileSizeError", "Header", "HeaderEncodingError", "HeaderStructureError",
     "HeaderTooLargeError", "MetadataError", "OffsetsError", "SafetensorsFile",
     "SafetensorsFormatError", "ShapeError", "SizeMismatchError", "TensorInfo",

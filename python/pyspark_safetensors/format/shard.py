@@ -7,10 +7,12 @@ directory, fsyncs, and renames into place: a reader sees the whole file or nothi
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,30 +31,58 @@ def _little_endian_bytes(array: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def shard_tensors(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[DType, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` for numpy arrays, their dtype read from the array."""
-    return {name: (dtype_of(a), tuple(a.shape)) for name, a in tensors.items()}
+@dataclass(frozen=True)
+class ChunkedTensor:
+    """A tensor whose bytes are the concatenation of several arrays (e.g. the Arrow
+    batches of one shard), written one after the other without joining them in memory."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    parts: tuple[np.ndarray, ...]
+
+    def __post_init__(self):
+        for p in self.parts:
+            if dtype_of(p) != self.dtype:
+                raise TypeError(f"chunk of dtype {p.dtype} in a {self.dtype} tensor")
+        if sum(p.size for p in self.parts) != math.prod(self.shape):
+            raise ValueError(f"chunks hold {sum(p.size for p in self.parts)} elements, shape {list(self.shape)} needs {math.prod(self.shape)}")
+
+
+Tensor = np.ndarray | ChunkedTensor
+
+
+def _spec(t: Tensor) -> tuple[DType, tuple[int, ...]]:
+    if isinstance(t, ChunkedTensor):
+        return t.dtype, t.shape
+    return dtype_of(t), tuple(t.shape)
+
+
+def _parts(t: Tensor) -> tuple[np.ndarray, ...]:
+    return t.parts if isinstance(t, ChunkedTensor) else (t,)
 
 
 def write_shard(
     path: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, Tensor],
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = True,
+    on_bytes: Callable[[memoryview], None] | None = None,
 ) -> Header:
-    """Write ``tensors`` (numpy arrays whose dtypes map to safetensors dtypes; bfloat16 and
-    float8 via ``ml_dtypes``) to ``path`` atomically. Returns the header written."""
+    """Write ``tensors`` (numpy arrays whose dtypes map to safetensors dtypes, bfloat16 and
+    float8 via ``ml_dtypes``, or ``ChunkedTensor``s) to ``path`` atomically.
+
+    ``on_bytes`` sees every byte written, in order (e.g. to checksum the file).
+    Returns the header written."""
     path = Path(path)
-    header_bytes, infos = encode_header(shard_tensors(tensors), metadata)
+    header_bytes, infos = encode_header({n: _spec(t) for n, t in tensors.items()}, metadata)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb", buffering=0) as f:
-            f.write(header_bytes)
-            for info in infos:
-                data = _little_endian_bytes(tensors[info.name])
-                for start in range(0, len(data), _WRITE_CHUNK):
-                    f.write(data[start : start + _WRITE_CHUNK])
+            for data in _file_pieces(header_bytes, infos, tensors):
+                f.write(data)
+                if on_bytes is not None:
+                    on_bytes(data)
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,6 +90,15 @@ def write_shard(
         tmp.unlink(missing_ok=True)
         raise
     return Header(tuple(infos), dict(metadata) if metadata is not None else None, len(header_bytes))
+
+
+def _file_pieces(header_bytes, infos, tensors):
+    yield memoryview(header_bytes)
+    for info in infos:
+        for part in _parts(tensors[info.name]):
+            data = _little_endian_bytes(part)
+            for start in range(0, len(data), _WRITE_CHUNK):
+                yield data[start : start + _WRITE_CHUNK]
 
 
 def read_header(path: str | os.PathLike) -> Header:

@@ -1,0 +1,150 @@
+"""The ``safetensors`` PySpark data source."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.types import StringType, StructType
+
+from ..dataset import Manifest, abort_dataset, commit_dataset, local_path
+from .columns import ColumnError, plan_column
+from .options import WriterOptions
+from .writer import TaskCommit, write_partition
+
+
+class SafetensorsDataSource(DataSource):
+    """Write Spark DataFrames as safetensors datasets.
+
+    Available as ``format("safetensors")`` with no registration call (Spark finds this
+    class as ``pyspark_safetensors.DefaultSource``); ``spark.dataSource.register(
+    SafetensorsDataSource)`` works too. Python data sources accept ``mode("append")`` and
+    ``mode("overwrite")`` only: always pass one.
+
+    Modes (exactly one of):
+
+    - ``batch_size=N``: every N rows of a partition become one shard holding one tensor
+      per column, shape ``[N, *sample_shape]``.
+    - ``name_col=COL``: KV mode; each row becomes one tensor per other column, named
+      ``{row[COL]}{kv_separator}{column}``; shards roll over at ``target_shard_size_mb``.
+
+    Options (names are case-insensitive):
+
+    ============================  ========================================================
+    ``batch_size``                rows per shard (batch mode)
+    ``name_col``                  string key column (KV mode)
+    ``dtype``                     dtype for floating-point columns (F16, F32, F64, BF16,
+                                  U8, I8, U16, I16, U32, I32, U64, I64), or a JSON object
+                                  ``{"column": "dtype"}`` for any column. Default: the
+                                  column's own type (float→F32, double→F64, int→I32,
+                                  long→I64, short→I16, byte→I8; structs keep theirs).
+                                  F16/BF16 round to nearest even; integer casts are exact
+                                  and overflow is an error.
+    ``columns``                   comma-separated columns to write (default: all but the key)
+    ``shapes``                    JSON ``{"column": [d0, d1, ...]}`` per-sample shapes for
+                                  flat arrays; element counts are checked.
+    ``tail_strategy``             ``write`` (default) | ``drop`` | ``pad`` (zeros) for the
+                                  last incomplete batch of each partition
+    ``duplicatesStrategy``        ``fail`` (default) | ``lastWin`` for a key repeated in a
+                                  shard. Keys repeated across shards are always an error.
+    ``kv_separator``              default ``__``
+    ``target_shard_size_mb``      KV shard size, 50..1000, default 300
+    ``generate_index``            write ``_tensor_index.parquet`` (default: true in KV
+                                  mode, false in batch mode)
+    ``metadata``                  JSON object of strings, stored in every shard's
+                                  ``__metadata__`` and in the manifest
+    ``checksum``                  ``crc32c`` (default) per shard in the manifest, or ``none``
+    ============================  ========================================================
+
+    Inputs: numeric arrays (nested too; every row must agree in batch mode), numeric
+    scalars and Tensor Structs ``struct<data: binary, shape: array<int>, dtype: string>``.
+
+    Writes are transactional: shards are staged per task attempt and published by the
+    driver's commit, which writes the manifest last; a failed job leaves nothing.
+
+    Example::
+
+        (df.write.format("safetensors")
+           .option("batch_size", 4096).option("dtype", "F16")
+           .mode("overwrite").save("/data/acts"))
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return "safetensors"
+
+    def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
+        return SafetensorsWriter(WriterOptions.parse(self.options), schema, overwrite)
+
+
+class SafetensorsWriter(DataSourceArrowWriter):
+    """Plans on the driver (options, column types), writes in tasks, commits on the driver."""
+
+    def __init__(self, options: WriterOptions, schema: StructType, overwrite: bool):
+        self.options = options
+        self.overwrite = overwrite
+        self.root = local_path(options.path)
+        self.job_id = uuid.uuid4().hex
+        self.plans = self._plan(schema)
+
+    def _plan(self, schema: StructType):
+        names = [f.name for f in schema.fields]
+        o = self.options
+        unknown = [c for c in [*(o.columns or ()), *o.shapes, *o.column_dtypes] if c not in names]
+        if unknown:
+            raise ColumnError(f"option names column(s) {unknown} that the DataFrame lacks; its columns: {names}")
+        if o.name_col is not None:
+            if o.name_col not in names:
+                raise ColumnError(f"name_col {o.name_col!r} is not a column; columns: {names}")
+            if not isinstance(schema[o.name_col].dataType, StringType):
+                raise ColumnError(f"name_col {o.name_col!r} has type {schema[o.name_col].dataType.simpleString()}; the key column must be a string")
+        wanted = o.columns or tuple(n for n in names if n != o.name_col)
+        if o.name_col in wanted:
+            raise ColumnError(f"columns lists the key column {o.name_col!r}; it is written as part of each tensor name")
+        if not wanted:
+            raise ColumnError("no tensor columns to write")
+        return [plan_column(n, schema[n].dataType, o) for n in wanted]
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        task_id = ctx.partitionId() if ctx else 0
+        attempt_id = ctx.taskAttemptId() if ctx else 0
+        return write_partition(
+            self.options, self.plans, self.root, self.job_id, iterator, task_id, attempt_id, str(uuid.uuid4())
+        )
+
+    def _template(self) -> Manifest:
+        o = self.options
+        return Manifest(
+            shards=(),
+            schema={},
+            mode=o.mode,
+            batch_size=o.batch_size,
+            name_col=o.name_col,
+            kv_separator=o.kv_separator if o.mode == "kv" else None,
+            metadata=dict(o.metadata),
+        )
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        results = [m.result for m in messages if isinstance(m, TaskCommit)]
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            commit_dataset(
+                self.root,
+                self.job_id,
+                results,
+                self._template(),
+                overwrite=self.overwrite,
+                generate_index=self.options.generate_index,
+                unique_keys=self.options.mode == "kv",
+            )
+        except BaseException:
+            abort_dataset(self.root, self.job_id)
+            raise
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        abort_dataset(self.root, self.job_id)
