@@ -107,7 +107,7 @@ def get_dtype(name: str, *, writable: bool = False) -> DType:
 
 def dtype_of(array: np.ndarray) -> DType:
     """The safetensors dtype whose bytes a numpy array holds."""
-    d = _BY_NUMPY.get(array.dtype.newbyteorder("<"))
+    d = _BY_NUMPY.get(array.dtype) or _BY_NUMPY.get(array.dtype.newbyteorder("<"))
     if d is None:
         raise TypeError(f"numpy dtype {array.dtype} has no safetensors equivalent")
     return d

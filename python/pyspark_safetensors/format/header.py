@@ -12,6 +12,8 @@ import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from json.encoder import encode_basestring
+from typing import NamedTuple
 
 from .dtypes import DTYPES, DType
 from .errors import (
@@ -34,9 +36,9 @@ MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor entry of a header; ``begin``/``end`` are relative to the byte buffer."""
+class TensorInfo(NamedTuple):
+    """One tensor entry of a header; ``begin``/``end`` are relative to the byte buffer.
+    (A named tuple: KV shards hold hundreds of thousands of these.)"""
 
     name: str
     dtype: DType
@@ -92,7 +94,10 @@ class Header:
 def layout_order(entries: Iterable[tuple[str, DType]]) -> list[str]:
     """Names in the order the reference library lays tensors out: dtype rank descending
     (widest first, so every tensor is aligned), then name."""
-    return [name for name, _ in sorted(entries, key=lambda e: (-e[1].rank, e[0]))]
+    by_rank: dict[int, list[str]] = {}
+    for name, dtype in entries:
+        by_rank.setdefault(dtype.rank, []).append(name)
+    return [name for rank in sorted(by_rank, reverse=True) for name in sorted(by_rank[rank])]
 
 
 def encode_header(
@@ -111,23 +116,31 @@ def encode_header(
     if metadata is not None:
         _check_metadata(metadata, path=None)
     infos: list[TensorInfo] = []
+    parts: list[str] = []
+    if metadata is not None:
+        items = ",".join(f"{encode_basestring(k)}:{encode_basestring(metadata[k])}" for k in sorted(metadata))
+        parts.append(f'"{METADATA_KEY}":{{{items}}}')
     offset = 0
+    sizes: dict[tuple, tuple[int, str]] = {}  # (dtype, shape) -> (nbytes, dims); KV shapes repeat
     for name in layout_order((n, d) for n, (d, _) in tensors.items()):
         dtype, shape = tensors[name]
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ShapeError(f"negative dimension in shape {list(shape)}", tensor=name)
-        nbytes = dtype.nbytes(math.prod(shape))
-        if nbytes is None:
-            raise SizeMismatchError(f"{dtype} elements of shape {list(shape)} do not end on a byte", tensor=name)
-        infos.append(TensorInfo(name, dtype, shape, offset, offset + nbytes))
-        offset += nbytes
-    doc: dict[str, object] = {}
-    if metadata is not None:
-        doc[METADATA_KEY] = {k: metadata[k] for k in sorted(metadata)}
-    for t in infos:
-        doc[t.name] = {"dtype": t.dtype.name, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
-    body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        shape = tuple(shape)
+        known = sizes.get((dtype, shape))
+        if known is None:
+            shape = tuple(map(int, shape))
+            if any(s < 0 for s in shape):
+                raise ShapeError(f"negative dimension in shape {list(shape)}", tensor=name)
+            nbytes = dtype.nbytes(math.prod(shape))
+            if nbytes is None:
+                raise SizeMismatchError(f"{dtype} elements of shape {list(shape)} do not end on a byte", tensor=name)
+            known = sizes[(dtype, shape)] = (nbytes, ",".join(map(str, shape)))
+        nbytes, dims = known
+        end = offset + nbytes
+        infos.append(TensorInfo(name, dtype, shape, offset, end))
+        parts.append(f'{encode_basestring(name)}:{{"dtype":"{dtype.name}","shape":[{dims}],"data_offsets":[{offset},{end}]}}')
+        offset = end
+    # The reference writes compact serde_json: same separators, non-ASCII kept as UTF-8.
+    body = ("{" + ",".join(parts) + "}").encode("utf-8")
     body += b" " * (-len(body) % 8)
     return struct.pack("<Q", len(body)) + body, infos
 

@@ -22,6 +22,7 @@ from .errors import TruncatedFileError
 from .header import Header, TensorInfo, decode_header, encode_header, read_header_length
 
 _WRITE_CHUNK = 64 << 20  # bytes per write call; bounds the kernel-side copy
+_SMALL = 64 << 10  # tensors below this many bytes are gathered before writing
 
 
 def _little_endian_bytes(array: np.ndarray) -> memoryview:
@@ -93,12 +94,28 @@ def write_shard(
 
 
 def _file_pieces(header_bytes, infos, tensors):
+    """The file's bytes in order. Small tensors are gathered into one buffer per few MB
+    (one C-level copy) rather than written one call each: KV shards hold many of them."""
     yield memoryview(header_bytes)
+    small: list[np.ndarray] = []
+    small_bytes = 0
     for info in infos:
         for part in _parts(tensors[info.name]):
+            if part.nbytes < _SMALL and part.dtype.byteorder != ">":
+                small.append(part.reshape(-1).view(np.uint8))
+                small_bytes += part.nbytes
+                if small_bytes >= _WRITE_CHUNK // 8:
+                    yield memoryview(np.concatenate(small))
+                    small, small_bytes = [], 0
+                continue
+            if small:
+                yield memoryview(np.concatenate(small))
+                small, small_bytes = [], 0
             data = _little_endian_bytes(part)
             for start in range(0, len(data), _WRITE_CHUNK):
                 yield data[start : start + _WRITE_CHUNK]
+    if small:
+        yield memoryview(np.concatenate(small))
 
 
 def read_header(path: str | os.PathLike) -> Header:

@@ -224,6 +224,11 @@ def decode_kv_column(arr: pa.Array, plan: ColumnPlan, keys: list[str]) -> list[n
         return [flat[i].reshape(plan.shape or ()) for i in range(len(arr))]
     if arr.null_count:
         _fail(plan.name, "null array", key=keys[_first_null(arr)])
+    if plan.depth == 1 and plan.shape is None:  # the common case, vectorised: views of one cast buffer
+        levels, flat = _list_levels(arr, plan, 0)
+        cast = cast_array(flat, plan.target, where=f"column {plan.name!r}")
+        bounds = levels[0].tolist()
+        return [cast[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     out = []
     for i in range(len(arr)):
         row = arr[i : i + 1]

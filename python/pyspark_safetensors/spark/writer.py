@@ -162,13 +162,15 @@ class KVModeWriter:
             raise ColumnError(f"key column {self.options.name_col!r} holds a null key; every row needs a key")
         keys = key_col.to_pylist()
         columns = {p.name: decode_kv_column(batch.column(p.name), p, keys) for p in self.plans}
+        for p in self.plans:
+            for shape, dtype in {(t.shape, t.dtype) for t in columns[p.name]}:
+                self.sink.note_schema(p.name, dtype_of(np.empty(0, dtype)).name, shape, varying_ok=True)
         sep = self.options.kv_separator
+        suffixes = [(f"{sep}{p.name}", columns[p.name]) for p in self.plans]
+        sizes = np.sum([[t.nbytes for t in columns[p.name]] for p in self.plans], axis=0)
         for i, key in enumerate(keys):
-            row = {f"{key}{sep}{p.name}": columns[p.name][i] for p in self.plans}
-            for p in self.plans:
-                t = columns[p.name][i]
-                self.sink.note_schema(p.name, dtype_of(t).name, t.shape, varying_ok=True)
-            size = sum(t.nbytes for t in row.values())
+            row = {key + suffix: tensors[i] for suffix, tensors in suffixes}
+            size = int(sizes[i])
             if key in self.current:
                 if self.options.duplicates_strategy == "fail":
                     raise ColumnError(f"duplicate key {key!r} in column {self.options.name_col!r} (duplicatesStrategy=fail; use lastWin to keep the last row)")
