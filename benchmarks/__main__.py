@@ -22,7 +22,11 @@ def update(name: str, body: str) -> None:
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     block = f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
     pattern = re.compile(rf"<!-- bench:{name} -->.*?<!-- /bench:{name} -->", re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    text = (
+        pattern.sub(lambda _: block, text)
+        if pattern.search(text)
+        else text.rstrip() + "\n\n" + block + "\n"
+    )
     DOC.write_text(text)
 
 

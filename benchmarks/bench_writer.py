@@ -21,7 +21,9 @@ def make_df(spark):
 
     df = spark.range(ROWS, numPartitions=PARTS).select(
         F.col("id").cast("string").alias("key"),
-        F.transform(F.array_repeat(F.lit(0.0), DIM), lambda x, i: (F.rand(42) + i).cast("float")).alias("activation"),
+        F.transform(
+            F.array_repeat(F.lit(0.0), DIM), lambda x, i: (F.rand(42) + i).cast("float")
+        ).alias("activation"),
     )
     df = df.cache()
     df.count()
@@ -38,15 +40,37 @@ def run() -> str:
     out = Path(tempfile.mkdtemp(prefix="bench-writer-"))
     cases = {
         "parquet (Spark's own)": lambda: acts.write.mode("overwrite").parquet(str(out / "pq")),
-        "safetensors batch F32": lambda: acts.write.format("safetensors").option("batch_size", 10_000).mode("overwrite").save(str(out / "f32")),
-        "safetensors batch F16": lambda: acts.write.format("safetensors").option("batch_size", 10_000).option("dtype", "F16").mode("overwrite").save(str(out / "f16")),
-        "safetensors KV F32": lambda: df.write.format("safetensors").option("name_col", "key").mode("overwrite").save(str(out / "kv")),
-        "parquet with key (KV baseline)": lambda: df.write.mode("overwrite").parquet(str(out / "pqkv")),
+        "safetensors batch F32": lambda: (
+            acts.write.format("safetensors")
+            .option("batch_size", 10_000)
+            .mode("overwrite")
+            .save(str(out / "f32"))
+        ),
+        "safetensors batch F16": lambda: (
+            acts.write.format("safetensors")
+            .option("batch_size", 10_000)
+            .option("dtype", "F16")
+            .mode("overwrite")
+            .save(str(out / "f16"))
+        ),
+        "safetensors KV F32": lambda: (
+            df.write.format("safetensors")
+            .option("name_col", "key")
+            .mode("overwrite")
+            .save(str(out / "kv"))
+        ),
+        "parquet with key (KV baseline)": lambda: df.write.mode("overwrite").parquet(
+            str(out / "pqkv")
+        ),
     }
     seconds = {name: median_seconds(fn, repeat=REPEAT, warmup=1) for name, fn in cases.items()}
     rows = []
     for name, s in seconds.items():
-        base = seconds["parquet with key (KV baseline)" if "KV" in name or "with key" in name else "parquet (Spark's own)"]
+        base = seconds[
+            "parquet with key (KV baseline)"
+            if "KV" in name or "with key" in name
+            else "parquet (Spark's own)"
+        ]
         rows.append([name, f"{s:.2f}", f"{mb / s:.0f}", f"{base / s:.2f}x"])
     spark.stop()
     shutil.rmtree(out, ignore_errors=True)

@@ -32,6 +32,10 @@ def spark():
     """One local Spark session per test module (local[2]; task retries for retry tests)."""
     from pyspark_safetensors.spark.session import local_session
 
-    session = local_session("local[2, 4]", app_name="pyspark-safetensors-tests", **{"spark.ui.showConsoleProgress": "false"})
+    session = local_session(
+        "local[2, 4]",
+        app_name="pyspark-safetensors-tests",
+        **{"spark.ui.showConsoleProgress": "false"},
+    )
     yield session
     session.stop()

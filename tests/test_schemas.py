@@ -43,7 +43,9 @@ def test_our_headers_validate_bf16_included(tmp_path, header_schema):
 
 
 def test_reference_headers_validate(header_schema):
-    blob = save({"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros((), dtype=torch.float8_e4m3fn)})
+    blob = save(
+        {"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros((), dtype=torch.float8_e4m3fn)}
+    )
     jsonschema.validate(header_of(blob), header_schema)
 
 
@@ -67,7 +69,13 @@ def test_manifest_schema_accepts_the_seed_example(manifest_schema, repo_root):
         "safetensors_version": "1.0",
         "total_samples": 1000000,
         "total_bytes": 1024000000,
-        "shards": [{"shard_path": "part-00000-0000-550e8400-e29b-41d4-a716-446655440000.safetensors", "samples_count": 1000, "bytes": 4096000}],
+        "shards": [
+            {
+                "shard_path": "part-00000-0000-550e8400-e29b-41d4-a716-446655440000.safetensors",
+                "samples_count": 1000,
+                "bytes": 4096000,
+            }
+        ],
         "schema": {"tensor_name": {"dtype": "F32", "shape": [1000, 3, 224, 224]}},
     }
     jsonschema.validate(example, manifest_schema)

@@ -101,11 +101,17 @@ def test_error_names_the_tensor(tmp_path):
 
 def _valid_file(tmp_path):
     path = tmp_path / "valid.safetensors"
-    write_shard(path, {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3, dtype=np.int8)}, {"k": "v"})
+    write_shard(
+        path,
+        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3, dtype=np.int8)},
+        {"k": "v"},
+    )
     return path.read_bytes()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_fuzz_mutated_valid_files(tmp_path, data):
     original = _valid_file(tmp_path)
@@ -127,7 +133,7 @@ def test_fuzz_mutated_valid_files(tmp_path, data):
     path.write_bytes(bytes(blob))
     try:
         with SafetensorsFile(path) as f:
-            for name in f.keys():
+            for name in f:
                 t = f.tensor(name)
                 info = f.header[name]
                 assert t.nbytes == info.nbytes  # a file we accept is self-consistent

@@ -20,7 +20,9 @@ SPECIAL_F32 = np.array(
     ],
     dtype=np.float32,
 )  # fmt: skip
-NAN_PAYLOADS = np.array([0x7F800001, 0xFF812345, 0x7FFFFFFF, 0x7FC00000, 0xFFC00001], dtype=np.uint32).view(np.float32)
+NAN_PAYLOADS = np.array(
+    [0x7F800001, 0xFF812345, 0x7FFFFFFF, 0x7FC00000, 0xFFC00001], dtype=np.uint32
+).view(np.float32)
 
 
 def torch_bits(x: np.ndarray, dtype) -> np.ndarray:
@@ -29,7 +31,9 @@ def torch_bits(x: np.ndarray, dtype) -> np.ndarray:
 
 def all_inputs():
     rng = np.random.default_rng(0)
-    random_bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    random_bits = (
+        rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    )
     normal = rng.standard_normal(100_000).astype(np.float32) * 1000
     return np.concatenate([SPECIAL_F32, NAN_PAYLOADS, random_bits, normal])
 
@@ -44,7 +48,12 @@ def test_half_casts_match_torch_bit_for_bit(name, tdtype):
 @pytest.mark.parametrize("name,tdtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
 def test_f64_to_half_goes_through_f32_like_torch(name, tdtype):
     rng = np.random.default_rng(1)
-    x = np.concatenate([[1 + 2.0**-11 + 2.0**-40, 65519.999999, 2.0**-25 + 2.0**-60], rng.standard_normal(10_000) * 300])
+    x = np.concatenate(
+        [
+            [1 + 2.0**-11 + 2.0**-40, 65519.999999, 2.0**-25 + 2.0**-60],
+            rng.standard_normal(10_000) * 300,
+        ]
+    )
     np.testing.assert_array_equal(cast_array(x, name).view(np.uint16), torch_bits(x, tdtype))
 
 
@@ -78,7 +87,11 @@ def test_integer_casts_are_exact_and_refuse_overflow(target):
         ok = np.array([0, 2**64 - 1], dtype=np.uint64)
     out = cast_array(ok, target)
     assert [int(v) for v in out] == [int(v) for v in ok]
-    too_big = np.array([int(info.max) + 1], dtype=np.uint64 if info.max >= 2**62 else np.int64) if info.max < 2**64 - 1 else None
+    too_big = (
+        np.array([int(info.max) + 1], dtype=np.uint64 if info.max >= 2**62 else np.int64)
+        if info.max < 2**64 - 1
+        else None
+    )
     if too_big is not None:
         with pytest.raises(CastError, match=rf"{int(info.max) + 1}.*overflows {target}"):
             cast_array(too_big, target, where="column 'x'")

@@ -35,18 +35,24 @@ def random_array(rng, name, shape):
     arr = raw.view(d.numpy).reshape(shape)
     if d.is_float:  # keep NaN payloads out of the comparison; bytes still random otherwise
         with np.errstate(over="ignore", invalid="ignore"):
-            arr = np.where(np.isnan(arr.astype(np.float32)), np.zeros((), d.numpy), arr).astype(d.numpy)
+            arr = np.where(np.isnan(arr.astype(np.float32)), np.zeros((), d.numpy), arr).astype(
+                d.numpy
+            )
     return arr
 
 
 def as_torch(arr, name):
     if arr.size == 0:
         return torch.empty(arr.shape, dtype=TORCH[name])
-    return torch.from_numpy(arr.reshape(-1).view(np.uint8).copy()).view(TORCH[name]).reshape(arr.shape)
+    return (
+        torch.from_numpy(arr.reshape(-1).view(np.uint8).copy()).view(TORCH[name]).reshape(arr.shape)
+    )
 
 
 tensor_names = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=12
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    min_size=1,
+    max_size=12,
 ).filter(lambda s: s != "__metadata__")
 specs = st.dictionaries(
     tensor_names,
@@ -57,7 +63,9 @@ specs = st.dictionaries(
 metadata = st.none() | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=1)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(specs=specs, metadata=metadata, seed=st.integers(0, 2**32 - 1))
 def test_bytes_equal_reference_save(tmp_path, specs, metadata, seed):
     rng = np.random.default_rng(seed)
@@ -82,13 +90,19 @@ def test_multi_key_metadata_is_sorted_and_reference_readable(tmp_path):
 @pytest.mark.parametrize("name", WRITABLE)
 def test_we_write_reference_reads(tmp_path, name):
     rng = np.random.default_rng(7)
-    arrays = {"x": random_array(rng, name, (4, 3)), "scalar": random_array(rng, name, ()), "empty": random_array(rng, name, (0, 5))}
+    arrays = {
+        "x": random_array(rng, name, (4, 3)),
+        "scalar": random_array(rng, name, ()),
+        "empty": random_array(rng, name, (0, 5)),
+    }
     path = tmp_path / "w.safetensors"
     write_shard(path, arrays, {"format": "pt"})
     loaded = load_file(path)
     for k, a in arrays.items():
         assert loaded[k].dtype == TORCH[name] and tuple(loaded[k].shape) == a.shape
-        assert a.size == 0 or loaded[k].reshape(-1).view(torch.uint8).numpy().tobytes() == a.tobytes()
+        assert (
+            a.size == 0 or loaded[k].reshape(-1).view(torch.uint8).numpy().tobytes() == a.tobytes()
+        )
 
 
 @pytest.mark.parametrize("name", WRITABLE)
@@ -96,10 +110,14 @@ def test_reference_writes_we_read(tmp_path, name):
     rng = np.random.default_rng(8)
     arr = random_array(rng, name, (5, 2))
     path = tmp_path / "r.safetensors"
-    save_file({"t": as_torch(arr, name), "u": torch.arange(3, dtype=torch.int64)}, path, metadata={"a": "b"})
+    save_file(
+        {"t": as_torch(arr, name), "u": torch.arange(3, dtype=torch.int64)},
+        path,
+        metadata={"a": "b"},
+    )
     with SafetensorsFile(path) as f:
         view = f.tensor("t")
-        assert f.metadata == {"a": "b"} and f.keys() == ["u", "t"] or set(f.keys()) == {"t", "u"}
+        assert (f.metadata == {"a": "b"} and f.keys() == ["u", "t"]) or set(f.keys()) == {"t", "u"}
         assert view.dtype == get_dtype(name).numpy and view.tobytes() == arr.tobytes()
         assert not view.flags.writeable and not view.flags.owndata  # a view of the mmap
         np.testing.assert_array_equal(f.tensor("u"), np.arange(3))
@@ -117,7 +135,9 @@ def test_reads_every_reference_dtype(tmp_path):
     save_file(tensors, path)
     with SafetensorsFile(path) as f:
         assert f.tensor("bool").tolist() == [True, False]
-        assert f.tensor("f8e5").dtype == ml_dtypes.float8_e5m2 and f.tensor("f8e5").astype(np.float32).tolist() == [1, 1, 1]
+        assert f.tensor("f8e5").dtype == ml_dtypes.float8_e5m2 and f.tensor("f8e5").astype(
+            np.float32
+        ).tolist() == [1, 1, 1]
         assert f.tensor("c64")[0] == 1 + 2j
         assert float(f.tensor("bf16")[0]) == 1.5
     assert {t.name: t.dtype.name for t in read_header(path).tensors} == {
@@ -132,7 +152,9 @@ def test_numpy_reference_loader_agrees(tmp_path):
 
 
 def test_encode_header_alignment_and_padding():
-    header, infos = encode_header({"b": (get_dtype("U8"), (3,)), "a": (get_dtype("F64"), (1,)), "c": (get_dtype("F64"), (2,))})
+    header, infos = encode_header(
+        {"b": (get_dtype("U8"), (3,)), "a": (get_dtype("F64"), (1,)), "c": (get_dtype("F64"), (2,))}
+    )
     assert [t.name for t in infos] == ["a", "c", "b"]
     assert len(header) % 8 == 0 and all(t.begin % 8 == 0 for t in infos if t.dtype.name == "F64")
 

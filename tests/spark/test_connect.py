@@ -24,7 +24,9 @@ def test_write_through_spark_connect(tmp_path):
         df.write.format("safetensors").option("name_col", "k").mode("overwrite").save({str(tmp_path / "k")!r})
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     batch = json.loads((tmp_path / "b" / "dataset_manifest.json").read_text())
     kv = json.loads((tmp_path / "k" / "dataset_manifest.json").read_text())

@@ -6,7 +6,14 @@ Knows files and the format; knows neither Spark nor torch.
 from .commit import StagedShard, TaskResult, abort_dataset, attempt_dir, commit_dataset
 from .index import INDEX_SCHEMA, index_rows, read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS, local_path, resolve_inside, shard_name
-from .manifest import ColumnSchema, Manifest, ManifestError, ShardEntry, load_manifest, write_manifest
+from .manifest import (
+    ColumnSchema,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    load_manifest,
+    write_manifest,
+)
 
 __all__ = [
     "INDEX", "INDEX_SCHEMA", "MANIFEST", "STAGING", "SUCCESS", "ColumnSchema", "Manifest",

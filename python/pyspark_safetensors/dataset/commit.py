@@ -10,6 +10,7 @@ deletes the staging directory. A reader never sees a shard that is not in the ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -21,7 +22,14 @@ import pyarrow.compute as pc
 
 from .index import INDEX_SCHEMA, read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS
-from .manifest import ColumnSchema, Manifest, ManifestError, ShardEntry, load_manifest, write_manifest
+from .manifest import (
+    ColumnSchema,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    load_manifest,
+    write_manifest,
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,9 @@ def attempt_dir(root: Path, job_id: str, attempt_id: int) -> Path:
     return staging_dir(root, job_id) / f"attempt-{attempt_id}"
 
 
-def merge_schemas(schemas: list[dict[str, ColumnSchema]], where: str, *, varying: bool = False) -> dict[str, ColumnSchema]:
+def merge_schemas(
+    schemas: list[dict[str, ColumnSchema]], where: str, *, varying: bool = False
+) -> dict[str, ColumnSchema]:
     """One schema for all tasks; dtype and per-sample shape must agree per column.
 
     With ``varying`` (KV mode: each row is its own tensor) dimensions that differ are
@@ -68,8 +78,15 @@ def merge_schemas(schemas: list[dict[str, ColumnSchema]], where: str, *, varying
             seen = merged.setdefault(name, col)
             if (seen.dtype, seen.sample_shape) == (col.dtype, col.sample_shape):
                 continue
-            if varying and seen.dtype == col.dtype and len(seen.sample_shape) == len(col.sample_shape):
-                dims = tuple(a if a == b else -1 for a, b in zip(seen.sample_shape, col.sample_shape))
+            if (
+                varying
+                and seen.dtype == col.dtype
+                and len(seen.sample_shape) == len(col.sample_shape)
+            ):
+                dims = tuple(
+                    a if a == b else -1
+                    for a, b in zip(seen.sample_shape, col.sample_shape, strict=False)
+                )
                 merged[name] = ColumnSchema(col.dtype, dims, dims)
             else:
                 raise ValueError(
@@ -106,7 +123,9 @@ def commit_dataset(
     ``unique_keys`` (KV mode) refuses a tensor key that appears in two shards.
     """
     where = f"dataset {str(root)!r}"
-    staged = sorted((s for r in results for s in r.shards), key=lambda s: (s.task_id, s.shard_index))
+    staged = sorted(
+        (s for r in results for s in r.shards), key=lambda s: (s.task_id, s.shard_index)
+    )
     varying = template.mode == "kv"
     schema = merge_schemas([r.schema for r in results], where, varying=varying)
     new_index = [pa.table(s.index, schema=INDEX_SCHEMA) for s in staged if s.index]
@@ -122,17 +141,23 @@ def commit_dataset(
     kept_index: list[pa.Table] = []
     if previous is not None and not overwrite:
         if previous.mode != template.mode:
-            raise ValueError(f"{where}: cannot append {template.mode}-mode data to a {previous.mode}-mode dataset")
+            raise ValueError(
+                f"{where}: cannot append {template.mode}-mode data to a {previous.mode}-mode dataset"
+            )
         schema = merge_schemas([previous.schema, schema], f"{where} (append)", varying=varying)
         if previous.schema and schema.keys() != previous.schema.keys() and previous.shards:
-            raise ValueError(f"{where}: appended columns {sorted(schema)} differ from the dataset's {sorted(previous.schema)}")
+            raise ValueError(
+                f"{where}: appended columns {sorted(schema)} differ from the dataset's {sorted(previous.schema)}"
+            )
         kept = previous.shards
         if generate_index or unique_keys:
             kept_index = [read_index(root)] if (root / INDEX).exists() else []
     if unique_keys:
         dups = _find_duplicate_keys(kept_index + new_index)
         if dups:
-            raise ValueError(f"{where}: duplicate tensor keys across shards: {', '.join(map(repr, dups))} (keys must be unique in a KV dataset)")
+            raise ValueError(
+                f"{where}: duplicate tensor keys across shards: {', '.join(map(repr, dups))} (keys must be unique in a KV dataset)"
+            )
 
     moved: list[Path] = []
     try:
@@ -182,7 +207,9 @@ def _renumber(entries: list[ShardEntry]) -> list[ShardEntry]:
     return out
 
 
-def _full_shapes(schema: dict[str, ColumnSchema], batch_size: int | None) -> dict[str, ColumnSchema]:
+def _full_shapes(
+    schema: dict[str, ColumnSchema], batch_size: int | None
+) -> dict[str, ColumnSchema]:
     if batch_size is None:
         return schema
     return {n: replace(c, shape=(batch_size, *c.sample_shape)) for n, c in schema.items()}
@@ -191,7 +218,5 @@ def _full_shapes(schema: dict[str, ColumnSchema], batch_size: int | None) -> dic
 def abort_dataset(root: Path, job_id: str) -> None:
     """Delete everything the job staged (all attempts); leave published files alone."""
     shutil.rmtree(staging_dir(root, job_id), ignore_errors=True)
-    try:
+    with contextlib.suppress(OSError):  # other jobs are staging here, or it is already gone
         (root / STAGING).rmdir()
-    except OSError:
-        pass  # other jobs are staging here, or it is already gone

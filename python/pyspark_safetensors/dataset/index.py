@@ -39,7 +39,11 @@ def index_rows(file_name: str, header) -> dict[str, list]:
 
 
 def write_index(root: Path, tables: list[pa.Table]) -> None:
-    table = pa.concat_tables([t.cast(INDEX_SCHEMA) for t in tables]) if tables else INDEX_SCHEMA.empty_table()
+    table = (
+        pa.concat_tables([t.cast(INDEX_SCHEMA) for t in tables])
+        if tables
+        else INDEX_SCHEMA.empty_table()
+    )
     tmp = root / f".{INDEX}.{uuid.uuid4().hex}.tmp"
     try:
         pq.write_table(table, tmp)

@@ -28,7 +28,9 @@ def local_path(path: str | os.PathLike) -> Path:
     elif text.startswith("file:"):
         text = text[len("file:") :]
     elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]+://", text):
-        raise ValueError(f"{text!r}: only local paths (and file: URIs, FUSE mounts such as /dbfs or /Volumes) are supported here")
+        raise ValueError(
+            f"{text!r}: only local paths (and file: URIs, FUSE mounts such as /dbfs or /Volumes) are supported here"
+        )
     return Path(text)
 
 

@@ -42,7 +42,11 @@ class ColumnSchema:
     sample_shape: tuple[int, ...]
 
     def to_json(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "sample_shape": list(self.sample_shape)}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "sample_shape": list(self.sample_shape),
+        }
 
 
 @dataclass(frozen=True)
@@ -105,19 +109,37 @@ class Manifest:
         if not str(doc["format_version"]).startswith("1."):
             fail(f"format_version {doc['format_version']!r} is not supported (1.x expected)")
         shards = []
-        for i, s in enumerate(doc["shards"] if isinstance(doc["shards"], list) else fail("'shards' is not a list")):
+        for i, s in enumerate(
+            doc["shards"] if isinstance(doc["shards"], list) else fail("'shards' is not a list")
+        ):
             if not isinstance(s, dict) or not {"shard_path", "samples_count", "bytes"} <= s.keys():
                 fail(f"shards[{i}] lacks shard_path, samples_count or bytes")
             if not all(isinstance(s[k], int) and s[k] >= 0 for k in ("samples_count", "bytes")):
                 fail(f"shards[{i}] samples_count and bytes must be non-negative integers")
             shards.append(
-                ShardEntry(str(s["shard_path"]), s["samples_count"], s["bytes"], s.get("first_sample"), s.get("crc32c"))
+                ShardEntry(
+                    str(s["shard_path"]),
+                    s["samples_count"],
+                    s["bytes"],
+                    s.get("first_sample"),
+                    s.get("crc32c"),
+                )
             )
         schema = {}
-        for name, c in (doc["schema"] if isinstance(doc["schema"], dict) else fail("'schema' is not an object")).items():
-            if not isinstance(c, dict) or c.get("dtype") not in WRITABLE or not isinstance(c.get("shape"), list):
-                fail(f"schema entry {name!r} needs a dtype of {', '.join(WRITABLE)} and a shape list")
-            schema[name] = ColumnSchema(c["dtype"], tuple(c["shape"]), tuple(c.get("sample_shape", c["shape"][1:])))
+        for name, c in (
+            doc["schema"] if isinstance(doc["schema"], dict) else fail("'schema' is not an object")
+        ).items():
+            if (
+                not isinstance(c, dict)
+                or c.get("dtype") not in WRITABLE
+                or not isinstance(c.get("shape"), list)
+            ):
+                fail(
+                    f"schema entry {name!r} needs a dtype of {', '.join(WRITABLE)} and a shape list"
+                )
+            schema[name] = ColumnSchema(
+                c["dtype"], tuple(c["shape"]), tuple(c.get("sample_shape", c["shape"][1:]))
+            )
         manifest = cls(
             shards=tuple(shards),
             schema=schema,
@@ -130,7 +152,10 @@ class Manifest:
             created_by=doc.get("created_by", "unknown"),
             created_at=doc.get("created_at"),
         )
-        if manifest.total_samples != doc["total_samples"] or manifest.total_bytes != doc["total_bytes"]:
+        if (
+            manifest.total_samples != doc["total_samples"]
+            or manifest.total_bytes != doc["total_bytes"]
+        ):
             fail("total_samples/total_bytes disagree with the sum over shards")
         return manifest
 
@@ -145,7 +170,9 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ManifestError(f"{str(path)!r}: no {MANIFEST}; is {str(root)!r} a dataset written by pyspark-safetensors?") from None
+        raise ManifestError(
+            f"{str(path)!r}: no {MANIFEST}; is {str(root)!r} a dataset written by pyspark-safetensors?"
+        ) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

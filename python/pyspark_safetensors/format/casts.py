@@ -108,7 +108,9 @@ def _check_integer_range(x: np.ndarray, target: np.dtype, dtype: DType, where: s
     # Compare in Python ints: exact for every integer width, no float64 detour.
     bad = lo if int(lo) < info.min else hi if int(hi) > info.max else None
     if bad is not None:
-        raise CastError(f"value {int(bad)}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})")
+        raise CastError(
+            f"value {int(bad)}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})"
+        )
 
 
 def cast_array(x: np.ndarray, dtype: DType | str, *, where: str = "") -> np.ndarray:
@@ -144,15 +146,21 @@ def cast_array(x: np.ndarray, dtype: DType | str, *, where: str = "") -> np.ndar
             xf = x.astype(np.float64) if src.itemsize < 4 or src == BF16 else x
             finite = np.isfinite(xf)
             if not finite.all():
-                raise CastError(f"value {xf[~finite].flat[0]}{_describe(where)} is not finite; {dtype} holds integers only")
+                raise CastError(
+                    f"value {xf[~finite].flat[0]}{_describe(where)} is not finite; {dtype} holds integers only"
+                )
             frac = xf != np.trunc(xf)
             if frac.any():
-                raise CastError(f"value {xf[frac].flat[0]!r}{_describe(where)} is not an integer; {dtype} holds integers only")
+                raise CastError(
+                    f"value {xf[frac].flat[0]!r}{_describe(where)} is not an integer; {dtype} holds integers only"
+                )
             info = np.iinfo(target)
             # float bounds: info.max may not be representable, so test against 2^bits.
             if xf.size and (xf.min() < info.min or xf.max() >= float(info.max) + 1):
                 bad = xf.min() if xf.min() < info.min else xf.max()
-                raise CastError(f"value {bad!r}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})")
+                raise CastError(
+                    f"value {bad!r}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})"
+                )
             return xf.astype(target)
         raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
     if dtype.is_float:

@@ -31,7 +31,9 @@ class DType:
     def itemsize(self) -> int:
         """Bytes per element; raises for the packed sub-byte floats."""
         if self.bits % 8:
-            raise ValueError(f"dtype {self.name} packs {self.bits}-bit elements; it has no itemsize")
+            raise ValueError(
+                f"dtype {self.name} packs {self.bits}-bit elements; it has no itemsize"
+            )
         return self.bits // 8
 
     def nbytes(self, numel: int) -> int | None:

@@ -118,7 +118,9 @@ def encode_header(
     infos: list[TensorInfo] = []
     parts: list[str] = []
     if metadata is not None:
-        items = ",".join(f"{encode_basestring(k)}:{encode_basestring(metadata[k])}" for k in sorted(metadata))
+        items = ",".join(
+            f"{encode_basestring(k)}:{encode_basestring(metadata[k])}" for k in sorted(metadata)
+        )
         parts.append(f'"{METADATA_KEY}":{{{items}}}')
     offset = 0
     sizes: dict[tuple, tuple[int, str]] = {}  # (dtype, shape) -> (nbytes, dims); KV shapes repeat
@@ -132,12 +134,16 @@ def encode_header(
                 raise ShapeError(f"negative dimension in shape {list(shape)}", tensor=name)
             nbytes = dtype.nbytes(math.prod(shape))
             if nbytes is None:
-                raise SizeMismatchError(f"{dtype} elements of shape {list(shape)} do not end on a byte", tensor=name)
+                raise SizeMismatchError(
+                    f"{dtype} elements of shape {list(shape)} do not end on a byte", tensor=name
+                )
             known = sizes[(dtype, shape)] = (nbytes, ",".join(map(str, shape)))
         nbytes, dims = known
         end = offset + nbytes
         infos.append(TensorInfo(name, dtype, shape, offset, end))
-        parts.append(f'{encode_basestring(name)}:{{"dtype":"{dtype.name}","shape":[{dims}],"data_offsets":[{offset},{end}]}}')
+        parts.append(
+            f'{encode_basestring(name)}:{{"dtype":"{dtype.name}","shape":[{dims}],"data_offsets":[{offset},{end}]}}'
+        )
         offset = end
     # The reference writes compact serde_json: same separators, non-ASCII kept as UTF-8.
     body = ("{" + ",".join(parts) + "}").encode("utf-8")
@@ -151,12 +157,16 @@ def encode_header(
 def read_header_length(prefix: bytes, file_size: int, path: str | None = None) -> int:
     """Check the 8-byte length prefix against the file size; returns N."""
     if len(prefix) < 8 or file_size < 8:
-        raise TruncatedFileError(f"file is {file_size} bytes, shorter than the 8-byte header length", path=path)
+        raise TruncatedFileError(
+            f"file is {file_size} bytes, shorter than the 8-byte header length", path=path
+        )
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > MAX_HEADER_BYTES:
         raise HeaderTooLargeError(f"header length {n} exceeds {MAX_HEADER_BYTES}", path=path)
     if 8 + n > file_size:
-        raise TruncatedFileError(f"header length {n} runs past the end of the {file_size}-byte file", path=path)
+        raise TruncatedFileError(
+            f"header length {n} runs past the end of the {file_size}-byte file", path=path
+        )
     return n
 
 
@@ -174,10 +184,14 @@ def _no_duplicates(path):
 
 def _check_metadata(metadata, path):
     if not isinstance(metadata, Mapping):
-        raise MetadataError(f"{METADATA_KEY} is a {type(metadata).__name__}, not an object", path=path)
+        raise MetadataError(
+            f"{METADATA_KEY} is a {type(metadata).__name__}, not an object", path=path
+        )
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise MetadataError(f"{METADATA_KEY} entry {k!r}: {v!r} is not string to string", path=path)
+            raise MetadataError(
+                f"{METADATA_KEY} entry {k!r}: {v!r} is not string to string", path=path
+            )
 
 
 def _is_uint(x) -> bool:
@@ -197,13 +211,17 @@ def decode_header(raw: bytes, file_size: int, path: str | None = None) -> Header
     try:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise HeaderEncodingError(f"header is not valid UTF-8 ({e.reason} at byte {e.start})", path=path) from None
+        raise HeaderEncodingError(
+            f"header is not valid UTF-8 ({e.reason} at byte {e.start})", path=path
+        ) from None
     if not text.startswith("{"):
         raise HeaderEncodingError("header does not start with '{'", path=path)
     try:
         doc = json.loads(text, object_pairs_hook=_no_duplicates(path))
     except json.JSONDecodeError as e:
-        raise HeaderEncodingError(f"header is not valid JSON: {e.msg} at char {e.pos}", path=path) from None
+        raise HeaderEncodingError(
+            f"header is not valid JSON: {e.msg} at char {e.pos}", path=path
+        ) from None
     except RecursionError:
         raise HeaderEncodingError("header JSON is nested too deeply", path=path) from None
     if not isinstance(doc, dict):
@@ -222,20 +240,27 @@ def decode_header(raw: bytes, file_size: int, path: str | None = None) -> Header
     for t in infos:
         if t.begin != position:
             what = "a hole before" if t.begin > position else "an overlap at"
-            raise OffsetsError(f"{what} data_offsets [{t.begin}, {t.end}] (expected begin {position})", path=path, tensor=t.name)
+            raise OffsetsError(
+                f"{what} data_offsets [{t.begin}, {t.end}] (expected begin {position})",
+                path=path,
+                tensor=t.name,
+            )
         position = t.end
     data_start = 8 + n
     if data_start + position != file_size:
         kind = "truncated" if data_start + position > file_size else "trailing bytes"
         raise FileSizeError(
-            f"{kind}: header + tensors need {data_start + position} bytes, the file has {file_size}", path=path
+            f"{kind}: header + tensors need {data_start + position} bytes, the file has {file_size}",
+            path=path,
         )
     return Header(tuple(infos), metadata, data_start)
 
 
 def _decode_entry(name: str, entry, path) -> TensorInfo:
     if not isinstance(entry, dict):
-        raise HeaderStructureError(f"entry is a {type(entry).__name__}, not an object", path=path, tensor=name)
+        raise HeaderStructureError(
+            f"entry is a {type(entry).__name__}, not an object", path=path, tensor=name
+        )
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
     if missing:
         raise HeaderStructureError(f"entry lacks {', '.join(missing)}", path=path, tensor=name)
@@ -244,13 +269,21 @@ def _decode_entry(name: str, entry, path) -> TensorInfo:
         raise UnknownDTypeError(f"unknown dtype {entry['dtype']!r}", path=path, tensor=name)
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
-        raise ShapeError(f"shape {shape!r} is not a list of non-negative integers", path=path, tensor=name)
+        raise ShapeError(
+            f"shape {shape!r} is not a list of non-negative integers", path=path, tensor=name
+        )
     offsets = entry["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-        raise OffsetsError(f"data_offsets {offsets!r} is not [begin, end] of non-negative integers", path=path, tensor=name)
+        raise OffsetsError(
+            f"data_offsets {offsets!r} is not [begin, end] of non-negative integers",
+            path=path,
+            tensor=name,
+        )
     begin, end = offsets
     if end < begin:
-        raise OffsetsError(f"data_offsets [{begin}, {end}] end before they begin", path=path, tensor=name)
+        raise OffsetsError(
+            f"data_offsets [{begin}, {end}] end before they begin", path=path, tensor=name
+        )
     numel = math.prod(shape)
     nbytes = dtype.nbytes(numel)
     if nbytes != end - begin:

@@ -7,6 +7,7 @@ directory, fsyncs, and renames into place: a reader sees the whole file or nothi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -46,7 +47,9 @@ class ChunkedTensor:
             if dtype_of(p) != self.dtype:
                 raise TypeError(f"chunk of dtype {p.dtype} in a {self.dtype} tensor")
         if sum(p.size for p in self.parts) != math.prod(self.shape):
-            raise ValueError(f"chunks hold {sum(p.size for p in self.parts)} elements, shape {list(self.shape)} needs {math.prod(self.shape)}")
+            raise ValueError(
+                f"chunks hold {sum(p.size for p in self.parts)} elements, shape {list(self.shape)} needs {math.prod(self.shape)}"
+            )
 
 
 Tensor = np.ndarray | ChunkedTensor
@@ -139,11 +142,13 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self._file = open(self.path, "rb")
+        self._file = open(self.path, "rb")  # noqa: SIM115 - lives as long as the object
         try:
             size = os.fstat(self._file.fileno()).st_size
             if size < 8:
-                raise TruncatedFileError(f"file is {size} bytes, shorter than the 8-byte header length", path=self.path)
+                raise TruncatedFileError(
+                    f"file is {size} bytes, shorter than the 8-byte header length", path=self.path
+                )
             self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
             n = read_header_length(self._mmap[:8], size, self.path)
             self.header = decode_header(self._mmap[: 8 + n], size, self.path)
@@ -157,6 +162,9 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return self.header.names()
+
+    def __iter__(self):
+        return iter(self.header.names())
 
     def raw(self, info: TensorInfo) -> memoryview:
         """The tensor's bytes as a view of the mapped file."""
@@ -173,10 +181,8 @@ class SafetensorsFile:
     def close(self) -> None:
         mm = getattr(self, "_mmap", None)
         if mm is not None:
-            try:
+            with contextlib.suppress(BufferError):  # views still alive; the mapping goes with them
                 mm.close()
-            except BufferError:  # views still alive; the mapping goes when they do
-                pass
         self._file.close()
 
     def __enter__(self):

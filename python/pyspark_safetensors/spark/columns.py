@@ -8,6 +8,7 @@ and Tensor Structs ``struct<data: binary, shape: array<int>, dtype: string>``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -87,7 +88,9 @@ def plan_column(name: str, t: DataType, options) -> ColumnPlan:
         depth, leaf = depth + 1, leaf.elementType
     source = NUMERIC.get(type(leaf))
     if source is None:
-        raise ColumnError(f"column {name!r} has type {t.simpleString()}, which cannot be written as a tensor; accepted: {ACCEPTED}")
+        raise ColumnError(
+            f"column {name!r} has type {t.simpleString()}, which cannot be written as a tensor; accepted: {ACCEPTED}"
+        )
     target = options.target_dtype(name, source.startswith("F"), source)
     return ColumnPlan(name, "array" if depth else "scalar", depth, source, target, shape)
 
@@ -96,7 +99,13 @@ def plan_column(name: str, t: DataType, options) -> ColumnPlan:
 
 
 def _fail(column: str, detail: str, row: int | None = None, key: str | None = None) -> None:
-    where = f" (key {key!r})" if key is not None else f" (row {row} of this partition)" if row is not None else ""
+    where = (
+        f" (key {key!r})"
+        if key is not None
+        else f" (row {row} of this partition)"
+        if row is not None
+        else ""
+    )
     raise ColumnError(f"column {column!r}{where}: {detail}")
 
 
@@ -113,7 +122,11 @@ def _list_levels(arr: pa.Array, plan: ColumnPlan, first_row: int):
     for level in range(plan.depth):
         if current.null_count:
             nulls = np.flatnonzero(~current.is_valid().to_numpy(zero_copy_only=False))
-            _fail(plan.name, "null array" if level == 0 else "null inner array", first_row + int(nulls[0]) if level == 0 else first_row)
+            _fail(
+                plan.name,
+                "null array" if level == 0 else "null inner array",
+                first_row + int(nulls[0]) if level == 0 else first_row,
+            )
         offsets = current.offsets.to_numpy()
         levels.append(offsets)
         current = current.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
@@ -141,18 +154,28 @@ def decode_batch_column(arr: pa.Array, plan: ColumnPlan, first_row: int) -> np.n
             if lengths.size and (lengths != lengths[0]).any():
                 bad = int(np.flatnonzero(lengths != lengths[0])[0])
                 # map an inner position back to its row for the message
-                _fail(plan.name, f"ragged arrays: length {int(lengths[bad])} where {int(lengths[0])} was expected; every row must have the same shape in batch mode", first_row + (bad if offsets is levels[0] else 0))
+                _fail(
+                    plan.name,
+                    f"ragged arrays: length {int(lengths[bad])} where {int(lengths[0])} was expected; every row must have the same shape in batch mode",
+                    first_row + (bad if offsets is levels[0] else 0),
+                )
             sample.append(int(lengths[0]) if lengths.size else 0)
     out = cast_array(flat, plan.target, where=f"column {plan.name!r}")
     return _reshape(out, rows, tuple(sample), plan, first_row)
 
 
-def _reshape(out: np.ndarray, rows: int, sample: tuple[int, ...], plan: ColumnPlan, first_row: int) -> np.ndarray:
+def _reshape(
+    out: np.ndarray, rows: int, sample: tuple[int, ...], plan: ColumnPlan, first_row: int
+) -> np.ndarray:
     if plan.shape is not None:
         want = math.prod(plan.shape)
         have = math.prod(sample)
         if rows and want != have:
-            _fail(plan.name, f"{have} elements per row do not fit shapes={list(plan.shape)} ({want} elements)", first_row)
+            _fail(
+                plan.name,
+                f"{have} elements per row do not fit shapes={list(plan.shape)} ({want} elements)",
+                first_row,
+            )
         sample = plan.shape
     return out.reshape((rows, *sample))
 
@@ -178,12 +201,20 @@ def _decode_struct_batch(arr: pa.StructArray, plan: ColumnPlan, first_row: int) 
         return np.empty((0, *(plan.shape or ())), dtype=get_dtype(plan.target or "F32").numpy)
     names = dtypes.unique().to_pylist()
     if len(names) != 1:
-        _fail(plan.name, f"Tensor Structs of several dtypes {names} in one batch-mode column", first_row)
+        _fail(
+            plan.name,
+            f"Tensor Structs of several dtypes {names} in one batch-mode column",
+            first_row,
+        )
     dtype = get_dtype(names[0], writable=True)
     shape_lists = shapes.to_pylist()
     if any(s != shape_lists[0] for s in shape_lists):
         bad = next(i for i, s in enumerate(shape_lists) if s != shape_lists[0])
-        _fail(plan.name, f"Tensor Struct shape {shape_lists[bad]} differs from {shape_lists[0]}; every row must have the same shape in batch mode", first_row + bad)
+        _fail(
+            plan.name,
+            f"Tensor Struct shape {shape_lists[bad]} differs from {shape_lists[0]}; every row must have the same shape in batch mode",
+            first_row + bad,
+        )
     sample = tuple(shape_lists[0])
     flat = _binary_values(data, dtype, sample, plan, first_row)
     out = cast_array(flat, plan.target, where=f"column {plan.name!r}") if plan.target else flat
@@ -192,13 +223,23 @@ def _decode_struct_batch(arr: pa.StructArray, plan: ColumnPlan, first_row: int) 
 
 def _binary_values(data: pa.BinaryArray, dtype, sample, plan, first_row) -> np.ndarray:
     """The concatenated bytes of a binary column as one numpy array (zero-copy)."""
-    offsets = np.frombuffer(data.buffers()[1], dtype=np.int32)[data.offset : data.offset + len(data) + 1]
+    offsets = np.frombuffer(data.buffers()[1], dtype=np.int32)[
+        data.offset : data.offset + len(data) + 1
+    ]
     need = math.prod(sample) * dtype.itemsize
     lengths = np.diff(offsets)
     if (lengths != need).any():
         bad = int(np.flatnonzero(lengths != need)[0])
-        _fail(plan.name, f"Tensor Struct data has {int(lengths[bad])} bytes, shape {list(sample)} of {dtype} needs {need}", first_row + bad)
-    raw = np.frombuffer(data.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]] if len(data) and need else np.empty(0, np.uint8)
+        _fail(
+            plan.name,
+            f"Tensor Struct data has {int(lengths[bad])} bytes, shape {list(sample)} of {dtype} needs {need}",
+            first_row + bad,
+        )
+    raw = (
+        np.frombuffer(data.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+        if len(data) and need
+        else np.empty(0, np.uint8)
+    )
     return raw.view(dtype.numpy)
 
 
@@ -207,35 +248,49 @@ def decode_kv_column(arr: pa.Array, plan: ColumnPlan, keys: list[str]) -> list[n
     if plan.kind == "struct":
         data, shapes, dtypes = _struct_fields(arr, plan, 0)
         out = []
-        for i, (blob, shape, name) in enumerate(zip(data.to_pylist(), shapes.to_pylist(), dtypes.to_pylist())):
+        for i, (blob, shape, name) in enumerate(
+            zip(data.to_pylist(), shapes.to_pylist(), dtypes.to_pylist(), strict=False)
+        ):
             try:
                 dtype = get_dtype(name, writable=True)
             except ValueError as e:
                 _fail(plan.name, str(e), key=keys[i])
             if len(blob) != math.prod(shape) * dtype.itemsize:
-                _fail(plan.name, f"data has {len(blob)} bytes, shape {shape} of {dtype} needs {math.prod(shape) * dtype.itemsize}", key=keys[i])
+                _fail(
+                    plan.name,
+                    f"data has {len(blob)} bytes, shape {shape} of {dtype} needs {math.prod(shape) * dtype.itemsize}",
+                    key=keys[i],
+                )
             t = np.frombuffer(blob, dtype=dtype.numpy).reshape(shape)
-            out.append(cast_array(t, plan.target, where=f"column {plan.name!r}") if plan.target else t)
+            out.append(
+                cast_array(t, plan.target, where=f"column {plan.name!r}") if plan.target else t
+            )
         return out
     if plan.kind == "scalar":
         if arr.null_count:
             _fail(plan.name, "null value", key=keys[_first_null(arr)])
-        flat = cast_array(arr.to_numpy(zero_copy_only=False), plan.target, where=f"column {plan.name!r}")
+        flat = cast_array(
+            arr.to_numpy(zero_copy_only=False), plan.target, where=f"column {plan.name!r}"
+        )
         return [flat[i].reshape(plan.shape or ()) for i in range(len(arr))]
     if arr.null_count:
         _fail(plan.name, "null array", key=keys[_first_null(arr)])
-    if plan.depth == 1 and plan.shape is None:  # the common case, vectorised: views of one cast buffer
+    if (
+        plan.depth == 1 and plan.shape is None
+    ):  # the common case, vectorised: views of one cast buffer
         levels, flat = _list_levels(arr, plan, 0)
         cast = cast_array(flat, plan.target, where=f"column {plan.name!r}")
         bounds = levels[0].tolist()
-        return [cast[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return [cast[a:b] for a, b in itertools.pairwise(bounds)]
     out = []
     for i in range(len(arr)):
         row = arr[i : i + 1]
         try:
             levels, flat = _list_levels(row, plan, 0)
         except ColumnError as e:
-            raise ColumnError(str(e).replace("(row 0 of this partition)", f"(key {keys[i]!r})")) from None
+            raise ColumnError(
+                str(e).replace("(row 0 of this partition)", f"(key {keys[i]!r})")
+            ) from None
         shape = []
         for offsets in levels:
             lengths = np.diff(offsets)
@@ -245,7 +300,11 @@ def decode_kv_column(arr: pa.Array, plan: ColumnPlan, keys: list[str]) -> list[n
         t = cast_array(flat, plan.target, where=f"column {plan.name!r} (key {keys[i]!r})")
         if plan.shape is not None:
             if math.prod(plan.shape) != math.prod(shape):
-                _fail(plan.name, f"{math.prod(shape)} elements do not fit shapes={list(plan.shape)}", key=keys[i])
+                _fail(
+                    plan.name,
+                    f"{math.prod(shape)} elements do not fit shapes={list(plan.shape)}",
+                    key=keys[i],
+                )
             shape = list(plan.shape)
         out.append(t.reshape(shape))
     return out

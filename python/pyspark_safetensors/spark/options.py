@@ -33,7 +33,11 @@ def _int(name: str, value: str, lo: int, hi: int | None = None) -> int:
     except ValueError:
         raise OptionError(f"option {name}={value!r}: expected an integer") from None
     if n < lo or (hi is not None and n > hi):
-        raise OptionError(f"option {name}={n}: must be between {lo} and {hi}" if hi else f"option {name}={n}: must be >= {lo}")
+        raise OptionError(
+            f"option {name}={n}: must be between {lo} and {hi}"
+            if hi
+            else f"option {name}={n}: must be >= {lo}"
+        )
     return n
 
 
@@ -86,7 +90,9 @@ class WriterOptions:
         }  # fmt: skip
         unknown = sorted(set(opts) - known)
         if unknown:
-            raise OptionError(f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known - {'path'}))}")
+            raise OptionError(
+                f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known - {'path'}))}"
+            )
         if not opts.get("path"):
             raise OptionError("no path: use .save(path) or .option('path', ...)")
         if ("batch_size" in opts) == ("name_col" in opts):
@@ -110,28 +116,46 @@ class WriterOptions:
         if "columns" in opts:
             cols = tuple(c.strip() for c in opts["columns"].split(",") if c.strip())
             if not cols:
-                raise OptionError("option columns is empty; give a comma-separated list of column names")
+                raise OptionError(
+                    "option columns is empty; give a comma-separated list of column names"
+                )
             kw["columns"] = cols
         if "shapes" in opts:
             shapes = _json("shapes", opts["shapes"], '{"image": [3, 224, 224]}')
             if not isinstance(shapes, dict) or not all(
-                isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s) for s in shapes.values()
+                isinstance(s, list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+                for s in shapes.values()
             ):
-                raise OptionError('option shapes: a JSON object of column -> list of non-negative ints, e.g. {"image": [3, 224, 224]}')
+                raise OptionError(
+                    'option shapes: a JSON object of column -> list of non-negative ints, e.g. {"image": [3, 224, 224]}'
+                )
             kw["shapes"] = {str(c): tuple(s) for c, s in shapes.items()}
         if "tail_strategy" in opts:
             kw["tail_strategy"] = _choice("tail_strategy", opts["tail_strategy"], TAIL_STRATEGIES)
         if "duplicatesstrategy" in opts:
-            kw["duplicates_strategy"] = _choice("duplicatesStrategy", opts["duplicatesstrategy"], DUPLICATE_STRATEGIES)
+            kw["duplicates_strategy"] = _choice(
+                "duplicatesStrategy", opts["duplicatesstrategy"], DUPLICATE_STRATEGIES
+            )
         if "kv_separator" in opts:
             if not opts["kv_separator"]:
                 raise OptionError("option kv_separator is empty")
             kw["kv_separator"] = opts["kv_separator"]
         if "target_shard_size_mb" in opts:
-            kw["target_shard_size_mb"] = _int("target_shard_size_mb", opts["target_shard_size_mb"], 50, 1000)
-        kw["generate_index"] = _bool("generate_index", opts["generate_index"]) if "generate_index" in opts else "name_col" in opts
+            kw["target_shard_size_mb"] = _int(
+                "target_shard_size_mb", opts["target_shard_size_mb"], 50, 1000
+            )
+        kw["generate_index"] = (
+            _bool("generate_index", opts["generate_index"])
+            if "generate_index" in opts
+            else "name_col" in opts
+        )
         if "metadata" in opts:
-            md = _json("metadata", opts["metadata"], '{"model": "all-MiniLM-L6-v2", "hook_point": "encoder.layer.0"}')
+            md = _json(
+                "metadata",
+                opts["metadata"],
+                '{"model": "all-MiniLM-L6-v2", "hook_point": "encoder.layer.0"}',
+            )
             if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
                 raise OptionError("option metadata: a JSON object of string keys to string values")
             kw["metadata"] = md
@@ -152,4 +176,6 @@ def _dtype(value) -> str:
     try:
         return get_dtype(str(value), writable=True).name
     except ValueError:
-        raise OptionError(f"option dtype={value!r}: valid dtypes are {', '.join(WRITABLE)}") from None
+        raise OptionError(
+            f"option dtype={value!r}: valid dtypes are {', '.join(WRITABLE)}"
+        ) from None

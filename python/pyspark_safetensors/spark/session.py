@@ -32,7 +32,9 @@ def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors
     log4j = CONF_DIR / "log4j2.properties"
     if log4j.exists():
         opt = f"-Dlog4j2.configurationFile=file:{log4j}"
-        builder = builder.config("spark.driver.extraJavaOptions", opt).config("spark.executor.extraJavaOptions", opt)
+        builder = builder.config("spark.driver.extraJavaOptions", opt).config(
+            "spark.executor.extraJavaOptions", opt
+        )
     for key, value in {**spark_defaults(), **conf}.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()

@@ -94,15 +94,21 @@ class SafetensorsWriter(DataSourceArrowWriter):
         o = self.options
         unknown = [c for c in [*(o.columns or ()), *o.shapes, *o.column_dtypes] if c not in names]
         if unknown:
-            raise ColumnError(f"option names column(s) {unknown} that the DataFrame lacks; its columns: {names}")
+            raise ColumnError(
+                f"option names column(s) {unknown} that the DataFrame lacks; its columns: {names}"
+            )
         if o.name_col is not None:
             if o.name_col not in names:
                 raise ColumnError(f"name_col {o.name_col!r} is not a column; columns: {names}")
             if not isinstance(schema[o.name_col].dataType, StringType):
-                raise ColumnError(f"name_col {o.name_col!r} has type {schema[o.name_col].dataType.simpleString()}; the key column must be a string")
+                raise ColumnError(
+                    f"name_col {o.name_col!r} has type {schema[o.name_col].dataType.simpleString()}; the key column must be a string"
+                )
         wanted = o.columns or tuple(n for n in names if n != o.name_col)
         if o.name_col in wanted:
-            raise ColumnError(f"columns lists the key column {o.name_col!r}; it is written as part of each tensor name")
+            raise ColumnError(
+                f"columns lists the key column {o.name_col!r}; it is written as part of each tensor name"
+            )
         if not wanted:
             raise ColumnError("no tensor columns to write")
         return [plan_column(n, schema[n].dataType, o) for n in wanted]
@@ -114,7 +120,14 @@ class SafetensorsWriter(DataSourceArrowWriter):
         task_id = ctx.partitionId() if ctx else 0
         attempt_id = ctx.taskAttemptId() if ctx else 0
         return write_partition(
-            self.options, self.plans, self.root, self.job_id, iterator, task_id, attempt_id, str(uuid.uuid4())
+            self.options,
+            self.plans,
+            self.root,
+            self.job_id,
+            iterator,
+            task_id,
+            attempt_id,
+            str(uuid.uuid4()),
         )
 
     def _template(self) -> Manifest:

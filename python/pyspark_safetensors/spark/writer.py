@@ -29,7 +29,15 @@ class TaskCommit(WriterCommitMessage):
 class _ShardSink:
     """Writes shards for one task attempt and remembers what it wrote."""
 
-    def __init__(self, options: WriterOptions, root: Path, job_id: str, task_id: int, attempt_id: int, file_uuid: str):
+    def __init__(
+        self,
+        options: WriterOptions,
+        root: Path,
+        job_id: str,
+        task_id: int,
+        attempt_id: int,
+        file_uuid: str,
+    ):
         self.options = options
         self.task_id = task_id
         self.attempt_id = attempt_id
@@ -38,7 +46,12 @@ class _ShardSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shards: list[StagedShard] = []
         self.schema: dict[str, ColumnSchema] = {}
-        self.metadata = {"format": "pt", "format_version": "1.0", "writer": f"pyspark-safetensors {__version__}", **options.metadata}
+        self.metadata = {
+            "format": "pt",
+            "format_version": "1.0",
+            "writer": f"pyspark-safetensors {__version__}",
+            **options.metadata,
+        }
 
     def write(self, tensors: dict, samples: int) -> None:
         name = shard_name(self.task_id, len(self.shards), self.file_uuid)
@@ -62,17 +75,25 @@ class _ShardSink:
                 samples_count=samples,
                 bytes=header.file_size,
                 crc32c=f"{crc:08x}" if self.options.checksum == "crc32c" else None,
-                index=index_rows(name, header) if self.options.generate_index or self.options.mode == "kv" else {},
+                index=index_rows(name, header)
+                if self.options.generate_index or self.options.mode == "kv"
+                else {},
             )
         )
 
-    def note_schema(self, column: str, dtype: str, sample_shape: tuple[int, ...], varying_ok: bool) -> None:
+    def note_schema(
+        self, column: str, dtype: str, sample_shape: tuple[int, ...], varying_ok: bool
+    ) -> None:
         col = ColumnSchema(dtype, sample_shape, sample_shape)
         seen = self.schema.setdefault(column, col)
         if seen.dtype != dtype or seen.sample_shape != sample_shape:
             if not varying_ok or seen.dtype != dtype or len(seen.sample_shape) != len(sample_shape):
-                raise ColumnError(f"column {column!r}: {dtype}{list(sample_shape)} differs from {seen.dtype}{list(seen.sample_shape)} seen earlier")
-            merged = tuple(a if a == b else -1 for a, b in zip(seen.sample_shape, sample_shape))
+                raise ColumnError(
+                    f"column {column!r}: {dtype}{list(sample_shape)} differs from {seen.dtype}{list(seen.sample_shape)} seen earlier"
+                )
+            merged = tuple(
+                a if a == b else -1 for a, b in zip(seen.sample_shape, sample_shape, strict=False)
+            )
             self.schema[column] = ColumnSchema(dtype, merged, merged)
 
     def result(self) -> TaskResult:
@@ -99,7 +120,9 @@ class BatchModeWriter:
             return
         for plan in self.plans:
             chunk = decode_batch_column(batch.column(plan.name), plan, self.rows_seen)
-            self.sink.note_schema(plan.name, dtype_of(chunk).name, chunk.shape[1:], varying_ok=False)
+            self.sink.note_schema(
+                plan.name, dtype_of(chunk).name, chunk.shape[1:], varying_ok=False
+            )
             self.pending[plan.name].append(chunk)
         self.rows_seen += rows
         self.pending_rows += rows
@@ -127,7 +150,9 @@ class BatchModeWriter:
             if pad_to is not None and pad_to > n:
                 parts.append(np.zeros((pad_to - n, *sample), dtype=parts[0].dtype))
             rows = pad_to or n
-            tensors[plan.name] = ChunkedTensor(dtype_of(parts[0]), (rows, *sample), tuple(p.reshape(-1) for p in parts))
+            tensors[plan.name] = ChunkedTensor(
+                dtype_of(parts[0]), (rows, *sample), tuple(p.reshape(-1) for p in parts)
+            )
         self.pending_rows -= n
         self.sink.write(tensors, pad_to or n)
 
@@ -159,12 +184,16 @@ class KVModeWriter:
             return
         key_col = batch.column(self.options.name_col)
         if key_col.null_count:
-            raise ColumnError(f"key column {self.options.name_col!r} holds a null key; every row needs a key")
+            raise ColumnError(
+                f"key column {self.options.name_col!r} holds a null key; every row needs a key"
+            )
         keys = key_col.to_pylist()
         columns = {p.name: decode_kv_column(batch.column(p.name), p, keys) for p in self.plans}
         for p in self.plans:
             for shape, dtype in {(t.shape, t.dtype) for t in columns[p.name]}:
-                self.sink.note_schema(p.name, dtype_of(np.empty(0, dtype)).name, shape, varying_ok=True)
+                self.sink.note_schema(
+                    p.name, dtype_of(np.empty(0, dtype)).name, shape, varying_ok=True
+                )
         sep = self.options.kv_separator
         suffixes = [(f"{sep}{p.name}", columns[p.name]) for p in self.plans]
         sizes = np.sum([[t.nbytes for t in columns[p.name]] for p in self.plans], axis=0)
@@ -173,7 +202,9 @@ class KVModeWriter:
             size = int(sizes[i])
             if key in self.current:
                 if self.options.duplicates_strategy == "fail":
-                    raise ColumnError(f"duplicate key {key!r} in column {self.options.name_col!r} (duplicatesStrategy=fail; use lastWin to keep the last row)")
+                    raise ColumnError(
+                        f"duplicate key {key!r} in column {self.options.name_col!r} (duplicatesStrategy=fail; use lastWin to keep the last row)"
+                    )
                 self.current_bytes -= sum(t.nbytes for t in self.current.pop(key).values())
             elif self.current and self.current_bytes + size > self.limit:
                 self._seal()
@@ -212,5 +243,3 @@ def write_partition(
         sink.discard()
         raise
     return TaskCommit(sink.result())
-
-
