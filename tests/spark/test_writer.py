@@ -142,7 +142,7 @@ def test_every_dtype_round_trips_both_modes(spark, tmp_path, dtype):
     kv = {}
     for f in shards(tmp_path / "k"):
         with safe_open(str(f), "pt") as g:
-            kv.update({k: g.get_tensor(k) for k in g.keys()}  # noqa: SIM118 - safe_open is not iterable)
+            kv.update({k: g.get_tensor(k) for k in g.keys()})  # noqa: SIM118 - safe_open is not iterable
     assert set(kv) == {f"{i}__x" for i in range(4)}
     for i, v in enumerate(values):
         assert kv[f"{i}__x"].double().tolist() == [float(v)] * 2
