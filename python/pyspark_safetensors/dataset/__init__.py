@@ -6,6 +6,7 @@ Knows files and the format; knows neither Spark nor torch.
 from .commit import StagedShard, TaskResult, abort_dataset, attempt_dir, commit_dataset
 from .index import INDEX_SCHEMA, index_rows, read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS, local_path, resolve_inside, shard_name
+from .verify import shard_crc32c, verify_dataset
 from .manifest import (
     ColumnSchema,
     Manifest,
@@ -19,5 +20,5 @@ __all__ = [
     "INDEX", "INDEX_SCHEMA", "MANIFEST", "STAGING", "SUCCESS", "ColumnSchema", "Manifest",
     "ManifestError", "ShardEntry", "StagedShard", "TaskResult", "abort_dataset", "attempt_dir",
     "commit_dataset", "index_rows", "load_manifest", "local_path", "read_index",
-    "resolve_inside", "shard_name", "write_index", "write_manifest",
+    "resolve_inside", "shard_name", "write_index", "write_manifest", "verify_dataset", "shard_crc32c",
 ]  # fmt: skip
