@@ -38,6 +38,23 @@ def run() -> str:
     acts = df.select("activation")
     mb = ROWS * DIM * 4 / 1e6
     out = Path(tempfile.mkdtemp(prefix="bench-writer-"))
+
+    def arrow_transfer():  # JVM -> Arrow -> Python worker and back, nothing written
+        acts.mapInArrow(lambda it: (b.slice(0, 0) for b in it), acts.schema).write.format(
+            "noop"
+        ).mode("overwrite").save()
+
+    profile = {
+        "scan only (noop sink)": lambda: acts.write.format("noop").mode("overwrite").save(),
+        "scan + Arrow to Python (mapInArrow, noop)": arrow_transfer,
+        "safetensors batch F32, checksum none": lambda: (
+            acts.write.format("safetensors")
+            .option("batch_size", 10_000)
+            .option("checksum", "none")
+            .mode("overwrite")
+            .save(str(out / "f32n"))
+        ),
+    }
     cases = {
         "parquet (Spark's own)": lambda: acts.write.mode("overwrite").parquet(str(out / "pq")),
         "safetensors batch F32": lambda: (
@@ -64,6 +81,7 @@ def run() -> str:
         ),
     }
     seconds = {name: median_seconds(fn, repeat=REPEAT, warmup=1) for name, fn in cases.items()}
+    profiled = {name: median_seconds(fn, repeat=REPEAT, warmup=1) for name, fn in profile.items()}
     rows = []
     for name, s in seconds.items():
         base = seconds[
@@ -74,11 +92,14 @@ def run() -> str:
         rows.append([name, f"{s:.2f}", f"{mb / s:.0f}", f"{base / s:.2f}x"])
     spark.stop()
     shutil.rmtree(out, ignore_errors=True)
+    breakdown = [[name, f"{t:.2f}"] for name, t in profiled.items()]
     return (
         "## Spark writer: 200,000 × 256 float32, 2 partitions, local[2]\n\n"
         f"Cached DataFrame, warm, median of {REPEAT} runs in one session; MB/s of float32 input "
         f"({mb:.0f} MB). Batch mode uses batch_size=10,000; KV mode one tensor per row.\n\n"
         + table(["writer", "seconds", "MB/s", "vs parquet"], rows)
+        + "\n\nWhere the time goes (same data, same session):\n\n"
+        + table(["stage", "seconds"], breakdown)
     )
 
 
