@@ -64,6 +64,23 @@ class SafetensorsDataSource(DataSource):
     Writes are transactional: shards are staged per task attempt and published by the
     driver's commit, which writes the manifest last; a failed job leaves nothing.
 
+    Reading (``spark.read.format("safetensors").load(path)``): a dataset directory (shards
+    listed by its manifest, never globbed), a single ``.safetensors`` file, or a directory
+    or glob of arbitrary safetensors files. Read options:
+
+    ============================  ========================================================
+    ``view``                      ``rows`` (batch datasets: one row per sample), ``kv`` (KV
+                                  datasets: one row per key), ``tensors`` (any file: one row
+                                  per tensor ``file, name, dtype, shape, data``). Default:
+                                  the dataset's mode, ``tensors`` for plain files.
+    ``tensor_format``             ``array`` (default; F16/BF16 widen to float) or
+                                  ``struct`` (Tensor Structs with the stored bytes)
+    ``include_data``              tensors view: ``false`` lists headers only, reading no
+                                  tensor bytes
+    ``rows_per_partition``        rows view: shards larger than this (default 65,536) are
+                                  split into row ranges
+    ============================  ========================================================
+
     Example::
 
         (df.write.format("safetensors")
@@ -74,6 +91,16 @@ class SafetensorsDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
         return "safetensors"
+
+    def schema(self) -> StructType:
+        from .reader import make_reader
+
+        return make_reader(self.options, None)[0]
+
+    def reader(self, schema: StructType):
+        from .reader import make_reader
+
+        return make_reader(self.options, schema)[1]
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
         return SafetensorsWriter(WriterOptions.parse(self.options), schema, overwrite)

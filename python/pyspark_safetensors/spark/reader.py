@@ -1,0 +1,433 @@
+"""The read side of the ``safetensors`` source: input resolution, schema inference,
+partition planning, and Arrow batches built from mmap views (no per-row Python objects).
+
+Views:
+- ``rows``: batch-mode datasets; one row per sample (the leading dimension unstacked).
+- ``kv``: KV datasets; one row per key, the key column restored from the tensor names.
+- ``tensors``: any safetensors files; one row per tensor (``file, name, dtype, shape,
+  data``), ``data`` left out with ``include_data=false`` (header-only: no tensor bytes read).
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceReader, EqualTo, In, InputPartition
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DataType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from ..dataset import MANIFEST, Manifest, ManifestError, load_manifest, local_path, read_index
+from ..format import SafetensorsFile, get_dtype, read_header
+from .options import OptionError, _bool, _choice, _int
+
+VIEWS = ("rows", "kv", "tensors")
+
+# dtype -> (Spark type, numpy dtype the values are converted to). Half floats widen to float.
+SPARK_TYPES: dict[str, tuple[DataType, np.dtype]] = {
+    "F16": (FloatType(), np.dtype(np.float32)),
+    "BF16": (FloatType(), np.dtype(np.float32)),
+    "F32": (FloatType(), np.dtype(np.float32)),
+    "F64": (DoubleType(), np.dtype(np.float64)),
+    "I8": (ByteType(), np.dtype(np.int8)),
+    "U8": (ShortType(), np.dtype(np.int16)),
+    "I16": (ShortType(), np.dtype(np.int16)),
+    "U16": (IntegerType(), np.dtype(np.int32)),
+    "I32": (IntegerType(), np.dtype(np.int32)),
+    "U32": (LongType(), np.dtype(np.int64)),
+    "I64": (LongType(), np.dtype(np.int64)),
+    "U64": (LongType(), np.dtype(np.int64)),
+    "BOOL": (BooleanType(), np.dtype(bool)),
+}
+TENSOR_STRUCT = StructType(
+    [StructField("data", BinaryType()), StructField("shape", ArrayType(IntegerType())), StructField("dtype", StringType())]
+)
+
+
+class ReadError(ValueError):
+    """An input that cannot be read: missing, corrupt, or disagreeing with its manifest."""
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    path: str
+    view: str | None = None
+    tensor_format: str = "array"
+    include_data: bool = True
+    rows_per_partition: int = 65_536
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
+        opts = {k.lower(): v for k, v in options.items()}
+        known = {"path", "paths", "view", "tensor_format", "include_data", "rows_per_partition"}
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise OptionError(f"unknown read option(s) {', '.join(unknown)}; valid: view, tensor_format, include_data, rows_per_partition")
+        path = opts.get("path") or ""
+        if not path:
+            raise OptionError("no path: use .load(path)")
+        kw: dict = {"path": path}
+        if "view" in opts:
+            kw["view"] = _choice("view", opts["view"], VIEWS)
+        if "tensor_format" in opts:
+            kw["tensor_format"] = _choice("tensor_format", opts["tensor_format"], ("array", "struct"))
+        if "include_data" in opts:
+            kw["include_data"] = _bool("include_data", opts["include_data"])
+        if "rows_per_partition" in opts:
+            kw["rows_per_partition"] = _int("rows_per_partition", opts["rows_per_partition"], 1)
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a path resolves to: a dataset with a manifest, or loose files."""
+
+    root: Path | None
+    manifest: Manifest | None
+    files: tuple[str, ...] = field(default=())
+
+
+def resolve(options: ReaderOptions) -> Source:
+    path = options.path
+    if any(c in path for c in "*?["):
+        files = sorted(str(local_path(p)) for p in globlib.glob(str(local_path(path))) if p.endswith(".safetensors"))
+        if not files:
+            raise ReadError(f"{path!r}: no .safetensors files match")
+        return Source(None, None, tuple(files))
+    p = local_path(path)
+    if p.is_dir() and (p / MANIFEST).exists():
+        manifest = load_manifest(p)
+        paths = manifest.shard_paths(p)
+        missing = [s.shard_path for s, f in zip(manifest.shards, paths) if not f.exists()]
+        if missing:
+            raise ReadError(f"dataset {str(p)!r}: shard(s) listed in the manifest are missing: {', '.join(missing[:5])}")
+        wrong = [f"{s.shard_path} ({f.stat().st_size} bytes, manifest says {s.bytes})" for s, f in zip(manifest.shards, paths) if f.stat().st_size != s.bytes]
+        if wrong:
+            raise ReadError(f"dataset {str(p)!r}: shard size differs from the manifest: {', '.join(wrong[:5])}")
+        return Source(p, manifest, tuple(str(f) for f in paths))
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*.safetensors") if not any(part.startswith(("_", ".")) for part in f.relative_to(p).parts))
+        if not files:
+            raise ReadError(f"{str(p)!r}: no dataset manifest and no .safetensors files")
+        return Source(None, None, tuple(files))
+    if p.is_file():
+        return Source(None, None, (str(p),))
+    raise ReadError(f"{str(p)!r}: no such file or directory")
+
+
+def default_view(source: Source, requested: str | None) -> str:
+    if source.manifest is None:
+        if requested not in (None, "tensors"):
+            raise OptionError(f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files support view=tensors")
+        return "tensors"
+    mode_view = "kv" if source.manifest.mode == "kv" else "rows"
+    if requested is None:
+        return mode_view
+    if requested != "tensors" and requested != mode_view:
+        raise OptionError(f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view} or tensors")
+    return requested
+
+
+def _column_type(dtype: str, rank: int, tensor_format: str) -> DataType:
+    if tensor_format == "struct":
+        return TENSOR_STRUCT
+    t = SPARK_TYPES[dtype][0]
+    for _ in range(rank):
+        t = ArrayType(t)
+    return t
+
+
+def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructType:
+    if view == "tensors":
+        fields = [
+            StructField("file", StringType()),
+            StructField("name", StringType()),
+            StructField("dtype", StringType()),
+            StructField("shape", ArrayType(LongType())),
+        ]
+        if options.include_data:
+            fields.append(StructField("data", TENSOR_STRUCT))
+        return StructType(fields)
+    manifest = source.manifest
+    schema = manifest.schema
+    if not schema and manifest.shards:  # a manifest without a schema: take the first header
+        header = read_header(source.files[0])
+        schema = {t.name: type("C", (), {"dtype": t.dtype.name, "sample_shape": t.shape[1:]}) for t in header.tensors}
+    fields = []
+    if view == "kv":
+        fields.append(StructField(manifest.name_col or "key", StringType()))
+    for name, col in schema.items():
+        fields.append(StructField(name, _column_type(col.dtype, len(col.sample_shape), options.tensor_format)))
+    return StructType(fields)
+
+
+# ------------------------------------------------------------------------ partitions
+
+
+@dataclass(frozen=True)
+class ShardPartition(InputPartition):
+    file: str
+    row_start: int = 0
+    row_stop: int = -1
+
+
+@dataclass(frozen=True)
+class FilesPartition(InputPartition):
+    files: tuple[str, ...]
+
+
+class SafetensorsReader(DataSourceReader):
+    """Reads one view of a source; filters are pushed only by ``PushdownSafetensorsReader``."""
+
+    wanted_names: set[str] | None = None
+    wanted_dtypes: set[str] | None = None
+    wanted_keys: set[str] | None = None
+
+    def __init__(self, options: ReaderOptions, source: Source, view: str, schema: StructType):
+        self.options = options
+        self.source = source
+        self.view = view
+        self.schema = schema
+        inferred = infer_schema(source, view, options)
+        missing = [f.name for f in schema.fields if f.name not in inferred.fieldNames()]
+        if missing:
+            raise ReadError(f"schema names column(s) {missing} that {options.path!r} does not have; it has {inferred.fieldNames()}")
+        for f in schema.fields:
+            if f.dataType != inferred[f.name].dataType:
+                raise ReadError(f"column {f.name!r}: the given schema says {f.dataType.simpleString()}, the data is {inferred[f.name].dataType.simpleString()}")
+
+    def partitions(self):
+        if self.view == "tensors":
+            per = max(1, len(self.source.files) // 64)  # small files: several per partition
+            return [FilesPartition(self.source.files[i : i + per]) for i in range(0, len(self.source.files), per)]
+        parts = []
+        step = self.options.rows_per_partition
+        for entry, file in zip(self.source.manifest.shards, self.source.files):
+            if self.view == "kv" or entry.samples_count <= step:
+                parts.append(ShardPartition(file))
+            else:
+                parts += [ShardPartition(file, a, min(a + step, entry.samples_count)) for a in range(0, entry.samples_count, step)]
+        return parts or [FilesPartition(())]
+
+    def read(self, partition) -> Iterator[pa.RecordBatch]:
+        if self.view == "tensors":
+            yield from self._read_tensors(partition)
+        elif isinstance(partition, ShardPartition):
+            yield from (self._read_rows(partition) if self.view == "rows" else self._read_kv(partition))
+
+    # -- tensors view
+
+    def _read_tensors(self, partition: FilesPartition):
+        names = [f.name for f in self.schema.fields]
+        for file in partition.files:
+            if "data" in names:
+                with SafetensorsFile(file) as f:
+                    infos = self._keep(f.header.tensors)
+                    data = [_tensor_struct(f.raw(t), t) for t in infos]
+                    yield _batch(names, file, infos, data)
+            else:  # header only: no tensor byte is read
+                yield _batch(names, file, self._keep(read_header(file).tensors), None)
+
+    def _keep(self, infos):
+        return [
+            t
+            for t in infos
+            if (self.wanted_names is None or t.name in self.wanted_names) and (self.wanted_dtypes is None or t.dtype.name in self.wanted_dtypes)
+        ]
+
+    # -- rows view
+
+    def _read_rows(self, part: ShardPartition):
+        with SafetensorsFile(part.file) as f:
+            header = f.header
+            entry_rows = None
+            columns = []
+            for fld in self.schema.fields:
+                if fld.name not in header:
+                    raise ReadError(f"file {part.file!r}: no tensor {fld.name!r}, which the dataset schema lists")
+                t = f.tensor(fld.name)
+                info = header[fld.name]
+                expected = self.source.manifest.schema.get(fld.name)
+                if expected is not None and (info.dtype.name != expected.dtype or tuple(info.shape[1:]) != tuple(expected.sample_shape)):
+                    raise ReadError(f"file {part.file!r}: tensor {fld.name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]")
+                rows = t.shape[0] if t.ndim else 1
+                entry_rows = rows if entry_rows is None else entry_rows
+                if rows != entry_rows:
+                    raise ReadError(f"file {part.file!r}: tensor {fld.name!r} has {rows} rows, others have {entry_rows}")
+                stop = rows if part.row_stop < 0 else part.row_stop
+                chunk = t[part.row_start : stop]
+                if self.options.tensor_format == "struct":
+                    columns.append(_struct_rows(chunk, info.dtype.name))
+                else:
+                    columns.append(_uniform_lists(_convert(chunk, info.dtype.name, part.file, fld.name), chunk.ndim - 1))
+            yield pa.record_batch(columns, names=[fld.name for fld in self.schema.fields])
+
+    # -- kv view
+
+    def _read_kv(self, part: ShardPartition):
+        manifest = self.source.manifest
+        key_col = manifest.name_col or "key"
+        sep = manifest.kv_separator or "__"
+        columns = [f.name for f in self.schema.fields if f.name != key_col]
+        with SafetensorsFile(part.file) as f:
+            rows: dict[str, dict[str, object]] = {}
+            for t in f.header.tensors:
+                for col in manifest.schema:
+                    if t.name.endswith(sep + col):
+                        key = t.name[: -len(sep + col)]
+                        if self.wanted_keys is None or key in self.wanted_keys:
+                            rows.setdefault(key, {})[col] = t
+                        break
+                else:
+                    raise ReadError(f"file {part.file!r}: tensor {t.name!r} is not '<key>{sep}<column>' for a column of the dataset")
+            keys = sorted(rows)
+            out = {key_col: pa.array(keys, pa.string())}
+            for col in columns:
+                infos = [rows[k].get(col) for k in keys]
+                if any(i is None for i in infos):
+                    k = keys[infos.index(None)]
+                    raise ReadError(f"file {part.file!r}: key {k!r} has no tensor for column {col!r}")
+                if self.options.tensor_format == "struct":
+                    out[col] = pa.array([_tensor_struct(f.raw(i), i) for i in infos], type=pa.struct([("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]))
+                else:
+                    arrays = [_convert(f.tensor(i.name), i.dtype.name, part.file, col) for i in infos]
+                    out[col] = _ragged_lists(arrays, len(manifest.schema[col].sample_shape))
+            names = [f.name for f in self.schema.fields]
+            yield pa.record_batch([out[n] for n in names], names=names)
+
+
+class PushdownSafetensorsReader(SafetensorsReader):
+    """The reader when ``spark.sql.python.filterPushdown.enabled`` is on (Spark >= 4.1
+    refuses a reader that implements ``pushFilters`` while the setting is off)."""
+
+    def pushFilters(self, filters):
+        """Push name/dtype (tensors view) and key (KV view) equality filters."""
+        key_col = self.source.manifest.name_col if self.source.manifest else None
+        for f in filters:
+            column = f.attribute[0] if len(f.attribute) == 1 else None
+            values = [f.value] if isinstance(f, EqualTo) else list(f.value) if isinstance(f, In) else None
+            if values is None or not all(isinstance(v, str) for v in values):
+                yield f
+            elif self.view == "tensors" and column == "name":
+                self.wanted_names = set(values) & (self.wanted_names or set(values))
+            elif self.view == "tensors" and column == "dtype":
+                self.wanted_dtypes = set(values) & (self.wanted_dtypes or set(values))
+            elif self.view == "kv" and column == key_col:
+                self.wanted_keys = set(values) & (self.wanted_keys or set(values))
+            else:
+                yield f
+
+
+
+def _pushdown_enabled() -> bool:
+    """Whether Spark's planning worker was told that filter pushdown is on.
+
+    The setting reaches the planning worker but not the data source, and Spark fails the
+    read if a reader implements ``pushFilters`` while it is off; so look for the flag in
+    the worker's planning frame. When it cannot be found, no filters are pushed (correct,
+    only slower)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_main" and "enable_pushdown" in frame.f_locals:
+            return bool(frame.f_locals["enable_pushdown"])
+        frame = frame.f_back
+    return False
+
+
+def _convert(t: np.ndarray, dtype: str, file: str, column: str) -> np.ndarray:
+    target = SPARK_TYPES[dtype][1]
+    if dtype == "U64" and t.size and t.max() > np.iinfo(np.int64).max:
+        raise ReadError(f"file {file!r}: column {column!r} holds U64 values above 2^63-1, which Spark's long cannot hold")
+    return t.astype(target, copy=False) if t.dtype != target else t
+
+
+def _uniform_lists(values: np.ndarray, rank: int) -> pa.Array:
+    """``values`` of shape [rows, *sample] as nested Arrow lists (zero-copy offsets)."""
+    arr = pa.array(np.ascontiguousarray(values).reshape(-1))
+    shape = values.shape
+    for depth in range(rank, 0, -1):
+        n_lists = math.prod(shape[:depth])
+        offsets = pa.array(np.arange(n_lists + 1, dtype=np.int32) * shape[depth])
+        arr = pa.ListArray.from_arrays(offsets, arr)
+    return arr
+
+
+def _ragged_lists(arrays: list[np.ndarray], rank: int) -> pa.Array:
+    """One nested list per row, rows of different shapes (KV mode)."""
+    if rank == 0:
+        return pa.array(np.array([a.reshape(()) for a in arrays]) if arrays else np.empty(0))
+    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0, np.float32)
+    arr = pa.array(flat)
+    shapes = [a.shape for a in arrays]
+    for depth in range(rank - 1, -1, -1):
+        # lists at this depth: per row, prod(shape[:depth]) lists of length shape[depth]
+        lengths = np.concatenate([np.full(math.prod(s[:depth]), s[depth], dtype=np.int64) for s in shapes]) if shapes else np.empty(0, np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        arr = pa.ListArray.from_arrays(pa.array(offsets), arr)
+    return arr
+
+
+def _tensor_struct(raw: memoryview, info) -> dict:
+    return {"data": bytes(raw), "shape": list(info.shape), "dtype": info.dtype.name}
+
+
+def _struct_rows(chunk: np.ndarray, dtype: str) -> pa.Array:
+    rows = chunk.shape[0]
+    per = chunk[0].nbytes if rows else 0
+    flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * per)
+    data = pa.BinaryArray.from_buffers(pa.binary(), rows, [None, offsets.buffers()[1], pa.py_buffer(flat)])
+    sample = list(chunk.shape[1:])
+    shape = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * len(sample)), pa.array(np.tile(np.array(sample, np.int32), rows), pa.int32()))
+    dtypes = pa.array([dtype] * rows, pa.string())
+    return pa.StructArray.from_arrays([data, shape, dtypes], names=["data", "shape", "dtype"])
+
+
+def _batch(names, file, infos, data) -> pa.RecordBatch:
+    cols = {
+        "file": pa.array([file] * len(infos), pa.string()),
+        "name": pa.array([t.name for t in infos], pa.string()),
+        "dtype": pa.array([t.dtype.name for t in infos], pa.string()),
+        "shape": pa.array([list(t.shape) for t in infos], pa.list_(pa.int64())),
+    }
+    if data is not None:
+        cols["data"] = pa.array(data, type=pa.struct([("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]))
+    return pa.record_batch([cols[n] for n in names], names=names)
+
+
+def make_reader(options_map: Mapping[str, str], schema: StructType | None) -> tuple[StructType, SafetensorsReader | None]:
+    options = ReaderOptions.parse(options_map)
+    try:
+        source = resolve(options)
+    except ManifestError as e:
+        raise ReadError(str(e)) from None
+    view = default_view(source, options.view)
+    inferred = infer_schema(source, view, options)
+    if schema is None:
+        return inferred, None
+    cls = PushdownSafetensorsReader if _pushdown_enabled() else SafetensorsReader
+    return schema, cls(options, source, view, schema)
+
+
+__all__ = ["ReadError", "ReaderOptions", "SafetensorsReader", "get_dtype", "make_reader"]
