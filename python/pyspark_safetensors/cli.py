@@ -21,7 +21,9 @@ def _inspect(args) -> int:
     path = Path(args.path)
     if (path / MANIFEST).exists():
         m = load_manifest(path)
-        print(f"{path}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB")
+        print(
+            f"{path}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
+        )
         for name, col in m.schema.items():
             print(f"  {name}: {col.dtype} sample shape {list(col.sample_shape)}")
         for k, v in m.metadata.items():
@@ -54,7 +56,9 @@ def _demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pyspark-safetensors", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pyspark-safetensors", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the main job end to end on an embedded local Spark")
     p.add_argument("--out", default="out/demo", help="output directory (default: out/demo)")
@@ -66,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_inspect)
     p = sub.add_parser("verify", help="check a dataset against its manifest")
     p.add_argument("path")
-    p.add_argument("--no-checksums", action="store_true", help="skip reading whole shards for crc32c")
+    p.add_argument(
+        "--no-checksums", action="store_true", help="skip reading whole shards for crc32c"
+    )
     p.set_defaults(fn=_verify)
     args = parser.parse_args(argv)
     try:

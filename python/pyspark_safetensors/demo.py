@@ -53,23 +53,36 @@ def run_demo(out: Path, rows: int = 50_000) -> None:
             F.col("token_pos").cast("int").alias("token_pos"),
         )
     )
-    tokens.write.format("safetensors").option("batch_size", 4096).option("dtype", '{"activation": "F16"}').option(
+    tokens.write.format("safetensors").option("batch_size", 4096).option(
+        "dtype", '{"activation": "F16"}'
+    ).option(
         "metadata", '{"source": "pydoc_data.topics", "hook_point": "demo.char_features"}'
     ).mode("overwrite").save(str(out / "tokens"))
     m = verify_dataset(out / "tokens", checksums=True)
-    print(f"token dataset: {m.total_samples:,} samples, {len(m.shards)} shards, {m.total_bytes / 1e6:.1f} MB, verified")
+    print(
+        f"token dataset: {m.total_samples:,} samples, {len(m.shards)} shards, {m.total_bytes / 1e6:.1f} MB, verified"
+    )
 
     samples = df.select(
         "key",
-        F.transform(F.sequence(F.lit(0), F.lit(31)), lambda j: (F.length("text") * (j + 1)).cast("float")).alias("features"),
+        F.transform(
+            F.sequence(F.lit(0), F.lit(31)), lambda j: (F.length("text") * (j + 1)).cast("float")
+        ).alias("features"),
     )
-    samples.write.format("safetensors").option("name_col", "key").mode("overwrite").save(str(out / "samples"))
+    samples.write.format("safetensors").option("name_col", "key").mode("overwrite").save(
+        str(out / "samples")
+    )
     m = verify_dataset(out / "samples", checksums=True)
-    print(f"KV dataset: {m.total_samples:,} keys, {len(m.shards)} shards, index {m.index_file}, verified")
+    print(
+        f"KV dataset: {m.total_samples:,} keys, {len(m.shards)} shards, index {m.index_file}, verified"
+    )
 
     from safetensors.numpy import load_file
 
     first = out / "tokens" / verify_dataset(out / "tokens").shards[0].shard_path
     tensors = load_file(first)
-    print(f"reference library reads {first.name}: " + ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in tensors.items()))
+    print(
+        f"reference library reads {first.name}: "
+        + ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in tensors.items())
+    )
     spark.stop()

@@ -6,7 +6,6 @@ Knows files and the format; knows neither Spark nor torch.
 from .commit import StagedShard, TaskResult, abort_dataset, attempt_dir, commit_dataset
 from .index import INDEX_SCHEMA, index_rows, read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS, local_path, resolve_inside, shard_name
-from .verify import shard_crc32c, verify_dataset
 from .manifest import (
     ColumnSchema,
     Manifest,
@@ -15,10 +14,31 @@ from .manifest import (
     load_manifest,
     write_manifest,
 )
+from .verify import shard_crc32c, verify_dataset
 
 __all__ = [
-    "INDEX", "INDEX_SCHEMA", "MANIFEST", "STAGING", "SUCCESS", "ColumnSchema", "Manifest",
-    "ManifestError", "ShardEntry", "StagedShard", "TaskResult", "abort_dataset", "attempt_dir",
-    "commit_dataset", "index_rows", "load_manifest", "local_path", "read_index",
-    "resolve_inside", "shard_name", "write_index", "write_manifest", "verify_dataset", "shard_crc32c",
+    "INDEX",
+    "INDEX_SCHEMA",
+    "MANIFEST",
+    "STAGING",
+    "SUCCESS",
+    "ColumnSchema",
+    "Manifest",
+    "ManifestError",
+    "ShardEntry",
+    "StagedShard",
+    "TaskResult",
+    "abort_dataset",
+    "attempt_dir",
+    "commit_dataset",
+    "index_rows",
+    "load_manifest",
+    "local_path",
+    "read_index",
+    "resolve_inside",
+    "shard_crc32c",
+    "shard_name",
+    "verify_dataset",
+    "write_index",
+    "write_manifest",
 ]  # fmt: skip

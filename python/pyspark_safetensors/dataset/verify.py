@@ -29,13 +29,15 @@ def verify_dataset(root: str | os.PathLike, *, checksums: bool = False) -> Manif
     root = Path(root)
     manifest = load_manifest(root)
     problems: list[str] = []
-    for entry, path in zip(manifest.shards, manifest.shard_paths(root)):
+    for entry, path in zip(manifest.shards, manifest.shard_paths(root), strict=True):
         if not path.exists():
             problems.append(f"{entry.shard_path}: listed in the manifest but missing")
             continue
         size = path.stat().st_size
         if size != entry.bytes:
-            problems.append(f"{entry.shard_path}: {size} bytes on disk, the manifest says {entry.bytes}")
+            problems.append(
+                f"{entry.shard_path}: {size} bytes on disk, the manifest says {entry.bytes}"
+            )
             continue
         try:
             header = read_header(path)
@@ -48,7 +50,11 @@ def verify_dataset(root: str | os.PathLike, *, checksums: bool = False) -> Manif
                     problems.append(f"{entry.shard_path}: no tensor {name!r}")
                     continue
                 info = header[name]
-                if info.dtype.name != col.dtype or info.shape[1:] != col.sample_shape or info.shape[0] != entry.samples_count:
+                if (
+                    info.dtype.name != col.dtype
+                    or info.shape[1:] != col.sample_shape
+                    or info.shape[0] != entry.samples_count
+                ):
                     problems.append(
                         f"{entry.shard_path}: tensor {name!r} is {info.dtype}{list(info.shape)}, the manifest says "
                         f"{col.dtype}[{entry.samples_count}, {', '.join(map(str, col.sample_shape))}]"

@@ -35,7 +35,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..dataset import MANIFEST, Manifest, ManifestError, load_manifest, local_path, read_index
+from ..dataset import MANIFEST, Manifest, ManifestError, load_manifest, local_path
 from ..format import SafetensorsFile, get_dtype, read_header
 from .options import OptionError, _bool, _choice, _int
 
@@ -58,7 +58,11 @@ SPARK_TYPES: dict[str, tuple[DataType, np.dtype]] = {
     "BOOL": (BooleanType(), np.dtype(bool)),
 }
 TENSOR_STRUCT = StructType(
-    [StructField("data", BinaryType()), StructField("shape", ArrayType(IntegerType())), StructField("dtype", StringType())]
+    [
+        StructField("data", BinaryType()),
+        StructField("shape", ArrayType(IntegerType())),
+        StructField("dtype", StringType()),
+    ]
 )
 
 
@@ -80,7 +84,9 @@ class ReaderOptions:
         known = {"path", "paths", "view", "tensor_format", "include_data", "rows_per_partition"}
         unknown = sorted(set(opts) - known)
         if unknown:
-            raise OptionError(f"unknown read option(s) {', '.join(unknown)}; valid: view, tensor_format, include_data, rows_per_partition")
+            raise OptionError(
+                f"unknown read option(s) {', '.join(unknown)}; valid: view, tensor_format, include_data, rows_per_partition"
+            )
         path = opts.get("path") or ""
         if not path:
             raise OptionError("no path: use .load(path)")
@@ -88,7 +94,9 @@ class ReaderOptions:
         if "view" in opts:
             kw["view"] = _choice("view", opts["view"], VIEWS)
         if "tensor_format" in opts:
-            kw["tensor_format"] = _choice("tensor_format", opts["tensor_format"], ("array", "struct"))
+            kw["tensor_format"] = _choice(
+                "tensor_format", opts["tensor_format"], ("array", "struct")
+            )
         if "include_data" in opts:
             kw["include_data"] = _bool("include_data", opts["include_data"])
         if "rows_per_partition" in opts:
@@ -108,7 +116,11 @@ class Source:
 def resolve(options: ReaderOptions) -> Source:
     path = options.path
     if any(c in path for c in "*?["):
-        files = sorted(str(local_path(p)) for p in globlib.glob(str(local_path(path))) if p.endswith(".safetensors"))
+        files = sorted(
+            str(local_path(p))
+            for p in globlib.glob(str(local_path(path)))
+            if p.endswith(".safetensors")
+        )
         if not files:
             raise ReadError(f"{path!r}: no .safetensors files match")
         return Source(None, None, tuple(files))
@@ -116,15 +128,29 @@ def resolve(options: ReaderOptions) -> Source:
     if p.is_dir() and (p / MANIFEST).exists():
         manifest = load_manifest(p)
         paths = manifest.shard_paths(p)
-        missing = [s.shard_path for s, f in zip(manifest.shards, paths) if not f.exists()]
+        missing = [
+            s.shard_path for s, f in zip(manifest.shards, paths, strict=True) if not f.exists()
+        ]
         if missing:
-            raise ReadError(f"dataset {str(p)!r}: shard(s) listed in the manifest are missing: {', '.join(missing[:5])}")
-        wrong = [f"{s.shard_path} ({f.stat().st_size} bytes, manifest says {s.bytes})" for s, f in zip(manifest.shards, paths) if f.stat().st_size != s.bytes]
+            raise ReadError(
+                f"dataset {str(p)!r}: shard(s) listed in the manifest are missing: {', '.join(missing[:5])}"
+            )
+        wrong = [
+            f"{s.shard_path} ({f.stat().st_size} bytes, manifest says {s.bytes})"
+            for s, f in zip(manifest.shards, paths, strict=True)
+            if f.stat().st_size != s.bytes
+        ]
         if wrong:
-            raise ReadError(f"dataset {str(p)!r}: shard size differs from the manifest: {', '.join(wrong[:5])}")
+            raise ReadError(
+                f"dataset {str(p)!r}: shard size differs from the manifest: {', '.join(wrong[:5])}"
+            )
         return Source(p, manifest, tuple(str(f) for f in paths))
     if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*.safetensors") if not any(part.startswith(("_", ".")) for part in f.relative_to(p).parts))
+        files = sorted(
+            str(f)
+            for f in p.rglob("*.safetensors")
+            if not any(part.startswith(("_", ".")) for part in f.relative_to(p).parts)
+        )
         if not files:
             raise ReadError(f"{str(p)!r}: no dataset manifest and no .safetensors files")
         return Source(None, None, tuple(files))
@@ -136,13 +162,17 @@ def resolve(options: ReaderOptions) -> Source:
 def default_view(source: Source, requested: str | None) -> str:
     if source.manifest is None:
         if requested not in (None, "tensors"):
-            raise OptionError(f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files support view=tensors")
+            raise OptionError(
+                f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files support view=tensors"
+            )
         return "tensors"
     mode_view = "kv" if source.manifest.mode == "kv" else "rows"
     if requested is None:
         return mode_view
     if requested != "tensors" and requested != mode_view:
-        raise OptionError(f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view} or tensors")
+        raise OptionError(
+            f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view} or tensors"
+        )
     return requested
 
 
@@ -170,12 +200,17 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
     schema = manifest.schema
     if not schema and manifest.shards:  # a manifest without a schema: take the first header
         header = read_header(source.files[0])
-        schema = {t.name: type("C", (), {"dtype": t.dtype.name, "sample_shape": t.shape[1:]}) for t in header.tensors}
+        schema = {
+            t.name: type("C", (), {"dtype": t.dtype.name, "sample_shape": t.shape[1:]})
+            for t in header.tensors
+        }
     fields = []
     if view == "kv":
         fields.append(StructField(manifest.name_col or "key", StringType()))
     for name, col in schema.items():
-        fields.append(StructField(name, _column_type(col.dtype, len(col.sample_shape), options.tensor_format)))
+        fields.append(
+            StructField(name, _column_type(col.dtype, len(col.sample_shape), options.tensor_format))
+        )
     return StructType(fields)
 
 
@@ -209,29 +244,41 @@ class SafetensorsReader(DataSourceReader):
         inferred = infer_schema(source, view, options)
         missing = [f.name for f in schema.fields if f.name not in inferred.fieldNames()]
         if missing:
-            raise ReadError(f"schema names column(s) {missing} that {options.path!r} does not have; it has {inferred.fieldNames()}")
+            raise ReadError(
+                f"schema names column(s) {missing} that {options.path!r} does not have; it has {inferred.fieldNames()}"
+            )
         for f in schema.fields:
             if f.dataType != inferred[f.name].dataType:
-                raise ReadError(f"column {f.name!r}: the given schema says {f.dataType.simpleString()}, the data is {inferred[f.name].dataType.simpleString()}")
+                raise ReadError(
+                    f"column {f.name!r}: the given schema says {f.dataType.simpleString()}, the data is {inferred[f.name].dataType.simpleString()}"
+                )
 
     def partitions(self):
         if self.view == "tensors":
             per = max(1, len(self.source.files) // 64)  # small files: several per partition
-            return [FilesPartition(self.source.files[i : i + per]) for i in range(0, len(self.source.files), per)]
+            return [
+                FilesPartition(self.source.files[i : i + per])
+                for i in range(0, len(self.source.files), per)
+            ]
         parts = []
         step = self.options.rows_per_partition
-        for entry, file in zip(self.source.manifest.shards, self.source.files):
+        for entry, file in zip(self.source.manifest.shards, self.source.files, strict=True):
             if self.view == "kv" or entry.samples_count <= step:
                 parts.append(ShardPartition(file))
             else:
-                parts += [ShardPartition(file, a, min(a + step, entry.samples_count)) for a in range(0, entry.samples_count, step)]
+                parts += [
+                    ShardPartition(file, a, min(a + step, entry.samples_count))
+                    for a in range(0, entry.samples_count, step)
+                ]
         return parts or [FilesPartition(())]
 
     def read(self, partition) -> Iterator[pa.RecordBatch]:
         if self.view == "tensors":
             yield from self._read_tensors(partition)
         elif isinstance(partition, ShardPartition):
-            yield from (self._read_rows(partition) if self.view == "rows" else self._read_kv(partition))
+            yield from (
+                self._read_rows(partition) if self.view == "rows" else self._read_kv(partition)
+            )
 
     # -- tensors view
 
@@ -250,7 +297,8 @@ class SafetensorsReader(DataSourceReader):
         return [
             t
             for t in infos
-            if (self.wanted_names is None or t.name in self.wanted_names) and (self.wanted_dtypes is None or t.dtype.name in self.wanted_dtypes)
+            if (self.wanted_names is None or t.name in self.wanted_names)
+            and (self.wanted_dtypes is None or t.dtype.name in self.wanted_dtypes)
         ]
 
     # -- rows view
@@ -262,22 +310,35 @@ class SafetensorsReader(DataSourceReader):
             columns = []
             for fld in self.schema.fields:
                 if fld.name not in header:
-                    raise ReadError(f"file {part.file!r}: no tensor {fld.name!r}, which the dataset schema lists")
+                    raise ReadError(
+                        f"file {part.file!r}: no tensor {fld.name!r}, which the dataset schema lists"
+                    )
                 t = f.tensor(fld.name)
                 info = header[fld.name]
                 expected = self.source.manifest.schema.get(fld.name)
-                if expected is not None and (info.dtype.name != expected.dtype or tuple(info.shape[1:]) != tuple(expected.sample_shape)):
-                    raise ReadError(f"file {part.file!r}: tensor {fld.name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]")
+                if expected is not None and (
+                    info.dtype.name != expected.dtype
+                    or tuple(info.shape[1:]) != tuple(expected.sample_shape)
+                ):
+                    raise ReadError(
+                        f"file {part.file!r}: tensor {fld.name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]"
+                    )
                 rows = t.shape[0] if t.ndim else 1
                 entry_rows = rows if entry_rows is None else entry_rows
                 if rows != entry_rows:
-                    raise ReadError(f"file {part.file!r}: tensor {fld.name!r} has {rows} rows, others have {entry_rows}")
+                    raise ReadError(
+                        f"file {part.file!r}: tensor {fld.name!r} has {rows} rows, others have {entry_rows}"
+                    )
                 stop = rows if part.row_stop < 0 else part.row_stop
                 chunk = t[part.row_start : stop]
                 if self.options.tensor_format == "struct":
                     columns.append(_struct_rows(chunk, info.dtype.name))
                 else:
-                    columns.append(_uniform_lists(_convert(chunk, info.dtype.name, part.file, fld.name), chunk.ndim - 1))
+                    columns.append(
+                        _uniform_lists(
+                            _convert(chunk, info.dtype.name, part.file, fld.name), chunk.ndim - 1
+                        )
+                    )
             yield pa.record_batch(columns, names=[fld.name for fld in self.schema.fields])
 
     # -- kv view
@@ -297,18 +358,33 @@ class SafetensorsReader(DataSourceReader):
                             rows.setdefault(key, {})[col] = t
                         break
                 else:
-                    raise ReadError(f"file {part.file!r}: tensor {t.name!r} is not '<key>{sep}<column>' for a column of the dataset")
+                    raise ReadError(
+                        f"file {part.file!r}: tensor {t.name!r} is not '<key>{sep}<column>' for a column of the dataset"
+                    )
             keys = sorted(rows)
             out = {key_col: pa.array(keys, pa.string())}
             for col in columns:
                 infos = [rows[k].get(col) for k in keys]
                 if any(i is None for i in infos):
                     k = keys[infos.index(None)]
-                    raise ReadError(f"file {part.file!r}: key {k!r} has no tensor for column {col!r}")
+                    raise ReadError(
+                        f"file {part.file!r}: key {k!r} has no tensor for column {col!r}"
+                    )
                 if self.options.tensor_format == "struct":
-                    out[col] = pa.array([_tensor_struct(f.raw(i), i) for i in infos], type=pa.struct([("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]))
+                    out[col] = pa.array(
+                        [_tensor_struct(f.raw(i), i) for i in infos],
+                        type=pa.struct(
+                            [
+                                ("data", pa.binary()),
+                                ("shape", pa.list_(pa.int32())),
+                                ("dtype", pa.string()),
+                            ]
+                        ),
+                    )
                 else:
-                    arrays = [_convert(f.tensor(i.name), i.dtype.name, part.file, col) for i in infos]
+                    arrays = [
+                        _convert(f.tensor(i.name), i.dtype.name, part.file, col) for i in infos
+                    ]
                     out[col] = _ragged_lists(arrays, len(manifest.schema[col].sample_shape))
             names = [f.name for f in self.schema.fields]
             yield pa.record_batch([out[n] for n in names], names=names)
@@ -323,7 +399,13 @@ class PushdownSafetensorsReader(SafetensorsReader):
         key_col = self.source.manifest.name_col if self.source.manifest else None
         for f in filters:
             column = f.attribute[0] if len(f.attribute) == 1 else None
-            values = [f.value] if isinstance(f, EqualTo) else list(f.value) if isinstance(f, In) else None
+            values = (
+                [f.value]
+                if isinstance(f, EqualTo)
+                else list(f.value)
+                if isinstance(f, In)
+                else None
+            )
             if values is None or not all(isinstance(v, str) for v in values):
                 yield f
             elif self.view == "tensors" and column == "name":
@@ -334,7 +416,6 @@ class PushdownSafetensorsReader(SafetensorsReader):
                 self.wanted_keys = set(values) & (self.wanted_keys or set(values))
             else:
                 yield f
-
 
 
 def _pushdown_enabled() -> bool:
@@ -357,7 +438,9 @@ def _pushdown_enabled() -> bool:
 def _convert(t: np.ndarray, dtype: str, file: str, column: str) -> np.ndarray:
     target = SPARK_TYPES[dtype][1]
     if dtype == "U64" and t.size and t.max() > np.iinfo(np.int64).max:
-        raise ReadError(f"file {file!r}: column {column!r} holds U64 values above 2^63-1, which Spark's long cannot hold")
+        raise ReadError(
+            f"file {file!r}: column {column!r} holds U64 values above 2^63-1, which Spark's long cannot hold"
+        )
     return t.astype(target, copy=False) if t.dtype != target else t
 
 
@@ -381,7 +464,13 @@ def _ragged_lists(arrays: list[np.ndarray], rank: int) -> pa.Array:
     shapes = [a.shape for a in arrays]
     for depth in range(rank - 1, -1, -1):
         # lists at this depth: per row, prod(shape[:depth]) lists of length shape[depth]
-        lengths = np.concatenate([np.full(math.prod(s[:depth]), s[depth], dtype=np.int64) for s in shapes]) if shapes else np.empty(0, np.int64)
+        lengths = (
+            np.concatenate(
+                [np.full(math.prod(s[:depth]), s[depth], dtype=np.int64) for s in shapes]
+            )
+            if shapes
+            else np.empty(0, np.int64)
+        )
         offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         arr = pa.ListArray.from_arrays(pa.array(offsets), arr)
@@ -397,9 +486,14 @@ def _struct_rows(chunk: np.ndarray, dtype: str) -> pa.Array:
     per = chunk[0].nbytes if rows else 0
     flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
     offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * per)
-    data = pa.BinaryArray.from_buffers(pa.binary(), rows, [None, offsets.buffers()[1], pa.py_buffer(flat)])
+    data = pa.BinaryArray.from_buffers(
+        pa.binary(), rows, [None, offsets.buffers()[1], pa.py_buffer(flat)]
+    )
     sample = list(chunk.shape[1:])
-    shape = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * len(sample)), pa.array(np.tile(np.array(sample, np.int32), rows), pa.int32()))
+    shape = pa.ListArray.from_arrays(
+        pa.array(np.arange(rows + 1, dtype=np.int32) * len(sample)),
+        pa.array(np.tile(np.array(sample, np.int32), rows), pa.int32()),
+    )
     dtypes = pa.array([dtype] * rows, pa.string())
     return pa.StructArray.from_arrays([data, shape, dtypes], names=["data", "shape", "dtype"])
 
@@ -412,11 +506,18 @@ def _batch(names, file, infos, data) -> pa.RecordBatch:
         "shape": pa.array([list(t.shape) for t in infos], pa.list_(pa.int64())),
     }
     if data is not None:
-        cols["data"] = pa.array(data, type=pa.struct([("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]))
+        cols["data"] = pa.array(
+            data,
+            type=pa.struct(
+                [("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]
+            ),
+        )
     return pa.record_batch([cols[n] for n in names], names=names)
 
 
-def make_reader(options_map: Mapping[str, str], schema: StructType | None) -> tuple[StructType, SafetensorsReader | None]:
+def make_reader(
+    options_map: Mapping[str, str], schema: StructType | None
+) -> tuple[StructType, SafetensorsReader | None]:
     options = ReaderOptions.parse(options_map)
     try:
         source = resolve(options)
