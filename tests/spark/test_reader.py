@@ -130,7 +130,7 @@ def test_explicit_schema_is_honoured_and_checked(spark, tmp_path):
     )
     r = spark.read.format("safetensors").schema("v array<float>").load(str(tmp_path / "s"))
     assert r.columns == ["v"] and r.count() == 4
-    with pytest.raises(Exception, match="column 'v'.*array<double>"):
+    with pytest.raises(Exception, match=r"column 'v'.*array<double>"):
         spark.read.format("safetensors").schema("v array<double>").load(
             str(tmp_path / "s")
         ).collect()
