@@ -65,6 +65,10 @@ TENSOR_STRUCT = StructType(
     ]
 )
 
+ARROW_TENSOR_STRUCT = pa.struct(
+    [("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]
+)
+
 
 class ReadError(ValueError):
     """An input that cannot be read: missing, corrupt, or disagreeing with its manifest."""
