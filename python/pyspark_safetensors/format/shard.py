@@ -140,7 +140,9 @@ class SafetensorsFile:
             w = f.tensor("weight")       # a view of the mapped file, no copy
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, copy_on_write: bool = False):
+        """``copy_on_write`` maps the file privately: views are writable (as torch wants)
+        and writes stay in memory, never reaching the file."""
         self.path = os.fspath(path)
         self._file = open(self.path, "rb")  # noqa: SIM115 - lives as long as the object
         try:
@@ -149,7 +151,8 @@ class SafetensorsFile:
                 raise TruncatedFileError(
                     f"file is {size} bytes, shorter than the 8-byte header length", path=self.path
                 )
-            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
+            self._mmap = mmap.mmap(self._file.fileno(), 0, access=access)
             n = read_header_length(self._mmap[:8], size, self.path)
             self.header = decode_header(self._mmap[: 8 + n], size, self.path)
         except BaseException:
