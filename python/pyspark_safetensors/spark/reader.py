@@ -35,7 +35,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..dataset import MANIFEST, Manifest, ManifestError, load_manifest, local_path
+from ..dataset import MANIFEST, ColumnSchema, Manifest, ManifestError, load_manifest, local_path
 from ..format import SafetensorsFile, get_dtype, read_header
 from .options import OptionError, _bool, _choice, _int
 
@@ -204,10 +204,7 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
     schema = manifest.schema
     if not schema and manifest.shards:  # a manifest without a schema: take the first header
         header = read_header(source.files[0])
-        schema = {
-            t.name: type("C", (), {"dtype": t.dtype.name, "sample_shape": t.shape[1:]})
-            for t in header.tensors
-        }
+        schema = {t.name: ColumnSchema(t.dtype.name, t.shape, t.shape[1:]) for t in header.tensors}
     fields = []
     if view == "kv":
         fields.append(StructField(manifest.name_col or "key", StringType()))
