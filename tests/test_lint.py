@@ -18,7 +18,7 @@ def ruff() -> str:
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["check", "format"])
 def test_ruff(repo_root, args):
     proc = subprocess.run(
-        [ruff(), *args, "python", "tests", "benchmarks"],
+        [ruff(), *args, "--no-cache", "python", "tests", "benchmarks"],
         cwd=repo_root,
         capture_output=True,
         text=True,

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 import torch
 
 from ..dataset import Manifest, read_index, verify_dataset

@@ -6,8 +6,8 @@ import re
 
 import numpy as np
 import pytest
-
 import torch
+
 from pyspark_safetensors.dataset import ManifestError
 from pyspark_safetensors.torch import ActivationLoader, ShuffledBatches, open_dataset
 
