@@ -58,9 +58,10 @@ def run_demo(out: Path, rows: int = 50_000) -> None:
     ).option(
         "metadata", '{"source": "pydoc_data.topics", "hook_point": "demo.char_features"}'
     ).mode("overwrite").save(str(out / "tokens"))
-    m = verify_dataset(out / "tokens", checksums=True)
+    tokens_manifest = verify_dataset(out / "tokens", checksums=True)
     print(
-        f"token dataset: {m.total_samples:,} samples, {len(m.shards)} shards, {m.total_bytes / 1e6:.1f} MB, verified"
+        f"token dataset: {tokens_manifest.total_samples:,} samples, {len(tokens_manifest.shards)} shards, "
+        f"{tokens_manifest.total_bytes / 1e6:.1f} MB, verified"
     )
 
     samples = df.select(
@@ -79,7 +80,7 @@ def run_demo(out: Path, rows: int = 50_000) -> None:
 
     from safetensors.numpy import load_file
 
-    first = out / "tokens" / verify_dataset(out / "tokens").shards[0].shard_path
+    first = out / "tokens" / tokens_manifest.shards[0].shard_path
     tensors = load_file(first)
     print(
         f"reference library reads {first.name}: "

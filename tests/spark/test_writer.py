@@ -305,6 +305,16 @@ def test_append_then_overwrite(spark, tmp_path):
     assert not (out / "_tensor_index.parquet").exists()
 
 
+def test_append_refuses_missing_or_extra_columns(spark, tmp_path):
+    out = tmp_path / "cols"
+    write(vectors_df(spark, n=4).select("vec", "id"), out, batch_size=2)
+    for columns in (["vec"], ["vec", "id", "key2"]):
+        df = vectors_df(spark, n=4).withColumn("key2", F.col("id")).select(*columns)
+        with pytest.raises(Exception, match="appended columns"):
+            write(df, out, mode="append", batch_size=2)
+    assert manifest(out)["total_samples"] == 4 and len(shards(out)) == len(manifest(out)["shards"])
+
+
 def test_task_retry_leaves_every_sample_once_and_no_orphans(spark, tmp_path):
     from pyspark import TaskContext
 
@@ -342,6 +352,12 @@ def assert_nothing_written(path):
     "rows,ddl,options,message",
     [
         ([([1.0, 2.0],), ([1.0],)], "x array<double>", {"batch_size": 2}, "column 'x'.*ragged"),
+        (
+            [([[1.0, 2.0], [3.0, 4.0]],), ([[1.0, 2.0], [3.0]],)],
+            "x array<array<double>>",
+            {"batch_size": 2},
+            r"column 'x' \(row 1 of this partition\).*ragged",
+        ),
         ([([1.0, 2.0],), (None,)], "x array<double>", {"batch_size": 2}, "column 'x'.*null array"),
         ([([1.0, None],)], "x array<double>", {"batch_size": 2}, "column 'x'.*null element"),
         ([(None, [1.0])], "k string, x array<double>", {"name_col": "k"}, "null key"),

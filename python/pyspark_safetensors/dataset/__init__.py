@@ -3,10 +3,18 @@
 Knows files and the format; knows neither Spark nor torch.
 """
 
-from .commit import StagedShard, TaskResult, abort_dataset, attempt_dir, commit_dataset
+from .commit import (
+    StagedShard,
+    TaskResult,
+    abort_dataset,
+    attempt_dir,
+    commit_dataset,
+    merge_schemas,
+)
 from .index import INDEX_SCHEMA, index_rows, read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS, local_path, resolve_inside, shard_name
 from .manifest import (
+    FORMAT_VERSION,
     ColumnSchema,
     Manifest,
     ManifestError,
@@ -17,6 +25,7 @@ from .manifest import (
 from .verify import shard_crc32c, verify_dataset
 
 __all__ = [
+    "FORMAT_VERSION",
     "INDEX",
     "INDEX_SCHEMA",
     "MANIFEST",
@@ -34,6 +43,7 @@ __all__ = [
     "index_rows",
     "load_manifest",
     "local_path",
+    "merge_schemas",
     "read_index",
     "resolve_inside",
     "shard_crc32c",

@@ -42,7 +42,8 @@ class StagedShard:
     final_name: str
     samples_count: int
     bytes: int
-    crc32c: str
+    crc32c: str | None
+    """Hex crc32c of the file, or None when checksums are off."""
     index: dict[str, list]
     """Index columns (``index.index_rows``) with ``file_name`` = ``final_name``."""
 
@@ -144,11 +145,12 @@ def commit_dataset(
             raise ValueError(
                 f"{where}: cannot append {template.mode}-mode data to a {previous.mode}-mode dataset"
             )
-        schema = merge_schemas([previous.schema, schema], f"{where} (append)", varying=varying)
-        if previous.schema and schema.keys() != previous.schema.keys() and previous.shards:
+        # Compare the column sets before merging: a merged schema would hide a missing column.
+        if previous.shards and staged and schema.keys() != previous.schema.keys():
             raise ValueError(
                 f"{where}: appended columns {sorted(schema)} differ from the dataset's {sorted(previous.schema)}"
             )
+        schema = merge_schemas([previous.schema, schema], f"{where} (append)", varying=varying)
         kept = previous.shards
         if generate_index or unique_keys:
             kept_index = [read_index(root)] if (root / INDEX).exists() else []

@@ -169,10 +169,19 @@ class SafetensorsFile:
     def __iter__(self):
         return iter(self.header.names())
 
+    def byte_range(self, begin: int, end: int) -> memoryview:
+        """Bytes ``[begin, end)`` of the file (absolute offsets, as in the tensor index)
+        as a view of the mapping."""
+        if not 0 <= begin <= end <= len(self._mmap):
+            raise ValueError(
+                f"file {self.path!r}: byte range [{begin}, {end}) outside its {len(self._mmap)} bytes"
+            )
+        return memoryview(self._mmap)[begin:end]
+
     def raw(self, info: TensorInfo) -> memoryview:
         """The tensor's bytes as a view of the mapped file."""
         start = self.header.data_start + info.begin
-        return memoryview(self._mmap)[start : start + info.nbytes]
+        return self.byte_range(start, start + info.nbytes)
 
     def tensor(self, name: str) -> np.ndarray:
         """A read-only numpy view of one tensor (raw uint8 bytes for sub-byte dtypes)."""

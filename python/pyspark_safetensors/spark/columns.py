@@ -149,19 +149,25 @@ def decode_batch_column(arr: pa.Array, plan: ColumnPlan, first_row: int) -> np.n
     else:
         levels, flat = _list_levels(arr, plan, first_row)
         sample = []
-        for offsets in levels:
+        for depth, offsets in enumerate(levels):
             lengths = np.diff(offsets)
             if lengths.size and (lengths != lengths[0]).any():
                 bad = int(np.flatnonzero(lengths != lengths[0])[0])
-                # map an inner position back to its row for the message
                 _fail(
                     plan.name,
                     f"ragged arrays: length {int(lengths[bad])} where {int(lengths[0])} was expected; every row must have the same shape in batch mode",
-                    first_row + (bad if offsets is levels[0] else 0),
+                    first_row + _row_of(levels, depth, bad),
                 )
             sample.append(int(lengths[0]) if lengths.size else 0)
     out = cast_array(flat, plan.target, where=f"column {plan.name!r}")
     return _reshape(out, rows, tuple(sample), plan, first_row)
+
+
+def _row_of(levels: list[np.ndarray], depth: int, position: int) -> int:
+    """The row holding list ``position`` of nesting level ``depth``."""
+    for offsets in reversed(levels[:depth]):
+        position = int(np.searchsorted(offsets, position, side="right")) - 1
+    return position
 
 
 def _reshape(

@@ -36,7 +36,7 @@ from pyspark.sql.types import (
 )
 
 from ..dataset import MANIFEST, ColumnSchema, Manifest, ManifestError, load_manifest, local_path
-from ..format import SafetensorsFile, get_dtype, read_header
+from ..format import SafetensorsFile, read_header
 from .options import OptionError, _bool, _choice, _int
 
 VIEWS = ("rows", "kv", "tensors")
@@ -532,4 +532,4 @@ def make_reader(
     return schema, cls(options, source, view, schema)
 
 
-__all__ = ["ReadError", "ReaderOptions", "SafetensorsReader", "get_dtype", "make_reader"]
+__all__ = ["ReadError", "ReaderOptions", "SafetensorsReader", "make_reader"]

@@ -13,7 +13,16 @@ import pyarrow as pa
 from pyspark.sql.datasource import WriterCommitMessage
 
 from .. import __version__
-from ..dataset import ColumnSchema, StagedShard, TaskResult, attempt_dir, index_rows, shard_name
+from ..dataset import (
+    FORMAT_VERSION,
+    ColumnSchema,
+    StagedShard,
+    TaskResult,
+    attempt_dir,
+    index_rows,
+    merge_schemas,
+    shard_name,
+)
 from ..format import ChunkedTensor, dtype_of, write_shard
 from .columns import ColumnError, ColumnPlan, decode_batch_column, decode_kv_column
 from .options import WriterOptions
@@ -48,7 +57,7 @@ class _ShardSink:
         self.schema: dict[str, ColumnSchema] = {}
         self.metadata = {
             "format": "pt",
-            "format_version": "1.0",
+            "format_version": FORMAT_VERSION,
             "writer": f"pyspark-safetensors {__version__}",
             **options.metadata,
         }
@@ -81,20 +90,16 @@ class _ShardSink:
             )
         )
 
-    def note_schema(
-        self, column: str, dtype: str, sample_shape: tuple[int, ...], varying_ok: bool
-    ) -> None:
+    def note_schema(self, column: str, dtype: str, sample_shape: tuple[int, ...]) -> None:
+        """Record a column's dtype and sample shape; the commit's merge rule applies here
+        too (batch mode: must agree; KV mode: differing dims become -1)."""
         col = ColumnSchema(dtype, sample_shape, sample_shape)
-        seen = self.schema.setdefault(column, col)
-        if seen.dtype != dtype or seen.sample_shape != sample_shape:
-            if not varying_ok or seen.dtype != dtype or len(seen.sample_shape) != len(sample_shape):
-                raise ColumnError(
-                    f"column {column!r}: {dtype}{list(sample_shape)} differs from {seen.dtype}{list(seen.sample_shape)} seen earlier"
-                )
-            merged = tuple(
-                a if a == b else -1 for a, b in zip(seen.sample_shape, sample_shape, strict=False)
+        if self.schema.get(column) != col:
+            self.schema = merge_schemas(
+                [self.schema, {column: col}],
+                f"partition {self.task_id}",
+                varying=self.options.mode == "kv",
             )
-            self.schema[column] = ColumnSchema(dtype, merged, merged)
 
     def result(self) -> TaskResult:
         return TaskResult(self.attempt_id, tuple(self.shards), self.schema)
@@ -120,9 +125,7 @@ class BatchModeWriter:
             return
         for plan in self.plans:
             chunk = decode_batch_column(batch.column(plan.name), plan, self.rows_seen)
-            self.sink.note_schema(
-                plan.name, dtype_of(chunk).name, chunk.shape[1:], varying_ok=False
-            )
+            self.sink.note_schema(plan.name, dtype_of(chunk).name, chunk.shape[1:])
             self.pending[plan.name].append(chunk)
         self.rows_seen += rows
         self.pending_rows += rows
@@ -190,10 +193,8 @@ class KVModeWriter:
         keys = key_col.to_pylist()
         columns = {p.name: decode_kv_column(batch.column(p.name), p, keys) for p in self.plans}
         for p in self.plans:
-            for shape, dtype in {(t.shape, t.dtype) for t in columns[p.name]}:
-                self.sink.note_schema(
-                    p.name, dtype_of(np.empty(0, dtype)).name, shape, varying_ok=True
-                )
+            for tensor in {(t.shape, t.dtype): t for t in columns[p.name]}.values():
+                self.sink.note_schema(p.name, dtype_of(tensor).name, tensor.shape)
         sep = self.options.kv_separator
         suffixes = [(f"{sep}{p.name}", columns[p.name]) for p in self.plans]
         sizes = np.sum([[t.nbytes for t in columns[p.name]] for p in self.plans], axis=0)

@@ -87,10 +87,10 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         self.root = root
         self.manifest = manifest
         self.paths = [str(p) for p in manifest.shard_paths(root)]
-        self.starts = [s.first_sample if s.first_sample is not None else 0 for s in manifest.shards]
-        if any(s.first_sample is None for s in manifest.shards):
-            self.starts = list(np.cumsum([0] + [s.samples_count for s in manifest.shards])[:-1])
         self.counts = [s.samples_count for s in manifest.shards]
+        self.starts = np.cumsum([0, *self.counts])[
+            :-1
+        ].tolist()  # global index of each shard's first sample
         self._files = _OpenFiles()
         self._keys: dict[str, dict[str, KeyLocation]] | None = None
 
@@ -183,7 +183,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
 
     def _read(self, loc: KeyLocation) -> torch.Tensor:
         f = self._files.get(loc.file)
-        raw = np.frombuffer(f._mmap, dtype=np.uint8, count=loc.end - loc.begin, offset=loc.begin)
+        raw = np.frombuffer(f.byte_range(loc.begin, loc.end), dtype=np.uint8)
         d = _TORCH_DTYPES[loc.dtype]
         return (
             as_torch(raw, "U8").view(d).reshape(loc.shape)
