@@ -3,6 +3,7 @@
 Knows files and the format; knows neither Spark nor torch.
 """
 
+from .arrays import write_batch_dataset
 from .commit import (
     StagedShard,
     TaskResult,
@@ -49,6 +50,7 @@ __all__ = [
     "shard_crc32c",
     "shard_name",
     "verify_dataset",
+    "write_batch_dataset",
     "write_index",
     "write_manifest",
 ]  # fmt: skip

@@ -1,0 +1,20 @@
+"""TopK sparse autoencoders trained on activation datasets, on one process or a
+("data", "model") DeviceMesh. Imports torch."""
+
+from .checkpoint import CheckpointError, load_sae, save_sae
+from .config import SAEConfig
+from .mesh import DimMap, make_mesh, mesh_dim_size, mesh_rank
+from .model import TopKSAE, dense_reference
+
+__all__ = [
+    "CheckpointError",
+    "DimMap",
+    "SAEConfig",
+    "TopKSAE",
+    "dense_reference",
+    "load_sae",
+    "make_mesh",
+    "mesh_dim_size",
+    "mesh_rank",
+    "save_sae",
+]

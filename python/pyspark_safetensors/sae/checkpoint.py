@@ -1,0 +1,108 @@
+"""SAE checkpoints: the SAE as one safetensors file (the LUT spec's tensor names, config
+and metrics as JSON in ``__metadata__``), and trainer state next to it, each directory
+written whole under a temporary name and renamed into place."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..format import SafetensorsFile, write_shard
+
+SAE_FILE = "sae.safetensors"
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.json"
+SAE_TENSORS = ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias")
+CHECKPOINT_VERSION = "1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not fit."""
+
+
+def save_sae(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+    """Write the SAE atomically; ``metadata`` values are JSON-encoded into ``__metadata__``."""
+    arrays = {n: tensors[n].detach().to("cpu", torch.float32).numpy() for n in SAE_TENSORS}
+    meta = {"format": "pyspark-safetensors-sae", "version": CHECKPOINT_VERSION}
+    meta.update(
+        {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
+    )
+    write_shard(path, arrays, meta)
+
+
+def load_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """The SAE's tensors (float32) and its metadata (``config`` decoded to a dict)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no SAE file")
+    with SafetensorsFile(path) as f:
+        names = set(f.keys())
+        missing = [n for n in SAE_TENSORS if n not in names]
+        if missing:
+            raise CheckpointError(f"{path}: missing tensor(s) {missing}")
+        tensors = {
+            n: torch.from_numpy(np.array(f.tensor(n), dtype=np.float32)) for n in SAE_TENSORS
+        }
+        meta = dict(f.metadata or {})
+    for key in ("config", "metrics"):
+        if key in meta:
+            meta[key] = json.loads(meta[key])
+    n, d = tensors["encoder_weight"].shape
+    expected = {"encoder_bias": (n,), "decoder_weight": (n, d), "decoder_bias": (d,)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}"
+            )
+    return tensors, meta
+
+
+def write_checkpoint(
+    directory: str | os.PathLike,
+    sae_tensors: dict[str, torch.Tensor],
+    trainer_state: dict,
+    config: dict,
+    metadata: dict,
+) -> Path:
+    """``directory/{sae.safetensors, trainer_state.pt, config.json}``, all or nothing."""
+    final = Path(directory)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    tmp.mkdir(parents=True)
+    try:
+        save_sae(tmp / SAE_FILE, sae_tensors, {"config": config, **metadata})
+        torch.save(trainer_state, tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(SAE tensors, trainer state, config dict) of a checkpoint directory."""
+    directory = Path(directory)
+    missing = [n for n in (SAE_FILE, STATE_FILE, CONFIG_FILE) if not (directory / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: not a complete checkpoint, missing {missing}")
+    tensors, _ = load_sae(directory / SAE_FILE)
+    try:
+        state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        config = json.loads((directory / CONFIG_FILE).read_text())
+    except Exception as e:  # torch raises several types for a damaged pickle
+        raise CheckpointError(f"{directory}: unreadable trainer state or config ({e})") from e
+    return tensors, state, config
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete ``checkpoints/step-*`` directory of a run, if any."""
+    found = sorted(Path(run_dir, "checkpoints").glob("step-*"))
+    return found[-1] if found else None

@@ -1,0 +1,202 @@
+"""The trainer's configuration: a frozen dataclass read from TOML (``conf/sae.toml``) with
+``key=value`` command-line overrides, saved next to every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class SAEConfig:
+    # data
+    dataset: str = ""
+    """Batch-mode activation dataset directory (token level, ``[B, d]`` rows)."""
+    column: str = "activation"
+    """Column of the dataset holding the activations."""
+    hook_point: str = ""
+    """Recorded in the checkpoint; taken from the dataset's ``hook_point`` metadata if empty."""
+    # model
+    d: int = 0
+    """Input width; 0 = the dataset's sample width (a non-zero value must match it)."""
+    expansion_factor: int = 16
+    n_latents: int = 0
+    """Dictionary size; 0 = ``expansion_factor * d``."""
+    k: int = 32
+    """Active latents per token."""
+    k_start: int = 0
+    """k at step 0, annealed linearly to ``k`` over ``k_anneal_fraction`` of training; 0 = no annealing."""
+    k_anneal_fraction: float = 0.1
+    k_aux: int = 0
+    """Latents of the AuxK loss; 0 = d // 2."""
+    aux_coef: float = 1 / 32
+    dead_tokens: int = 10_000_000
+    """A latent that has not fired for this many tokens is dead."""
+    b_dec_init: Literal["geometric_median", "mean", "zeros"] = "geometric_median"
+    init_samples: int = 16384
+    """Activations used to initialise ``decoder_bias``."""
+    # optimisation
+    lr: float = 0.0
+    """Adam learning rate; 0 = 2e-4 / sqrt(n_latents / 16384), the scaling law of Gao et al."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 6.25e-10
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2
+    """The learning rate decays linearly to 0 over this last fraction of the steps."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 = off."""
+    batch_size: int = 4096
+    """Global batch (tokens per step), split evenly over the data-parallel ranks."""
+    tokens: int = 0
+    """Training tokens; 0 = one pass over the dataset."""
+    seed: int = 0
+    autocast: bool = True
+    """bf16 autocast on CUDA (parameters and optimizer stay float32); ignored on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_workers: int = 0
+    # parallelism
+    data_parallel_size: int = 1
+    model_parallel_size: int = 1
+    # outputs
+    out_dir: str = "runs/sae"
+    log_every: int = 50
+    checkpoints: int = 6
+    """Log-spaced intermediate checkpoints (the final one is always written)."""
+    progress: bool = True
+    resume: str = ""
+    """Checkpoint directory to continue from; "auto" = the newest one in ``out_dir``."""
+
+    def __post_init__(self):
+        positive = ["expansion_factor", "k", "batch_size", "log_every", "init_samples"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["d", "n_latents", "k_start", "k_aux", "tokens", "checkpoints", "num_workers"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.data_parallel_size < 1 or self.model_parallel_size < 1:
+            raise ValueError("data_parallel_size and model_parallel_size must be >= 1")
+        if self.batch_size % self.data_parallel_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} does not split over {self.data_parallel_size} data-parallel ranks"
+            )
+        if self.lr < 0 or self.grad_clip < 0 or self.aux_coef < 0:
+            raise ValueError("lr, grad_clip and aux_coef must be >= 0")
+        if not 0 <= self.decay_fraction <= 1 or not 0 <= self.k_anneal_fraction <= 1:
+            raise ValueError("decay_fraction and k_anneal_fraction must be in [0, 1]")
+        for name, choices in [
+            ("b_dec_init", ("geometric_median", "mean", "zeros")),
+            ("device", ("auto", "cpu", "cuda")),
+        ]:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        n = self.n_latents or self.expansion_factor * self.d
+        if self.d and self.k > n:
+            raise ValueError(f"k {self.k} exceeds n_latents {n}")
+        if self.d and n % self.model_parallel_size:
+            raise ValueError(
+                f"n_latents {n} is not divisible by model_parallel_size {self.model_parallel_size}"
+            )
+
+    # derived values (valid once ``d`` is known)
+
+    @property
+    def latents(self) -> int:
+        return self.n_latents or self.expansion_factor * self.d
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr or 2e-4 / (self.latents / 16384) ** 0.5
+
+    @property
+    def aux_k(self) -> int:
+        return self.k_aux or max(1, self.d // 2)
+
+    # serialisation
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of the fields that define the SAE and its training
+        (output and logging fields excluded)."""
+        skip = {
+            "out_dir",
+            "log_every",
+            "checkpoints",
+            "progress",
+            "num_workers",
+            "device",
+            "resume",
+            "data_parallel_size",
+            "model_parallel_size",
+        }
+        body = {k: v for k, v in self.to_dict().items() if k not in skip}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> SAEConfig:
+        """From a TOML file (top-level keys or an ``[sae]`` table) and ``key=value``
+        overrides; unknown keys and ill-typed values are errors naming them."""
+        values: dict = {}
+        if path is not None:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+            values.update(data.get("sae", data))
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r} is not key=value")
+            values[key.strip().replace("-", "_")] = _parse(key.strip(), raw.strip())
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SAEConfig:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(fields)}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+def _parse(key: str, raw: str):
+    """A command-line value: TOML syntax when it parses (numbers, booleans, arrays,
+    quoted strings), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _coerce(key: str, value, hint):
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(hint)):
+            raise ValueError(f"{key} must be a list of {len(typing.get_args(hint))} numbers")
+        return tuple(float(v) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    return str(value)

@@ -1,0 +1,478 @@
+"""Train a TopK SAE on an activation dataset, on one process or a ("data", "model") mesh.
+
+    torchrun --nproc-per-node=4 -m pyspark_safetensors.sae.train --config conf/sae.toml \\
+        dataset=runs/demo/activations/layer0 data_parallel_size=2 model_parallel_size=2
+
+Every rank runs the same program. Ranks of one model group read the same batch (the
+loader splits by the "data" coordinate only); gradients are averaged over "data"; the
+loss is the FVU of the whole global batch, so DP=2 takes exactly the step one process
+would take on the double batch. Side effects (logs, checkpoints, plots) happen on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..torch import ActivationLoader, open_dataset
+from .checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    read_checkpoint,
+    save_sae,
+    write_checkpoint,
+)
+from .config import SAEConfig
+from .mesh import (
+    DATA,
+    MODEL,
+    DimMap,
+    all_gather_cat,
+    all_reduce,
+    barrier,
+    is_main_process,
+    make_mesh,
+    mesh_dim_size,
+    mesh_rank,
+)
+from .model import PLACEMENT, TopKSAE, geometric_median
+
+LATENTS = DimMap({MODEL: 0})  # per-latent trainer state is sharded like the encoder bias
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite; the last good state was checkpointed."""
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Trainer:
+    """One rank's share of a training run. ``train_step`` is one optimizer step on this
+    rank's slice of the global batch; ``fit`` loops over the dataset with logging and
+    checkpoints."""
+
+    def __init__(self, config: SAEConfig, mesh=None):
+        ds = open_dataset(config.dataset) if config.dataset else None
+        if ds is None:
+            raise ValueError("config.dataset is empty: give the activation dataset directory")
+        if config.column not in ds.columns:
+            raise ValueError(f"{config.dataset}: no column {config.column!r}; it has {ds.columns}")
+        shape = ds.manifest.schema[config.column].sample_shape
+        if len(shape) != 1:
+            raise ValueError(
+                f"{config.dataset}: column {config.column!r} has samples of shape {list(shape)}; "
+                "the SAE needs token-level rows [d]"
+            )
+        if config.d and config.d != shape[0]:
+            raise ValueError(
+                f"config d={config.d} but the dataset's {config.column!r} has width {shape[0]}"
+            )
+        self.config = config = dataclasses.replace(
+            config,
+            d=shape[0],
+            hook_point=config.hook_point or ds.metadata.get("hook_point", ""),
+        )
+        self.mesh = mesh
+        if (
+            mesh_dim_size(mesh, DATA) != config.data_parallel_size
+            or mesh_dim_size(mesh, MODEL) != config.model_parallel_size
+        ):
+            raise ValueError(
+                f"the mesh is data={mesh_dim_size(mesh, DATA)} x model={mesh_dim_size(mesh, MODEL)}, "
+                f"the config asks for {config.data_parallel_size} x {config.model_parallel_size}"
+            )
+        self.dataset = ds
+        self.device = _device(config.device)
+        self.dp = config.data_parallel_size
+        self.sae = TopKSAE(
+            config.d, config.latents, config.k, mesh=mesh, seed=config.seed, device=self.device
+        )
+        self.optimizer = torch.optim.Adam(
+            self.sae.parameters(),
+            lr=config.learning_rate,
+            betas=config.adam_betas,
+            eps=config.adam_eps,
+        )
+        self.loader = ActivationLoader(
+            ds,
+            config.batch_size // self.dp,
+            columns=[config.column],
+            seed=config.seed,
+            drop_last=True,
+            dp_rank=mesh_rank(mesh, DATA),
+            dp_size=self.dp,
+            num_workers=config.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        per_epoch = len(self.loader)
+        if per_epoch == 0:
+            raise ValueError(
+                f"{config.dataset} has {len(ds)} rows, fewer than one global batch of "
+                f"{config.batch_size}: lower batch_size"
+            )
+        self.total_steps = (config.tokens // config.batch_size if config.tokens else per_epoch) or 1
+        n_local = self.sae.n_local
+        self.since_fired = torch.zeros(n_local, dtype=torch.long, device=self.device)
+        self.fire_count = torch.zeros(n_local, dtype=torch.long, device=self.device)
+        self.step = 0
+        self.tokens_seen = 0
+        self.history: list[dict] = []
+        self.out_dir = Path(config.out_dir)
+
+    # --- schedules -------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        scale = min(1.0, (step + 1) / c.warmup_steps) if c.warmup_steps else 1.0
+        decay_steps = int(self.total_steps * c.decay_fraction)
+        if decay_steps and step >= self.total_steps - decay_steps:
+            scale *= max(0.0, (self.total_steps - step) / decay_steps)
+        return c.learning_rate * scale
+
+    def k_at(self, step: int) -> int:
+        c = self.config
+        if not c.k_start:
+            return c.k
+        span = max(1, int(self.total_steps * c.k_anneal_fraction))
+        frac = min(1.0, step / span)
+        return max(1, round(c.k_start + (c.k - c.k_start) * frac))
+
+    # --- initialisation from data ----------------------------------------------------------
+
+    @torch.no_grad()
+    def init_decoder_bias(self, sample: torch.Tensor | None = None) -> None:
+        """Set ``decoder_bias`` from a sample of activations gathered over the data ranks
+        (so every rank computes the same value)."""
+        c = self.config
+        if c.b_dec_init == "zeros":
+            return
+        if sample is None:
+            rows = min(len(self.dataset), max(c.init_samples // self.dp, 1))
+            rng = np.random.default_rng([c.seed, mesh_rank(self.mesh, DATA)])
+            idx = np.sort(rng.choice(len(self.dataset), size=rows, replace=False))
+            sample = self.loader.batches.read_batch(idx)[c.column]
+        sample = all_gather_cat(sample.to(self.device, torch.float32), self.mesh, DATA)
+        center = geometric_median(sample) if c.b_dec_init == "geometric_median" else sample.mean(0)
+        self.sae.decoder_bias.copy_(center.to(self.sae.decoder_bias))
+
+    # --- one step ------------------------------------------------------------------------
+
+    def train_step(self, x: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on this rank's ``x [B_local, d]``; returns global metrics."""
+        c, sae = self.config, self.sae
+        x = x.to(self.device, torch.float32)
+        k = self.k_at(self.step)
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        dead = self.since_fired >= c.dead_tokens
+        n_dead = int(all_reduce(dead.sum(), self.mesh, MODEL).item())
+        use_aux = n_dead > 0 and c.aux_coef > 0
+        amp = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if c.autocast and self.device.type == "cuda"
+            else nullcontext()
+        )
+        with amp:
+            out = sae(x, k=k, dead=dead if use_aux else None, k_aux=c.aux_k)
+            err = out.x_hat.float() - x
+            residual = -err.detach()  # what the dead latents are asked to explain
+            if use_aux:
+                aux_err = sae.decode(out.aux_values, out.aux_indices).float() - residual
+        e = residual
+        # One collective for everything the global-batch normalisers need.
+        stats = torch.cat([x.sum(0), (x * x).sum()[None], e.sum(0), (e * e).sum()[None]]).double()
+        stats = torch.cat([stats, stats.new_tensor([x.shape[0]])])
+        all_reduce(stats, self.mesh, DATA)
+        d = x.shape[1]
+        n_tokens = stats[-1]
+        var_x = stats[d] - stats[:d].pow(2).sum() / n_tokens
+        var_e = stats[2 * d + 1] - stats[d + 1 : 2 * d + 1].pow(2).sum() / n_tokens
+        sq = err.pow(2).sum()
+        # x dp: gradients are averaged over the data ranks, so each rank's share of the
+        # global FVU is scaled up by dp.
+        loss = sq * (self.dp / var_x.clamp_min(1e-12).float())
+        aux_sq = torch.zeros((), device=self.device)
+        if use_aux:
+            aux_sq = aux_err.pow(2).sum()
+            loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(1e-12).float())
+        l0 = (out.values > 0).sum()
+        totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double()])
+        all_reduce(totals, self.mesh, DATA)
+        l0_total = all_reduce(totals[2:3].clone(), self.mesh, MODEL)[0]
+        fvu = float(totals[0] / var_x)
+        if not math.isfinite(fvu):
+            raise NonFiniteLoss(f"non-finite loss at step {self.step} (FVU {fvu})")
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._sync_gradients()
+        sae.remove_parallel_gradient()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        sae.normalize_decoder()
+        self._track_firing(out.values, out.indices, int(n_tokens))
+        self.step += 1
+        self.tokens_seen += int(n_tokens)
+        dead_now = all_reduce((self.since_fired >= c.dead_tokens).sum(), self.mesh, MODEL)
+        return {
+            "step": self.step,
+            "tokens": self.tokens_seen,
+            "loss": float(totals[0] / var_x + c.aux_coef * (totals[1] / var_e if use_aux else 0)),
+            "fvu": fvu,
+            "mse": float(totals[0] / (n_tokens * d)),
+            "aux_loss": float(totals[1] / var_e) if use_aux else 0.0,
+            "l0": float(l0_total / n_tokens),
+            "dead_fraction": float(dead_now) / c.latents,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "k": k,
+        }
+
+    def _sync_gradients(self) -> None:
+        if self.dp == 1:
+            return
+        params = [p for p in self.sae.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.flatten() for p in params])
+        all_reduce(flat, self.mesh, DATA, op="mean")
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+    def _clip_gradients(self) -> float:
+        """Clip by the norm of the whole (gathered) gradient: sharded parameters' squares
+        are summed over "model", the replicated decoder bias counted once."""
+        sharded = sum(
+            p.grad.double().pow(2).sum()
+            for name, p in self.sae.named_parameters()
+            if p.grad is not None and PLACEMENT[name].dims
+        )
+        sharded = all_reduce(torch.as_tensor(sharded, device=self.device), self.mesh, MODEL)
+        replicated = self.sae.decoder_bias.grad.double().pow(2).sum()
+        norm = float((sharded + replicated).sqrt())
+        if self.config.grad_clip and norm > self.config.grad_clip:
+            scale = self.config.grad_clip / (norm + 1e-6)
+            for p in self.sae.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def _track_firing(self, values: torch.Tensor, indices: torch.Tensor, n_tokens: int) -> None:
+        local = (indices - self.sae.offset)[values > 0]
+        fired = torch.bincount(local, minlength=self.sae.n_local)
+        all_reduce(fired, self.mesh, DATA)
+        self.fire_count += fired
+        self.since_fired = torch.where(fired > 0, 0, self.since_fired + n_tokens)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def trainer_state(self) -> dict:
+        """Everything beyond the SAE needed to continue exactly, gathered to full shapes
+        (a collective: call on every rank)."""
+        optimizer = {}
+        for name, p in self.sae.named_parameters():
+            st = self.optimizer.state.get(p, {})
+            if st:
+                optimizer[name] = {
+                    "step": st["step"].detach().cpu().clone(),
+                    "exp_avg": PLACEMENT[name].gather(st["exp_avg"], self.mesh).cpu(),
+                    "exp_avg_sq": PLACEMENT[name].gather(st["exp_avg_sq"], self.mesh).cpu(),
+                }
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "loader": self.loader.state_dict(),
+            "optimizer": optimizer,
+            "since_fired": LATENTS.gather(self.since_fired, self.mesh).cpu(),
+            "fire_count": LATENTS.gather(self.fire_count, self.mesh).cpu(),
+            "rng": torch.get_rng_state(),
+            "config_hash": self.config.config_hash(),
+        }
+
+    @torch.no_grad()
+    def load(self, checkpoint_dir: str | Path) -> None:
+        """Continue from a checkpoint written by ``save`` (any mesh shape)."""
+        tensors, state, config = read_checkpoint(checkpoint_dir)
+        saved = SAEConfig.from_dict({**config, "adam_betas": tuple(config["adam_betas"])})
+        if saved.config_hash() != self.config.config_hash():
+            diff = {
+                k: (v, getattr(self.config, k))
+                for k, v in dataclasses.asdict(saved).items()
+                if getattr(self.config, k) != v
+            }
+            raise CheckpointError(
+                f"{checkpoint_dir}: written by a different training config; differences {diff}"
+            )
+        self.sae.load_full_state(tensors)
+        by_name = dict(self.sae.named_parameters())
+        for name, st in state["optimizer"].items():
+            p = by_name[name]
+            self.optimizer.state[p] = {
+                "step": st["step"].clone(),
+                "exp_avg": PLACEMENT[name].distribute(st["exp_avg"], self.mesh).to(p).clone(),
+                "exp_avg_sq": PLACEMENT[name].distribute(st["exp_avg_sq"], self.mesh).to(p).clone(),
+            }
+        self.since_fired = (
+            LATENTS.distribute(state["since_fired"], self.mesh).to(self.device).clone()
+        )
+        self.fire_count = LATENTS.distribute(state["fire_count"], self.mesh).to(self.device).clone()
+        self.loader.load_state_dict(state["loader"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        torch.set_rng_state(state["rng"])
+        metrics = self.out_dir / "metrics.jsonl"
+        if metrics.is_file():
+            self.history = [
+                r
+                for r in map(json.loads, metrics.read_text().splitlines())
+                if r["step"] <= self.step
+            ]
+
+    def sae_metadata(self, metrics: dict | None = None) -> dict:
+        c = self.config
+        return {
+            "config_hash": c.config_hash(),
+            "hook_point": c.hook_point,
+            "d": str(c.d),
+            "n_latents": str(c.latents),
+            "k": str(c.k),
+            "step": str(self.step),
+            "tokens": str(self.tokens_seen),
+            "dataset_metadata": dict(self.dataset.metadata),
+            **({"metrics": metrics} if metrics else {}),
+        }
+
+    def save(self, metrics: dict | None = None) -> Path:
+        """Checkpoint ``out_dir/checkpoints/step-NNNNNNNN`` (collective; rank 0 writes)."""
+        tensors = self.sae.full_state()
+        state = self.trainer_state()
+        path = self.out_dir / "checkpoints" / f"step-{self.step:08d}"
+        if is_main_process():
+            write_checkpoint(
+                path, tensors, state, self.config.to_dict(), self.sae_metadata(metrics)
+            )
+        barrier()
+        return path
+
+    def checkpoint_steps(self) -> set[int]:
+        n = self.config.checkpoints
+        if n == 0:
+            return set()
+        steps = np.geomspace(max(1, self.total_steps / 2**n), self.total_steps, n + 1)[:-1]
+        return {int(s) for s in np.round(steps)} - {self.total_steps}
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        """Train to ``total_steps``; returns the last metrics. Writes ``metrics.jsonl``,
+        checkpoints, ``sae.safetensors`` and plots under ``out_dir`` (rank 0)."""
+        c = self.config
+        main = is_main_process()
+        if main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(
+                json.dumps(c.to_dict(), indent=2, sort_keys=True) + "\n"
+            )
+        if self.step == 0:
+            self.init_decoder_bias()
+        bar = _progress(self.total_steps, self.step, enabled=main and c.progress)
+        ckpt_steps = self.checkpoint_steps()
+        metrics: dict = {}
+        started, tokens_at_start = time.perf_counter(), self.tokens_seen
+        try:
+            while self.step < self.total_steps:
+                for batch in self.loader:
+                    try:
+                        metrics = self.train_step(batch[c.column])
+                    except NonFiniteLoss as e:
+                        path = self.save()
+                        raise NonFiniteLoss(f"{e}; last good state saved to {path}") from None
+                    elapsed = time.perf_counter() - started
+                    metrics["tokens_per_s"] = (self.tokens_seen - tokens_at_start) / elapsed
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(fvu=f"{metrics['fvu']:.3f}", l0=f"{metrics['l0']:.1f}")
+                    if self.step % c.log_every == 0 or self.step == self.total_steps:
+                        self.history.append(metrics)
+                        if main:
+                            with open(self.out_dir / "metrics.jsonl", "a") as log:
+                                log.write(json.dumps(metrics) + "\n")
+                    if self.step in ckpt_steps:
+                        self.save(metrics)
+                    if self.step >= self.total_steps:
+                        break
+        finally:
+            if bar is not None:
+                bar.close()
+        self.save(metrics)
+        tensors = self.sae.full_state()
+        counts = LATENTS.gather(self.fire_count, self.mesh).cpu()
+        if main:
+            save_sae(
+                self.out_dir / "sae.safetensors",
+                tensors,
+                {"config": c.to_dict(), **self.sae_metadata(metrics)},
+            )
+            from .plots import plot_training
+
+            plot_training(self.history, counts, self.tokens_seen, self.out_dir)
+        barrier()
+        return metrics
+
+
+def _progress(total: int, initial: int, *, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="SAE", unit="step", dynamic_ncols=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pyspark_safetensors.sae.train",
+        description="Train a TopK SAE on an activation dataset (launch with torchrun for DP x TP).",
+    )
+    parser.add_argument("--config", help="TOML config (e.g. conf/sae.toml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+    args = parser.parse_args(argv)
+    config = SAEConfig.load(args.config, args.overrides)
+    mesh = make_mesh(config.data_parallel_size, config.model_parallel_size)
+    trainer = Trainer(config, mesh)
+    if config.resume:
+        found = (
+            latest_checkpoint(config.out_dir) if config.resume == "auto" else Path(config.resume)
+        )
+        if found is None:
+            raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
+        trainer.load(found)
+    metrics = trainer.fit()
+    if is_main_process():
+        print(
+            json.dumps(
+                {k: metrics.get(k) for k in ("step", "tokens", "fvu", "l0", "dead_fraction")}
+            )
+        )
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Two gloo processes on CPU: tensor parallelism and data parallelism give what one
+process gives. Processes rendezvous through a file in tmp_path (no port to collide on);
+the torchrun test lets torchrun pick a free port (--standalone)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pyspark_safetensors.sae import DimMap, SAEConfig, TopKSAE
+from pyspark_safetensors.sae.mesh import mesh_dim_size
+from pyspark_safetensors.sae.model import PLACEMENT
+from pyspark_safetensors.sae.train import Trainer
+
+pytestmark = pytest.mark.distributed
+
+D, N, K, B = 24, 64, 5, 48
+
+
+def _full_state(seed=0):
+    sae = TopKSAE(D, N, K, seed=seed)
+    gen = torch.Generator().manual_seed(11)
+    state = sae.full_state()
+    state["encoder_bias"] = 0.1 * torch.randn(N, generator=gen)
+    state["decoder_bias"] = torch.randn(D, generator=gen)
+    return state
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(B, D, generator=gen) + 0.5, torch.randn(B, D, generator=gen)
+
+
+def _run(fn, tmp_path, *args):
+    mp.start_processes(fn, args=(str(tmp_path), *args), nprocs=2, join=True, start_method="spawn")
+
+
+def _init(rank, tmp, shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("data", "model"))
+
+
+def _tp_worker(rank, tmp):
+    mesh = _init(rank, tmp, (1, 2))
+    try:
+        sae = TopKSAE(D, N, K, mesh=mesh)
+        sae.load_full_state(_full_state())
+        x, target = _inputs()
+        out = sae(x)
+        loss = (out.x_hat - target).pow(2).sum()
+        loss.backward()
+        grads = {n: PLACEMENT[n].gather(p.grad, mesh) for n, p in sae.named_parameters()}
+        selected = torch.zeros(B, N)
+        selected.scatter_(1, out.indices, (out.values > 0).float())
+        dist.all_reduce(selected)
+        placements = {
+            "2d": [repr(p) for p in DimMap({"model": 0}).placements(mesh)],
+            "data0": [repr(p) for p in DimMap({"data": 0, "model": 1}).placements(mesh)],
+        }
+        torch.save(
+            {
+                "x_hat": out.x_hat.detach(),
+                "loss": loss.detach(),
+                "grads": grads,
+                "selected": selected,
+                "placements": placements,
+                "n_local": sae.n_local,
+            },
+            f"{tmp}/tp{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_equals_one_process(tmp_path):
+    _run(_tp_worker, tmp_path)
+    sae = TopKSAE(D, N, K)
+    sae.load_full_state(_full_state())
+    x, target = _inputs()
+    out = sae(x)
+    loss = (out.x_hat - target).pow(2).sum()
+    loss.backward()
+    selected = torch.zeros(B, N).scatter_(1, out.indices, (out.values > 0).float())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"tp{rank}.pt")
+        assert got["n_local"] == N // 2
+        torch.testing.assert_close(got["x_hat"], out.x_hat.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-4)
+        # the sharded top-k picked exactly the dense top-k
+        assert torch.equal(got["selected"], selected)
+        for name, p in sae.named_parameters():
+            torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-4, msg=name)
+        assert got["placements"]["2d"] == ["Replicate()", "Shard(dim=0)"]
+        assert got["placements"]["data0"] == ["Shard(dim=0)", "Shard(dim=1)"]
+
+
+def _dp_worker(rank, tmp, config_json, x_path):
+    mesh = _init(rank, tmp, (2, 1))
+    try:
+        config = SAEConfig.from_dict({**json.loads(config_json), "data_parallel_size": 2})
+        trainer = Trainer(config, mesh)
+        assert mesh_dim_size(mesh, "data") == 2
+        x = torch.load(x_path)
+        half = x.shape[1] // 2
+        trainer.init_decoder_bias(x[0][rank * half : (rank + 1) * half])
+        metrics = [trainer.train_step(xs[rank * half : (rank + 1) * half]) for xs in x]
+        torch.save({"state": trainer.sae.full_state(), "metrics": metrics}, f"{tmp}/dp{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_equals_one_process_with_the_double_batch(tmp_path, activations):
+    config = SAEConfig(dataset=str(activations), n_latents=N * 2, k=K, batch_size=64,
+                       tokens=64 * 10, warmup_steps=1, lr=1e-3, out_dir=str(tmp_path / "run"),
+                       dead_tokens=64, progress=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, 32, generator=gen) + 1
+    torch.save(x, tmp_path / "x.pt")
+    _run(_dp_worker, tmp_path, json.dumps(config.to_dict()), str(tmp_path / "x.pt"))
+    single = Trainer(config)
+    single.init_decoder_bias(x[0])
+    want = [single.train_step(xs) for xs in x]
+    assert want[-1]["aux_loss"] > 0  # the aux path (dead_tokens=64) is exercised too
+    for rank in range(2):
+        got = torch.load(tmp_path / f"dp{rank}.pt")
+        for a, b in zip(got["metrics"], want, strict=True):
+            assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
+            assert a["l0"] == b["l0"] and a["dead_fraction"] == b["dead_fraction"]
+        for name, t in single.sae.full_state().items():
+            torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activations):
+    common = [f"dataset={activations}", "n_latents=128", "k=6", "batch_size=256",
+              "tokens=5120", "warmup_steps=2", "lr=0.002", "log_every=1", "progress=false",
+              "checkpoints=1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "pyspark_safetensors.sae.train", *common, "model_parallel_size=2",
+         f"out_dir={tmp_path / 'tp'}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "pyspark_safetensors.sae.train", *common, f"out_dir={tmp_path / 'one'}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def fvus(run_dir):
+        return [
+            json.loads(line)["fvu"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    tp, single = fvus(tmp_path / "tp"), fvus(tmp_path / "one")
+    assert len(tp) == len(single) == 20
+    assert tp == pytest.approx(single, rel=2e-3)
+    assert tp[-1] < 0.8 * tp[0]
+    assert (tmp_path / "tp" / "sae.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "tp" / "checkpoints").iterdir()) == [
+        "step-00000010", "step-00000020"
+    ]  # fmt: skip
