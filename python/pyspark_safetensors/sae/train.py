@@ -393,7 +393,7 @@ class Trainer:
             self.init_decoder_bias()
         bar = _progress(self.total_steps, self.step, enabled=main and c.progress)
         ckpt_steps = self.checkpoint_steps()
-        metrics: dict = {}
+        metrics: dict = dict(self.history[-1]) if self.history else {}
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         try:
             while self.step < self.total_steps:
