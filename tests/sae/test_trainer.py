@@ -81,7 +81,7 @@ def test_short_run_learns_the_dictionary(tmp_path, activations):
         "encoder_weight": (192, 32), "encoder_bias": (192,),
         "decoder_weight": (192, 32), "decoder_bias": (32,),
     }  # fmt: skip
-    loaded, meta = load_sae(run / "sae.safetensors")
+    _, meta = load_sae(run / "sae.safetensors")
     assert meta["config"]["k"] == 6 and meta["hook_point"] == "synthetic.layer"
     assert meta["metrics"]["fvu"] == pytest.approx(metrics["fvu"])
     np.testing.assert_allclose(np.linalg.norm(tensors["decoder_weight"], axis=1), 1, atol=1e-5)
@@ -133,7 +133,7 @@ def test_width_and_column_mismatches_are_named(tmp_path, activations):
         Trainer(_config(activations, tmp_path, d=16))
     with pytest.raises(ValueError, match="no column 'resid'"):
         Trainer(_config(activations, tmp_path, column="resid"))
-    with pytest.raises(ValueError, match="samples of shape \\[\\]"):
+    with pytest.raises(ValueError, match=r"samples of shape \[\]"):
         Trainer(_config(activations, tmp_path, column="sample_id"))
     with pytest.raises(ValueError, match="fewer than one global batch"):
         Trainer(_config(activations, tmp_path, batch_size=1 << 20))
@@ -160,13 +160,13 @@ def test_missing_or_foreign_checkpoints_are_refused(tmp_path, activations):
     trainer.fit()
     ckpt = latest_checkpoint(tmp_path / "run")
     other = Trainer(_config(activations, tmp_path / "x", k=5))
-    with pytest.raises(CheckpointError, match="different training config.*'k': \\(6, 5\\)"):
+    with pytest.raises(CheckpointError, match=r"different training config.*'k': \(6, 5\)"):
         other.load(ckpt)
     (ckpt / "trainer_state.pt").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="unreadable trainer state"):
+    with pytest.raises(CheckpointError, match=r"unreadable trainer state"):
         Trainer(_config(activations, tmp_path / "run")).load(ckpt)
     (ckpt / "trainer_state.pt").unlink()
-    with pytest.raises(CheckpointError, match="missing \\['trainer_state.pt'\\]"):
+    with pytest.raises(CheckpointError, match=r"missing \['trainer_state.pt'\]"):
         Trainer(_config(activations, tmp_path / "run")).load(ckpt)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         main([f"dataset={activations}", f"out_dir={tmp_path / 'empty'}", "resume=auto", "k=4"])
