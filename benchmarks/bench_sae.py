@@ -35,7 +35,7 @@ def run() -> str:
             sae = TopKSAE(d, n, k, seed=0)
             opt = torch.optim.Adam(sae.parameters(), lr=1e-4)
             times[dense] = median_seconds(
-                lambda s=sae, o=opt, dn=dense: _step(s, o, x, dn), repeat=3
+                lambda s=sae, o=opt, dn=dense, x=x: _step(s, o, x, dn), repeat=3
             )
             fresh = TopKSAE(d, n, k, seed=0)
             losses[dense] = _step(fresh, torch.optim.Adam(fresh.parameters(), lr=1e-4), x, dense)
@@ -66,5 +66,5 @@ def run() -> str:
                 "loss rel. diff",
             ],
             rows,
-        )  # fmt: skip
+        )
     )
