@@ -1,0 +1,311 @@
+"""The LUT precompute job: for each target linear layer, ``precomputed_products = W_dec @
+W_target`` and ``bias_product = b_dec @ W_target`` from the layer's SAE and the layer's
+weight alone (read with ``safe_open(...).get_slice``; the model is never loaded whole).
+
+Layers are independent: under ``torch.distributed`` each rank takes every world-th layer;
+on one process they run one after the other, each matmul using every core. Memory stays
+bounded by one layer. Files go to a staging directory and ``lut/`` appears (with
+``metadata.json`` written last) only when every layer is done.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ..format import SafetensorsFile, write_shard
+from ..sae.checkpoint import load_sae
+from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
+
+STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelWeights:
+    """The linear weights of a Hugging Face model directory (``model.safetensors`` or
+    sharded ``model-0000x-of-0000y.safetensors`` with ``model.safetensors.index.json``),
+    read one tensor at a time."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {k: self.dir / v for k, v in weight_map.items()}
+        elif single.is_file():
+            with SafetensorsFile(single) as f:
+                self.file_of = dict.fromkeys(f.keys(), single)
+        else:
+            raise LUTError(
+                f"{self.dir}: no model.safetensors or model.safetensors.index.json "
+                "(a Hugging Face model directory is expected)"
+            )
+        for path in set(self.file_of.values()):
+            if not path.is_file() or path.resolve().parent != self.dir.resolve():
+                raise LUTError(
+                    f"{self.dir}: weight file {path.name} is missing or outside the directory"
+                )
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self._shapes:
+            with SafetensorsFile(self.file_of[key]) as f:
+                for info in f.header.tensors:
+                    self._shapes[info.name] = tuple(info.shape)
+        return self._shapes[key]
+
+    def linear_layers(self) -> list[str]:
+        """Names of every 2-d ``*.weight`` tensor, without the ``.weight``."""
+        return sorted(
+            k[: -len(".weight")]
+            for k in self.file_of
+            if k.endswith(".weight") and len(self.shape(k)) == 2
+        )
+
+    def resolve(self, layer: str) -> str:
+        """The weight key of ``layer`` (exact, or the one key that ends with it, so that
+        ``encoder.layer.0...`` finds ``bert.encoder.layer.0...``)."""
+        if f"{layer}.weight" in self.file_of:
+            return f"{layer}.weight"
+        found = [k for k in self.file_of if k.endswith(f".{layer}.weight")]
+        if len(found) == 1:
+            return found[0]
+        linear = self.linear_layers()
+        close = difflib.get_close_matches(layer, linear, n=5, cutoff=0.5)
+        raise LUTError(
+            f"layer {layer!r} is not a linear layer of {self.dir}"
+            + (f"; did you mean {close}?" if close else f"; it has {linear[:8]}...")
+            + (f" (ambiguous: {found})" if found else "")
+        )
+
+    def dims(self, layer: str) -> tuple[int, int]:
+        """(input_dim, output_dim) of a torch Linear weight ``[out, in]``."""
+        shape = self.shape(self.resolve(layer))
+        if len(shape) != 2:
+            raise LUTError(f"{layer}: weight has shape {list(shape)}, not a linear layer")
+        return shape[1], shape[0]
+
+    def weight(self, layer: str) -> torch.Tensor:
+        """The ``[out, in]`` weight of one layer, read alone."""
+        from safetensors import safe_open
+
+        key = self.resolve(layer)
+        with safe_open(self.file_of[key], framework="pt") as f:
+            return f.get_slice(key)[:]
+
+    def config(self) -> dict:
+        path = self.dir / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class SAEInfo:
+    path: Path
+    num_basis: int
+    input_dim: int
+    k: int | None
+
+
+def _sae_info(path: str | os.PathLike) -> SAEInfo:
+    path = Path(path)
+    if not path.is_file():
+        raise LUTError(f"SAE checkpoint {path} does not exist")
+    with SafetensorsFile(path) as f:
+        names = {i.name: i for i in f.header.tensors}
+        if "decoder_weight" not in names or "decoder_bias" not in names:
+            raise LUTError(f"{path}: not an SAE checkpoint (no decoder_weight/decoder_bias)")
+        n, d = names["decoder_weight"].shape
+        k = (f.metadata or {}).get("k")
+    return SAEInfo(path, n, d, int(k) if k else None)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as numpy (bfloat16 through ml_dtypes), sharing memory."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def precompute_layer(
+    weight: torch.Tensor,
+    sae: Mapping[str, torch.Tensor],
+    *,
+    store_dtype: torch.dtype = torch.float16,
+    compute_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The six tensors of one layer file. ``weight`` is the torch Linear weight
+    ``[output_dim, input_dim]``; ``W_target = weight.T``."""
+    w_target = weight.to(device, compute_dtype).t()
+    w_dec = sae["decoder_weight"].to(device, compute_dtype)
+    b_dec = sae["decoder_bias"].to(device, compute_dtype)
+    out = {
+        "encoder_weight": sae["encoder_weight"],
+        "encoder_bias": sae["encoder_bias"],
+        "decoder_weight": sae["decoder_weight"],
+        "decoder_bias": sae["decoder_bias"],
+        "precomputed_products": w_dec @ w_target,
+        "bias_product": b_dec @ w_target,
+    }
+    return {k: v.to("cpu", store_dtype).contiguous() for k, v in out.items()}
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def precompute_lut(
+    model_dir: str | os.PathLike,
+    saes: Mapping[str, str | os.PathLike],
+    *,
+    out_dir: str | os.PathLike | None = None,
+    dtype: str = "float16",
+    k_active: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    overwrite: bool = False,
+    progress: bool = True,
+    source_model: str | None = None,
+) -> dict:
+    """Build ``lut/`` (default ``model_dir/lut``) for the layers in ``saes``
+    (``{layer name: SAE checkpoint path}``; one SAE may serve several layers that share
+    an input, e.g. query, key and value). ``k_active`` defaults to the SAEs' ``k``.
+
+        precompute_lut("all-MiniLM-L6-v2", {
+            "encoder.layer.0.attention.self.query": "runs/sae-l0-q/sae.safetensors",
+            "encoder.layer.0.attention.self.key": "runs/sae-l0-q/sae.safetensors",
+        })
+
+    Everything is checked before any matmul: layer names (close matches suggested),
+    SAE widths against layer inputs, one ``num_basis`` for all SAEs. Returns the
+    metadata plus a ``timing`` entry (seconds, FLOP/s)."""
+    if dtype not in STORE_DTYPES:
+        raise LUTError(f"dtype must be one of {sorted(STORE_DTYPES)}, got {dtype!r}")
+    if not saes:
+        raise LUTError("no layers given")
+    model = ModelWeights(model_dir)
+    out_dir = Path(out_dir) if out_dir is not None else model.dir / "lut"
+    if out_dir.exists() and not overwrite:
+        raise LUTError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    files = {layer: layer_file(layer) for layer in saes}
+    infos = {layer: _sae_info(path) for layer, path in saes.items()}
+    layers = {}
+    for layer, info in infos.items():
+        input_dim, output_dim = model.dims(layer)
+        if info.input_dim != input_dim:
+            raise LUTError(
+                f"SAE {info.path} has input dim {info.input_dim}, layer {layer!r} takes {input_dim}"
+            )
+        layers[layer] = {"input_dim": input_dim, "output_dim": output_dim, "file": files[layer]}
+    num_basis = {i.num_basis for i in infos.values()}
+    if len(num_basis) != 1:
+        raise LUTError(f"the SAEs disagree on num_basis {sorted(num_basis)}; metadata has one")
+    ks = {i.k for i in infos.values() if i.k is not None}
+    k = k_active or (ks.pop() if len(ks) == 1 else None)
+    if k is None:
+        raise LUTError(f"pass k_active: the SAEs record k values {sorted(ks) or 'none'}")
+    if not 0 < k <= next(iter(num_basis)):
+        raise LUTError(f"k_active {k} outside 1..num_basis {next(iter(num_basis))}")
+
+    rank, world = _rank_world()
+    staging = out_dir.with_name(f".{out_dir.name}.staging")
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    mine = list(layers)[rank::world]
+    flops, started = 0, time.perf_counter()
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(mine), desc="LUT layers", unit="layer")
+    try:
+        cache: tuple[Path, dict] | None = None
+        for layer in mine:
+            sae_path = infos[layer].path
+            if cache is None or cache[0] != sae_path:
+                cache = (sae_path, load_sae(sae_path)[0])
+            tensors = precompute_layer(
+                model.weight(layer),
+                cache[1],
+                store_dtype=STORE_DTYPES[dtype],
+                compute_dtype=compute_dtype,
+                device=device,
+            )
+            d_in, d_out = layers[layer]["input_dim"], layers[layer]["output_dim"]
+            flops += 2 * (next(iter(num_basis)) + 1) * d_in * d_out
+            write_shard(
+                staging / files[layer],
+                {n: to_numpy(t) for n, t in tensors.items()},
+                {"format": "lut", "version": VERSION, "layer": layer},
+            )
+            if bar is not None:
+                bar.update(1)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - started
+    _barrier()
+    config = model.config()
+    meta = {
+        "version": VERSION,
+        "sae_config": {"num_basis": next(iter(num_basis)), "k_active": k},
+        "model_config": {
+            key: config[src]
+            for key, src in (
+                ("model_type", "model_type"),
+                ("num_layers", "num_hidden_layers"),
+                ("num_attention_heads", "num_attention_heads"),
+                ("hidden_size", "hidden_size"),
+            )
+            if src in config
+        },
+        "layers": layers,
+        "creation_info": {
+            "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "source_model": source_model or config.get("_name_or_path") or model.dir.name,
+            "sae_model": ", ".join(sorted({i.path.name for i in infos.values()})),
+        },
+    }
+    if rank == 0:
+        (staging / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        validate_lut(staging)
+        _publish(staging, out_dir)
+    _barrier()
+    return {**meta, "timing": {"seconds": seconds, "flops_per_s": flops / max(seconds, 1e-9)}}
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """Move the finished staging directory to ``out_dir``, replacing an old one only
+    after the new one is complete."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out_dir, old)
+    os.replace(staging, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""The lookup-table layout (``lut-format-spec``): ``lut/metadata.json`` plus one
+``{layer_path}.lut.safetensors`` per linear layer, and ``validate_lut`` which checks every
+rule of it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..format import SafetensorsFile
+
+VERSION = "1.0"
+METADATA = "metadata.json"
+SUFFIX = ".lut.safetensors"
+FLOAT_DTYPES = ("F16", "BF16")
+#: key -> shape in terms of (num_basis, input_dim, output_dim)
+TENSORS = {
+    "encoder_weight": ("num_basis", "input_dim"),
+    "encoder_bias": ("num_basis",),
+    "decoder_weight": ("num_basis", "input_dim"),
+    "decoder_bias": ("input_dim",),
+    "precomputed_products": ("num_basis", "output_dim"),
+    "bias_product": ("output_dim",),
+}
+
+
+class LUTError(ValueError):
+    """A LUT directory or file breaks the format, or its inputs do not fit together."""
+
+
+def layer_file(layer: str) -> str:
+    """``{layer_path}.lut.safetensors``; refuses names that would leave ``lut/``."""
+    if not layer or "/" in layer or "\\" in layer or layer.startswith(".") or "\0" in layer:
+        raise LUTError(f"layer name {layer!r} cannot be a file name inside lut/")
+    return layer + SUFFIX
+
+
+def _need(doc: dict, key: str, kind, where: str):
+    if key not in doc:
+        raise LUTError(f"{where}: missing required key {key!r}")
+    value = doc[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise LUTError(f"{where}: {key!r} must be a positive integer, got {value!r}")
+    if kind is not int and not isinstance(value, kind):
+        raise LUTError(f"{where}: {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def validate_lut(lut_dir: str | os.PathLike) -> dict:
+    """Check ``metadata.json`` against the spec and every layer file against it (keys,
+    shapes, one float16/bfloat16 dtype per file), and
+    that no file escapes ``lut_dir``. Returns the metadata; raises ``LUTError`` naming
+    the file and the rule."""
+    lut_dir = Path(lut_dir)
+    meta_path = lut_dir / METADATA
+    if not meta_path.is_file():
+        raise LUTError(f"{lut_dir}: no {METADATA} (an incomplete or foreign directory)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise LUTError(f"{meta_path}: not JSON ({e})") from e
+    where = str(meta_path)
+    if not isinstance(meta, dict):
+        raise LUTError(f"{where}: top level must be an object")
+    version = _need(meta, "version", str, where)
+    if version != VERSION:
+        raise LUTError(f"{where}: version {version!r}, this reader knows {VERSION!r}")
+    sae = _need(meta, "sae_config", dict, where)
+    num_basis = _need(sae, "num_basis", int, where + " sae_config")
+    k_active = _need(sae, "k_active", int, where + " sae_config")
+    if k_active > num_basis:
+        raise LUTError(f"{where}: k_active {k_active} exceeds num_basis {num_basis}")
+    for optional in ("model_config", "creation_info"):
+        if optional in meta and not isinstance(meta[optional], dict):
+            raise LUTError(f"{where}: {optional!r} must be an object")
+    layers = _need(meta, "layers", dict, where)
+    if not layers:
+        raise LUTError(f"{where}: 'layers' is empty")
+    for name, entry in layers.items():
+        lw = f"{where} layers[{name!r}]"
+        if not isinstance(entry, dict):
+            raise LUTError(f"{lw}: must be an object")
+        dims = {
+            "num_basis": num_basis,
+            "input_dim": _need(entry, "input_dim", int, lw),
+            "output_dim": _need(entry, "output_dim", int, lw),
+        }
+        file = _need(entry, "file", str, lw)
+        if Path(file).name != file or file in ("", ".", ".."):
+            raise LUTError(f"{lw}: file {file!r} is not a plain file name inside lut/")
+        if not file.endswith(SUFFIX):
+            raise LUTError(f"{lw}: file {file!r} must end with {SUFFIX}")
+        path = lut_dir / file
+        if not path.is_file():
+            raise LUTError(f"{lw}: file {file} is missing")
+        _check_layer_file(path, dims)
+    return meta
+
+
+def _check_layer_file(path: Path, dims: dict[str, int]) -> None:
+    with SafetensorsFile(path) as f:
+        infos = {i.name: i for i in f.header.tensors}
+    missing = sorted(set(TENSORS) - set(infos))
+    extra = sorted(set(infos) - set(TENSORS))
+    if missing or extra:
+        raise LUTError(f"{path}: tensors missing {missing}, unexpected {extra}")
+    dtypes = {i.dtype.name for i in infos.values()}
+    if not dtypes <= set(FLOAT_DTYPES):
+        raise LUTError(f"{path}: dtypes {sorted(dtypes)}; the spec allows float16 or bfloat16")
+    if len(dtypes) > 1:
+        raise LUTError(f"{path}: mixed dtypes {sorted(dtypes)}; one file uses one dtype")
+    for key, symbolic in TENSORS.items():
+        want = tuple(dims[s] for s in symbolic)
+        got = tuple(infos[key].shape)
+        if got != want:
+            raise LUTError(
+                f"{path}: {key} has shape {list(got)}, expected {list(want)} "
+                f"({', '.join(symbolic)})"
+            )
