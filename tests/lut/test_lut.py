@@ -166,7 +166,7 @@ def test_identity_sae_reproduces_the_layer_and_patch_model(tmp_path):
     precompute_lut(root, dict.fromkeys([Q, K, FF], tmp_path / "id.safetensors"), progress=False)
     x = torch.randn(32, D_IN)
     want = {
-        n: getattr(m, "forward")(x) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+        n: m.forward(x) for n, m in model.named_modules() if isinstance(m, nn.Linear)
     }
     replaced = patch_model(model, root / "lut")
     assert sorted(replaced) == sorted([Q, K, FF])
@@ -202,7 +202,7 @@ def test_bad_layers_and_saes_are_refused_before_any_work(tmp_path, model_dir):
             {"encoder.layer.0.attention.self.qurey": tmp_path / "sae.safetensors"},
             progress=False,
         )
-    with pytest.raises(LUTError, match="input dim 16, layer .* takes 8"):
+    with pytest.raises(LUTError, match=r"input dim 16, layer .* takes 8"):
         precompute_lut(root, {Q: tmp_path / "wide.safetensors"}, progress=False)
     with pytest.raises(LUTError, match=r"disagree on num_basis \[32, 64\]"):
         precompute_lut(
@@ -264,7 +264,7 @@ def test_validation_names_each_violation(tmp_path, model_dir):
     with pytest.raises(LUTError, match=r"mixed dtypes \['BF16', 'F16'\]"):
         validate_lut(lut)
     meta_path.unlink()
-    with pytest.raises(LUTError, match="no metadata.json"):
+    with pytest.raises(LUTError, match=r"no metadata\.json"):
         validate_lut(lut)
 
 
