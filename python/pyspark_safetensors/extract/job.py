@@ -1,0 +1,411 @@
+"""The extraction job: a text corpus in, activation datasets out, with the transformer
+running inside Spark (``mapInArrow``; the model is loaded once per Python worker).
+
+Output directory (published whole: everything is written under a staging name first):
+
+    activations/{hook}/   token-level batch datasets: activation [B, H], sample_id,
+                          token_pos, window
+    samples/              sample-level KV dataset: key -> one [seq_len, H] per hook
+    samples.parquet       one row per model input: sample_id, window, key, seq_len,
+                          text_chars, source
+    texts.jsonl           sample_id, key, source, text
+    extraction.json       the config, its hash, the summary
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ..dataset import verify_dataset
+from .model import ExtractionError, Extractor, default_model_dir, weights_hash
+
+TENSOR_STRUCT = "struct<data: binary, shape: array<int>, dtype: string>"
+DEFAULT_HOOKS = (
+    "encoder.layer.0.attention.self.query:input",
+    "encoder.layer.0.intermediate.dense:input",
+)
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    corpus: str = "demo"
+    """"demo" (Python's pydoc_data.topics in passages), a directory of text files, or a
+    parquet/JSON table path with a ``text`` column (``text_column``)."""
+    text_column: str = "text"
+    model_dir: str = ""
+    """A local Hugging Face model directory; empty = the packaged all-MiniLM-L6-v2."""
+    hooks: tuple[str, ...] = DEFAULT_HOOKS
+    """Module globs with ":input" (the input of e.g. a linear layer) or ":output"."""
+    max_length: int = 128
+    long_texts: str = "window"
+    """Texts over ``max_length`` tokens: "window" (consecutive windows) or "truncate"."""
+    batch_size: int = 32
+    dtype: str = "F16"
+    rows_per_shard: int = 16384
+    """Tokens per shard of the token-level datasets."""
+    partitions: int = 0
+    """Spark partitions of the corpus; 0 = the session's default parallelism."""
+    passage_chars: int = 400
+    """Passage size of the demo corpus."""
+    max_texts: int = 0
+    """Use only the first N texts (by key); 0 = all."""
+    kv_dataset: bool = True
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "hooks": list(self.hooks)}
+
+
+@dataclass
+class ExtractionSummary:
+    out_dir: Path
+    texts: int
+    samples: int
+    tokens: int
+    bytes: int
+    seconds: float
+    config_hash: str
+    hooks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.texts:,} texts -> {self.samples:,} model inputs, {self.tokens:,} tokens, "
+            f"{len(self.hooks)} hook point(s), {self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s "
+            f"({self.tokens_per_s:,.0f} tokens/s)"
+        )
+
+
+def config_hash(config: ExtractConfig, model_hash: str) -> str:
+    """sha256 of the canonical JSON of everything that determines the activations."""
+    body = {**config.to_dict(), "model_weights_sha256": model_hash}
+    body.pop("partitions")  # the layout of the work does not change the data
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _samples_schema(hooks) -> str:
+    cols = ", ".join(f"`{h.column}` {TENSOR_STRUCT}" for h in hooks)
+    return (
+        "sample_id long, window int, key string, seq_len int, text_chars int, "
+        f"source string, {cols}"
+    )
+
+
+def _run_model_fn(model_dir: str, config: ExtractConfig, threads: int):
+    """The function ``mapInArrow`` runs: texts in, one row per model input out."""
+
+    def run(batches):
+        extractor = _cached_extractor(model_dir, config, threads)
+        chunk = config.batch_size * 8  # bounds memory and the size of each output batch
+        for big in batches:
+            for offset in range(0, big.num_rows, chunk):
+                yield _windows_batch(extractor, big.slice(offset, chunk), config.dtype)
+
+    return run
+
+
+def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> pa.RecordBatch:
+    texts = batch.column("text").to_pylist()
+    windows = extractor.run(texts)
+    ids = batch.column("sample_id").to_numpy()
+    keys = batch.column("key").to_pylist()
+    sources = batch.column("source").to_pylist()
+    multi = {w.text_index for w in windows if w.window > 0}
+    columns = {
+        "sample_id": pa.array([int(ids[w.text_index]) for w in windows], pa.int64()),
+        "window": pa.array([w.window for w in windows], pa.int32()),
+        "key": pa.array(
+            [
+                keys[w.text_index] + (f"-w{w.window}" if w.text_index in multi else "")
+                for w in windows
+            ],
+            pa.string(),
+        ),
+        "seq_len": pa.array([w.seq_len for w in windows], pa.int32()),
+        "text_chars": pa.array([len(texts[w.text_index]) for w in windows], pa.int32()),
+        "source": pa.array([sources[w.text_index] for w in windows], pa.string()),
+    }
+    for hook in extractor.hooks:
+        arrays = [w.activations[hook.name] for w in windows]
+        columns[hook.column] = pa.StructArray.from_arrays(
+            [
+                pa.array([a.tobytes() for a in arrays], pa.binary()),
+                pa.array([list(a.shape) for a in arrays], pa.list_(pa.int32())),
+                pa.repeat(pa.scalar(dtype), len(arrays)),
+            ],
+            names=["data", "shape", "dtype"],
+        )
+    return pa.RecordBatch.from_pydict(columns)
+
+
+_EXTRACTORS: dict = {}
+
+
+def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int) -> Extractor:
+    """One model per Python worker process (Spark reuses workers between tasks)."""
+    key = (
+        model_dir,
+        config.hooks,
+        config.max_length,
+        config.batch_size,
+        config.dtype,
+        config.long_texts,
+    )
+    if key not in _EXTRACTORS:
+        _EXTRACTORS.clear()
+        _EXTRACTORS[key] = Extractor(
+            model_dir,
+            list(config.hooks),
+            max_length=config.max_length,
+            batch_size=config.batch_size,
+            dtype=config.dtype,
+            long_texts=config.long_texts,
+            threads=threads,
+        )
+    return _EXTRACTORS[key]
+
+
+def _explode_fn(column: str, width: int, dtype: str):
+    """Sample rows ``[seq_len, H]`` -> one row per token, without copying the bytes: the
+    samples' data buffers already hold the tokens back to back."""
+    itemsize = {"F16": 2, "BF16": 2, "F32": 4}[dtype]
+    row_bytes = width * itemsize
+
+    def explode(batches):
+        for batch in batches:
+            data = batch.column(column).flatten()[0]  # children cut to the parent's slice
+            seq_lens = batch.column("seq_len").to_numpy().astype(np.int64)
+            n = int(seq_lens.sum())
+            wide = pa.types.is_large_binary(data.type)
+            offsets = np.frombuffer(data.buffers()[1], np.int64 if wide else np.int32)
+            offsets = offsets[data.offset : data.offset + len(data) + 1].astype(np.int64)
+            if offsets[-1] - offsets[0] != n * row_bytes:
+                raise ExtractionError(f"{column}: sample bytes do not match seq_len x {width}")
+            values = data.buffers()[2]
+            token_offsets = pa.py_buffer(
+                (offsets[0] + np.arange(n + 1, dtype=np.int64) * row_bytes).astype(
+                    np.int64 if wide else np.int32
+                )
+            )
+            token_data = pa.Array.from_buffers(data.type, n, [None, token_offsets, values])
+            shape = pa.ListArray.from_arrays(
+                pa.array(np.arange(n + 1, dtype=np.int32)), pa.array(np.full(n, width, np.int32))
+            )
+            activation = pa.StructArray.from_arrays(
+                [token_data, shape, pa.repeat(pa.scalar(dtype), n)],
+                names=["data", "shape", "dtype"],
+            )
+            sample_id = np.repeat(batch.column("sample_id").to_numpy(), seq_lens)
+            window = np.repeat(batch.column("window").to_numpy(), seq_lens)
+            firsts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
+            token_pos = (np.arange(n) - firsts).astype(np.int32)
+            yield pa.RecordBatch.from_pydict({
+                "activation": activation,
+                "sample_id": pa.array(sample_id),
+                "token_pos": pa.array(token_pos),
+                "window": pa.array(window.astype(np.int32)),
+            })  # fmt: skip
+
+    return explode
+
+
+def load_corpus(spark, config: ExtractConfig):
+    """The corpus as a DataFrame ``(key, text, source)``: key = sha256 of the text,
+    duplicates and empty texts dropped."""
+    from pyspark.sql import functions as F
+
+    if config.corpus == "demo":
+        from ..demo import demo_passages
+
+        rows = [(topic, text) for topic, text in demo_passages(config.passage_chars)]
+        df = spark.createDataFrame(rows, "source string, text string")
+    else:
+        path = Path(config.corpus)
+        if not path.exists():
+            raise ExtractionError(f"corpus {path} does not exist")
+        if path.is_dir() and not any(path.glob("*.parquet")) and not any(path.glob("*.json*")):
+            # a directory of text files: one text per file; invalid UTF-8 is an error
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise ExtractionError(f"corpus directory {path} holds no files")
+            for f in files:
+                try:
+                    f.read_bytes().decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ExtractionError(f"corpus file {f} is not valid UTF-8 ({e})") from e
+            df = spark.read.text([str(f) for f in files], wholetext=True).select(
+                F.col("value").alias("text"), F.input_file_name().alias("source")
+            )
+        else:
+            reader = (
+                spark.read.json
+                if ".json" in path.name or any(path.glob("*.json*"))
+                else spark.read.parquet
+            )
+            table = reader(str(path))
+            if config.text_column not in table.columns:
+                raise ExtractionError(
+                    f"corpus {path} has no column {config.text_column!r}; it has {table.columns}"
+                )
+            df = table.select(
+                F.col(config.text_column).cast("string").alias("text"),
+                F.lit(str(path)).alias("source"),
+            )
+    df = df.where(F.col("text").isNotNull() & (F.length(F.trim("text")) > 0))
+    df = df.withColumn("key", F.sha2("text", 256)).dropDuplicates(["key"])
+    return df.select("key", "text", "source")
+
+
+def run_extraction(
+    spark, config: ExtractConfig, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> ExtractionSummary:
+    """Run the job; see the module docstring for the outputs. Nothing appears at
+    ``out_dir`` unless every part was written."""
+    from pyspark import StorageLevel
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ExtractionError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    model_dir = str(Path(config.model_dir) if config.model_dir else default_model_dir())
+    if not Path(model_dir).is_dir():
+        raise ExtractionError(f"model directory {model_dir} does not exist")
+    # Validate the model and the hooks on the driver before any task starts.
+    probe = Extractor(
+        model_dir,
+        list(config.hooks),
+        max_length=config.max_length,
+        batch_size=config.batch_size,
+        dtype=config.dtype,
+        long_texts=config.long_texts,
+    )
+    widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
+    hooks = probe.hooks
+    model_hash = weights_hash(model_dir)
+    chash = config_hash(config, model_hash)
+    del probe
+
+    corpus = load_corpus(spark, config)
+    if config.max_texts:
+        corpus = corpus.orderBy("key").limit(config.max_texts)
+    # sample_id: the text's rank by key, so ids do not depend on partitioning
+    indexed = corpus.orderBy("key").rdd.zipWithIndex().map(lambda r: (*r[0], r[1]))
+    texts = spark.createDataFrame(indexed, "key string, text string, source string, sample_id long")
+    parallelism = config.partitions or spark.sparkContext.defaultParallelism
+    texts = texts.repartition(parallelism, "key")
+    threads = max(1, (os.cpu_count() or 1) // max(1, spark.sparkContext.defaultParallelism))
+
+    staging = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.staging")
+    staging.mkdir(parents=True)
+    samples = None
+    try:
+        started = time.perf_counter()
+        samples = texts.mapInArrow(
+            _run_model_fn(model_dir, config, threads), _samples_schema(hooks)
+        ).persist(StorageLevel.DISK_ONLY)
+        n_samples = samples.count()  # runs the model (Spark's progress bar shows it)
+        if n_samples == 0:
+            raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
+        seconds = time.perf_counter() - started
+        info = samples.select(
+            "sample_id", "window", "key", "seq_len", "text_chars", "source"
+        ).toArrow()
+        tokens = int(pa.compute.sum(info.column("seq_len")).as_py())
+        tokenizer_settings = {"max_length": config.max_length, "long_texts": config.long_texts,
+                              "padding": "excluded"}  # fmt: skip
+        base_meta = {
+            "model": Path(model_dir).name
+            if config.model_dir
+            else "sentence-transformers/all-MiniLM-L6-v2",
+            "model_weights_sha256": model_hash,
+            "dtype": config.dtype,
+            "tokenizer": json.dumps(tokenizer_settings, sort_keys=True),
+            "config_hash": chash,
+            "corpus": config.corpus,
+        }
+        from pyspark.sql import functions as F
+
+        for hook in hooks:
+            tokens_df = samples.select("sample_id", "window", "seq_len", hook.column).mapInArrow(
+                _explode_fn(hook.column, widths[hook.name], config.dtype),
+                f"activation {TENSOR_STRUCT}, sample_id long, token_pos int, window int",
+            )
+            meta = {**base_meta, "hook_point": hook.name, "d_model": str(widths[hook.name])}
+            (
+                tokens_df.write.format("safetensors")
+                .option("batch_size", config.rows_per_shard)
+                .option("metadata", json.dumps(meta))
+                .mode("overwrite")
+                .save(str(staging / "activations" / hook.column))
+            )
+        if config.kv_dataset:
+            kv_meta = {**base_meta, "hook_points": json.dumps([h.name for h in hooks])}
+            (
+                samples.select("key", *[F.col(h.column) for h in hooks])
+                .write.format("safetensors")
+                .option("name_col", "key")
+                .option("metadata", json.dumps(kv_meta))
+                .mode("overwrite")
+                .save(str(staging / "samples"))
+            )
+        import pyarrow.parquet as pq
+
+        pq.write_table(info.sort_by("sample_id"), staging / "samples.parquet")
+        with open(staging / "texts.jsonl", "w") as f:
+            for row in (
+                texts.select("sample_id", "key", "source", "text")
+                .orderBy("sample_id")
+                .toLocalIterator()
+            ):
+                f.write(json.dumps(row.asDict(), ensure_ascii=False) + "\n")
+        size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        summary = ExtractionSummary(
+            out_dir, texts=len(info.column("sample_id").unique()), samples=n_samples,
+            tokens=tokens, bytes=size, seconds=seconds, config_hash=chash, hooks=widths,
+        )  # fmt: skip
+        doc = {
+            "config": config.to_dict(),
+            "config_hash": chash,
+            "model_dir": model_dir,
+            "model_weights_sha256": model_hash,
+            "hooks": {
+                h.name: {
+                    "dataset": f"activations/{h.column}",
+                    "kv_column": h.column,
+                    "width": widths[h.name],
+                }
+                for h in hooks
+            },
+            "summary": {
+                "texts": summary.texts,
+                "samples": n_samples,
+                "tokens": tokens,
+                "bytes": size,
+                "seconds": seconds,
+                "tokens_per_s": summary.tokens_per_s,
+            },
+        }
+        (staging / "extraction.json").write_text(json.dumps(doc, indent=2) + "\n")
+        for hook in hooks:
+            verify_dataset(staging / "activations" / hook.column)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+        return summary
+    finally:
+        if samples is not None:
+            samples.unpersist()
+        shutil.rmtree(staging, ignore_errors=True)

