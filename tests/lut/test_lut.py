@@ -165,9 +165,7 @@ def test_identity_sae_reproduces_the_layer_and_patch_model(tmp_path):
     identity_sae(tmp_path / "id.safetensors", D_IN)
     precompute_lut(root, dict.fromkeys([Q, K, FF], tmp_path / "id.safetensors"), progress=False)
     x = torch.randn(32, D_IN)
-    want = {
-        n: m.forward(x) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-    }
+    want = {n: m.forward(x) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     replaced = patch_model(model, root / "lut")
     assert sorted(replaced) == sorted([Q, K, FF])
     for name, y in want.items():

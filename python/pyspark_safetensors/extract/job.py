@@ -265,7 +265,8 @@ def load_corpus(spark, config: ExtractConfig):
                 F.col(config.text_column).cast("string").alias("text"),
                 F.lit(str(path)).alias("source"),
             )
-    df = df.where(F.col("text").isNotNull() & (F.length(F.trim("text")) > 0))
+    blank = F.length(F.regexp_replace("text", r"\s+", "")) == 0  # trim() keeps newlines
+    df = df.where(F.col("text").isNotNull() & ~blank)
     df = df.withColumn("key", F.sha2("text", 256)).dropDuplicates(["key"])
     return df.select("key", "text", "source")
 
