@@ -44,8 +44,8 @@ def run() -> str:
         with torch.inference_mode():
             for batch in (1, 256):
                 x = torch.randn(batch, d_in)
-                t_lut = median_seconds(lambda x=x: lut(x), repeat=20 if batch == 1 else 5)
-                t_dense = median_seconds(lambda x=x: dense(x), repeat=20 if batch == 1 else 5)
+                t_lut = median_seconds(lambda x=x, f=lut: f(x), repeat=20 if batch == 1 else 5)
+                t_dense = median_seconds(lambda x=x, f=dense: f(x), repeat=20 if batch == 1 else 5)
                 inf_rows.append([
                     name, f"n={n}, k={k}", batch,
                     f"{t_lut * 1e6:,.0f} µs", f"{t_dense * 1e6:,.0f} µs",

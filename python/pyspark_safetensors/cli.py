@@ -50,7 +50,7 @@ def _demo(args) -> int:
     from .demo import run_demo
 
     start = time.time()
-    run_demo(Path(args.out), rows=args.rows)
+    run_demo(Path(args.out), texts=args.texts, epochs=args.epochs)
     print(f"demo finished in {time.time() - start:.1f}s; outputs in {args.out}")
     return 0
 
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the main job end to end on an embedded local Spark")
     p.add_argument("--out", default="out/demo", help="output directory (default: out/demo)")
-    p.add_argument("--rows", type=int, default=50_000, help="samples to write (default: 50,000)")
+    p.add_argument("--texts", type=int, default=600, help="corpus passages (default: 600)")
+    p.add_argument("--epochs", type=int, default=4, help="SAE training epochs (default: 4)")
     p.set_defaults(fn=_demo)
     p = sub.add_parser("inspect", help="summarise a dataset directory or a .safetensors file")
     p.add_argument("path")

@@ -1,15 +1,22 @@
-"""The main job, end to end on an embedded local Spark.
+"""The main job, end to end on an embedded local Spark:
 
-Today it runs the stages that exist: a text corpus that ships with Python
-(``pydoc_data.topics``) split into passages, per-token features computed in Spark, written
-as a token-level batch dataset (F16) and a sample-level KV dataset, then verified against
-the manifest and read back with the reference ``safetensors`` library.
+1. extract: Python's own documentation topics (``pydoc_data.topics``) in passages, run
+   through all-MiniLM-L6-v2 inside Spark; the input of layer 0's attention projections
+   (shared by query, key and value) written as a token-level dataset + a KV dataset;
+2. train: a TopK SAE on those activations (the distributed trainer, one process here);
+3. lut: lookup tables for query, key and value of layer 0 from that one SAE;
+4. evaluate: on passages the SAE never saw, the LUT layers against the exact layers, and
+   the sentence embeddings of the model with its LUT layers against the original.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
+
+HOOK = "encoder.layer.0.attention.self.query:input"
+LAYERS = [f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")]
 
 
 def demo_passages(max_chars: int = 400) -> list[tuple[str, str]]:
@@ -26,64 +33,90 @@ def demo_passages(max_chars: int = 400) -> list[tuple[str, str]]:
     return out
 
 
-def run_demo(out: Path, rows: int = 50_000) -> None:
-    from pyspark.sql import functions as F
+def held_out_passages(used: int, count: int) -> list[str]:
+    """Passages after the first ``used`` by key (the extraction takes those first)."""
+    texts = sorted(
+        {t for _, t in demo_passages()}, key=lambda t: hashlib.sha256(t.encode()).hexdigest()
+    )
+    return texts[used : used + count]
 
-    from .dataset import verify_dataset
+
+def run_demo(
+    out: Path, *, texts: int = 600, epochs: int = 4, expansion: int = 8, k: int = 32
+) -> dict:
+    """Run the four stages into ``out``; returns the figures it prints."""
+    import torch
+
+    from .extract import ExtractConfig, Extractor, default_model_dir, run_extraction
+    from .lut import embedding_agreement, evaluate, precompute_lut
+    from .sae import SAEConfig
+    from .sae.train import Trainer
     from .spark.session import local_session
 
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model_dir = default_model_dir()
+
+    print(f"[1/4] extract: {texts} passages of pydoc_data.topics through all-MiniLM-L6-v2 in Spark")
     spark = local_session("local[*]")
-    passages = demo_passages()
-    print(f"corpus: {len(passages):,} passages from pydoc_data.topics")
-    df = spark.createDataFrame(passages, "key string, text string").repartition(2)
-    # Token-level rows: one per character position, a 64-dim feature of its byte and
-    # neighbours (a stand-in for transformer activations until the extractor runs here).
-    tokens = (
-        df.select("key", F.posexplode(F.split("text", "")).alias("token_pos", "ch"))
-        .where(F.length("ch") > 0)
-        .limit(rows)
-        .select(
-            F.transform(
-                F.sequence(F.lit(0), F.lit(63)),
-                lambda j: F.sin(F.ascii("ch").cast("float") * (j + 1) / 64.0).cast("float"),
-            ).alias("activation"),
-            F.col("token_pos").cast("int").alias("token_pos"),
+    try:
+        summary = run_extraction(
+            spark, ExtractConfig(hooks=(HOOK,), max_texts=texts, max_length=128), out / "extract"
         )
-    )
-    tokens.write.format("safetensors").option("batch_size", 4096).option(
-        "dtype", '{"activation": "F16"}'
-    ).option(
-        "metadata", '{"source": "pydoc_data.topics", "hook_point": "demo.char_features"}'
-    ).mode("overwrite").save(str(out / "tokens"))
-    tokens_manifest = verify_dataset(out / "tokens", checksums=True)
+    finally:
+        spark.stop()
+    print(f"      {summary}")
+
+    dataset = out / "extract" / "activations" / HOOK.replace(":", ".").replace(".", "_")
     print(
-        f"token dataset: {tokens_manifest.total_samples:,} samples, {len(tokens_manifest.shards)} shards, "
-        f"{tokens_manifest.total_bytes / 1e6:.1f} MB, verified"
+        f"[2/4] train: TopK SAE (n = {expansion} x 384, k = {k}) on {summary.tokens:,} tokens x {epochs} epochs"
+    )
+    config = SAEConfig(
+        dataset=str(dataset), expansion_factor=expansion, k=k, batch_size=1024,
+        tokens=summary.tokens * epochs, warmup_steps=20, dead_tokens=200_000,
+        out_dir=str(out / "sae"), log_every=10, checkpoints=3,
+    )  # fmt: skip
+    metrics = Trainer(config).fit()
+    print(
+        f"      FVU {metrics['fvu']:.3f}, L0 {metrics['l0']:.1f}, dead {metrics['dead_fraction']:.1%}"
     )
 
-    samples = df.select(
-        "key",
-        F.transform(
-            F.sequence(F.lit(0), F.lit(31)), lambda j: (F.length("text") * (j + 1)).cast("float")
-        ).alias("features"),
+    print("[3/4] lut: query, key and value of layer 0 from the one SAE of their shared input")
+    sae_file = out / "sae" / "sae.safetensors"
+    meta = precompute_lut(
+        model_dir, dict.fromkeys(LAYERS, sae_file), out_dir=out / "lut", progress=False
     )
-    samples.write.format("safetensors").option("name_col", "key").mode("overwrite").save(
-        str(out / "samples")
-    )
-    m = verify_dataset(out / "samples", checksums=True)
     print(
-        f"KV dataset: {m.total_samples:,} keys, {len(m.shards)} shards, index {m.index_file}, verified"
+        f"      {len(meta['layers'])} layer files, {meta['timing']['flops_per_s'] / 1e9:.1f} GFLOP/s"
     )
 
-    from safetensors.numpy import load_file
-
-    first = out / "tokens" / tokens_manifest.shards[0].shard_path
-    tensors = load_file(first)
-    print(
-        f"reference library reads {first.name}: "
-        + ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in tensors.items())
+    print("[4/4] evaluate on held-out passages")
+    held_out = held_out_passages(texts, 64)
+    extractor = Extractor(model_dir, [HOOK], max_length=128)
+    x = torch.cat(
+        [torch.from_numpy(w.activations[HOOK].astype("float32")) for w in extractor.run(held_out)]
     )
-    spark.stop()
+    rows = evaluate(out / "lut", model_dir, {layer: x for layer in LAYERS}, ks=[k // 2, k, 2 * k],
+                    ms=[0, 32], out_dir=out / "evaluation")  # fmt: skip
+    cos = {m: embedding_agreement(model_dir, out / "lut", held_out, compensate=m) for m in (0, 32)}
+    at_k = [r for r in rows if r["k"] == k]
+    for r in at_k:
+        print(
+            f"      {r['layer'].rsplit('.', 1)[1]:>5} m={r['m']:>2}: relative L2 {r['rel_l2']:.3f}, cosine {r['cosine']:.4f}"
+        )
+    print(
+        f"      sentence embeddings, LUT layers vs original: cosine {cos[0]:.4f} (m=0), {cos[32]:.4f} (m=32)"
+    )
+    report = (out / "evaluation" / "evaluation.md").read_text()
+    (out / "evaluation" / "evaluation.md").write_text(
+        report
+        + f"\nSentence-embedding cosine, patched vs original: {cos[0]:.4f} (m=0), {cos[32]:.4f} (m=32)\n"
+    )
+    return {
+        "tokens": summary.tokens,
+        "fvu": metrics["fvu"],
+        "embedding_cosine": cos,
+        "layers": at_k,
+    }

@@ -143,7 +143,7 @@ def test_bad_inputs_fail_before_writing(spark, tmp_path):
         run_extraction(spark, ExtractConfig(hooks=("encoder.layer.9.nope:input",)), tmp_path / "a")
     with pytest.raises(ExtractionError, match="must end with ':input' or ':output'"):
         Extractor(default_model_dir(), ["encoder.layer.0.attention.self.query"])
-    with pytest.raises(ExtractionError, match="no config.json"):
+    with pytest.raises(ExtractionError, match=r"no config\.json"):
         run_extraction(spark, ExtractConfig(model_dir=str(tmp_path)), tmp_path / "b")
     with pytest.raises(ExtractionError, match="max_length 1000 outside"):
         Extractor(default_model_dir(), [QUERY_IN], max_length=1000)
@@ -151,7 +151,7 @@ def test_bad_inputs_fail_before_writing(spark, tmp_path):
     corpus.mkdir()
     (corpus / "good.txt").write_text("fine text")
     (corpus / "bad.txt").write_bytes(b"\xff\xfe broken \xc3")
-    with pytest.raises(ExtractionError, match="bad.txt is not valid UTF-8"):
+    with pytest.raises(ExtractionError, match=r"bad\.txt is not valid UTF-8"):
         run_extraction(spark, ExtractConfig(corpus=str(corpus)), tmp_path / "c")
     (corpus / "bad.txt").write_text("   \n")
     (corpus / "good.txt").write_text("")
