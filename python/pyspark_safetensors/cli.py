@@ -1,9 +1,12 @@
 """``pyspark-safetensors`` (or ``python -m pyspark_safetensors.cli``): the command line.
 
 Subcommands:
-  demo      the main job end to end on an embedded local Spark
-  inspect   print a dataset's manifest summary or a file's tensors
-  verify    check a dataset against its manifest (sizes, headers, checksums)
+  demo       the main job end to end on an embedded local Spark
+  extract    run a transformer over a corpus in Spark, write activation datasets
+  train-sae  train a TopK SAE (same as python -m pyspark_safetensors.sae.train)
+  lut        precompute lookup tables for linear layers from SAE checkpoints
+  inspect    print a dataset's manifest summary or a file's tensors
+  verify     check a dataset against its manifest (sizes, headers, checksums)
 """
 
 from __future__ import annotations
@@ -55,6 +58,49 @@ def _demo(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from .sae.train import main as train_main
+
+    return train_main(([f"--config={args.config}"] if args.config else []) + args.overrides)
+
+
+def _extract(args) -> int:
+    from .extract import ExtractConfig, run_extraction
+    from .spark.session import local_session
+
+    config = ExtractConfig(
+        corpus=args.corpus,
+        text_column=args.text_column,
+        model_dir=args.model_dir,
+        hooks=tuple(args.hook) if args.hook else ExtractConfig.hooks,
+        max_length=args.max_length,
+        dtype=args.dtype,
+        max_texts=args.max_texts,
+    )
+    spark = local_session(args.master)
+    try:
+        print(run_extraction(spark, config, args.out, overwrite=args.overwrite))
+    finally:
+        spark.stop()
+    return 0
+
+
+def _lut(args) -> int:
+    from .lut import precompute_lut
+
+    saes = {}
+    for item in args.sae:
+        layers, sep, path = item.rpartition("=")
+        if not sep:
+            raise ValueError(f"--sae {item!r} must be LAYER[,LAYER...]=SAE_FILE")
+        saes.update(dict.fromkeys(layers.split(","), path))
+    meta = precompute_lut(
+        args.model_dir, saes, out_dir=args.out, dtype=args.dtype, overwrite=args.overwrite
+    )
+    print(f"{len(meta['layers'])} layers, {meta['timing']['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pyspark-safetensors", description=__doc__.splitlines()[0]
@@ -65,6 +111,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--texts", type=int, default=600, help="corpus passages (default: 600)")
     p.add_argument("--epochs", type=int, default=4, help="SAE training epochs (default: 4)")
     p.set_defaults(fn=_demo)
+    p = sub.add_parser("extract", help="run a transformer over a corpus in Spark")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--corpus", default="demo", help="'demo', a text directory, or parquet/JSON")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--model-dir", default="", help="HF model dir (default: packaged MiniLM)")
+    p.add_argument("--hook", action="append", help="module_glob:input|output (repeatable)")
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--dtype", default="F16", choices=["F16", "BF16", "F32"])
+    p.add_argument("--max-texts", type=int, default=0)
+    p.add_argument("--master", default="local[*]")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=_extract)
+    p = sub.add_parser("train-sae", help="train a TopK SAE (config TOML + key=value)")
+    p.add_argument("--config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_train)
+    p = sub.add_parser("lut", help="precompute lookup tables from SAE checkpoints")
+    p.add_argument("model_dir")
+    p.add_argument("--sae", action="append", required=True, help="LAYER[,LAYER...]=SAE_FILE")
+    p.add_argument("--out", help="output directory (default: MODEL_DIR/lut)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=_lut)
     p = sub.add_parser("inspect", help="summarise a dataset directory or a .safetensors file")
     p.add_argument("path")
     p.add_argument("--limit", type=int, default=20, help="tensors to list for a file")

@@ -288,3 +288,16 @@ def test_minilm_identity_luts_keep_the_embeddings(tmp_path):
         model_dir, model_dir / "lut", ["Spark writes tensors.", "A lookup table."]
     )
     assert cos > 0.999
+
+
+def test_command_line_lut(tmp_path, model_dir, capsys):
+    from pyspark_safetensors.cli import main
+
+    root, _ = model_dir
+    random_sae(tmp_path / "sae.safetensors")
+    assert main(["lut", str(root), "--sae", f"{Q},{K}={tmp_path / 'sae.safetensors'}",
+                 "--out", str(tmp_path / "lut"), "--dtype", "bfloat16"]) == 0  # fmt: skip
+    assert "2 layers" in capsys.readouterr().out
+    assert set(validate_lut(tmp_path / "lut")["layers"]) == {Q, K}
+    assert main(["lut", str(root), "--sae", "no-equals-sign"]) == 2
+    assert "LAYER[,LAYER...]=SAE_FILE" in capsys.readouterr().err

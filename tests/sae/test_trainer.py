@@ -170,3 +170,14 @@ def test_missing_or_foreign_checkpoints_are_refused(tmp_path, activations):
         Trainer(_config(activations, tmp_path / "run")).load(ckpt)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         main([f"dataset={activations}", f"out_dir={tmp_path / 'empty'}", "resume=auto", "k=4"])
+
+
+def test_command_line_train_sae(tmp_path, activations, repo_root):
+    from pyspark_safetensors.cli import main as cli
+
+    args = ["train-sae", "--config", str(repo_root / "conf" / "sae.toml"), f"dataset={activations}",
+            "expansion_factor=2", "batch_size=1024", "tokens=4096", f"out_dir={tmp_path}",
+            "progress=false"]  # fmt: skip
+    assert cli(args) == 0
+    assert (tmp_path / "sae.safetensors").is_file()
+    assert cli([*args[:3], "k=0"]) == 2  # a bad value is a clean error, not a traceback
