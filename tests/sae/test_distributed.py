@@ -76,6 +76,7 @@ def _tp_worker(rank, tmp):
             },
             f"{tmp}/tp{rank}.pt",
         )
+        dist.barrier()  # both ranks done before teardown: gloo aborts on a racing exit
     finally:
         dist.destroy_process_group()
 
@@ -113,6 +114,7 @@ def _dp_worker(rank, tmp, config_json, x_path):
         trainer.init_decoder_bias(x[0][rank * half : (rank + 1) * half])
         metrics = [trainer.train_step(xs[rank * half : (rank + 1) * half]) for xs in x]
         torch.save({"state": trainer.sae.full_state(), "metrics": metrics}, f"{tmp}/dp{rank}.pt")
+        dist.barrier()  # both ranks done before teardown: gloo aborts on a racing exit
     finally:
         dist.destroy_process_group()
 

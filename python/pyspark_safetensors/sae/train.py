@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if torch.distributed.is_initialized():
+        barrier()  # no rank tears gloo down while another still talks
         torch.distributed.destroy_process_group()
     return 0
 
