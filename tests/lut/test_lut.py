@@ -301,3 +301,30 @@ def test_command_line_lut(tmp_path, model_dir, capsys):
     assert set(validate_lut(tmp_path / "lut")["layers"]) == {Q, K}
     assert main(["lut", str(root), "--sae", "no-equals-sign"]) == 2
     assert "LAYER[,LAYER...]=SAE_FILE" in capsys.readouterr().err
+
+
+def _precompute_worker(rank, tmp, root, sae):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    try:
+        precompute_lut(root, dict.fromkeys([Q, K, FF], sae), out_dir=f"{tmp}/lut", progress=False)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ranks_split_the_layers(tmp_path, model_dir):
+    import torch.multiprocessing as mp
+
+    root, model = model_dir
+    sae = random_sae(tmp_path / "sae.safetensors")
+    mp.start_processes(_precompute_worker, args=(str(tmp_path), str(root), str(tmp_path / "sae.safetensors")),
+                       nprocs=2, join=True, start_method="spawn")  # fmt: skip
+    meta = validate_lut(tmp_path / "lut")
+    assert set(meta["layers"]) == {Q, K, FF}
+    ff = safetensors.torch.load_file(tmp_path / "lut" / f"{FF}.lut.safetensors")
+    want = sae["decoder_weight"] @ model.encoder.layer[0].intermediate.dense.weight.detach().T
+    assert (ff["precomputed_products"].float() - want).abs().max() < 2e-3 * want.abs().max()
+    assert not list(tmp_path.glob(".lut*"))  # staging gone

@@ -126,3 +126,12 @@ def test_dimmap_rules():
     assert DimMap({"model": 0}).distribute(t, None) is t
     assert DimMap({"model": 0}).gather(t, None) is t
     assert DimMap({"model": 0}).local_shape((6, 2), None) == (6, 2)
+
+
+def test_mesh_must_match_the_world(monkeypatch):
+    from pyspark_safetensors.sae import make_mesh
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert make_mesh(1, 1) is None
+    with pytest.raises(ValueError, match=r"2 x model_parallel_size 2 = 4, but the world has 1"):
+        make_mesh(2, 2)
