@@ -152,30 +152,27 @@ def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> p
     return pa.RecordBatch.from_pydict(columns)
 
 
+def _extractor(model_dir: str, config: ExtractConfig, threads: int = 0) -> Extractor:
+    return Extractor(
+        model_dir,
+        list(config.hooks),
+        max_length=config.max_length,
+        batch_size=config.batch_size,
+        dtype=config.dtype,
+        long_texts=config.long_texts,
+        threads=threads,
+    )
+
+
 _EXTRACTORS: dict = {}
 
 
 def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int) -> Extractor:
     """One model per Python worker process (Spark reuses workers between tasks)."""
-    key = (
-        model_dir,
-        config.hooks,
-        config.max_length,
-        config.batch_size,
-        config.dtype,
-        config.long_texts,
-    )
+    key = (model_dir, config, threads)  # the config is frozen, hence hashable
     if key not in _EXTRACTORS:
         _EXTRACTORS.clear()
-        _EXTRACTORS[key] = Extractor(
-            model_dir,
-            list(config.hooks),
-            max_length=config.max_length,
-            batch_size=config.batch_size,
-            dtype=config.dtype,
-            long_texts=config.long_texts,
-            threads=threads,
-        )
+        _EXTRACTORS[key] = _extractor(model_dir, config, threads)
     return _EXTRACTORS[key]
 
 
@@ -285,14 +282,7 @@ def run_extraction(
     if not Path(model_dir).is_dir():
         raise ExtractionError(f"model directory {model_dir} does not exist")
     # Validate the model and the hooks on the driver before any task starts.
-    probe = Extractor(
-        model_dir,
-        list(config.hooks),
-        max_length=config.max_length,
-        batch_size=config.batch_size,
-        dtype=config.dtype,
-        long_texts=config.long_texts,
-    )
+    probe = _extractor(model_dir, config)
     widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
     hooks = probe.hooks
     model_hash = weights_hash(model_dir)
