@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pyspark_safetensors.demo import demo_passages
+from pyspark_safetensors.demo import passages_by_key
 from pyspark_safetensors.extract import ExtractConfig, Extractor, default_model_dir, run_extraction
 from pyspark_safetensors.spark.session import local_session
 
@@ -18,9 +18,7 @@ TEXTS = 400
 
 def run() -> str:
     config = ExtractConfig(max_texts=TEXTS, max_length=128, batch_size=32)
-    texts = sorted(demo_passages(config.passage_chars), key=lambda p: p[0])
-    # the job picks texts by key; the loop only needs the same amount of similar text
-    sample = [t for _, t in texts[:TEXTS]]
+    sample = passages_by_key(0, TEXTS)  # the texts the job picks: the first by key
     extractor = Extractor(default_model_dir(), list(config.hooks), max_length=128, batch_size=32)
     start = time.perf_counter()
     windows = extractor.run(sample)

@@ -33,12 +33,13 @@ def demo_passages(max_chars: int = 400) -> list[tuple[str, str]]:
     return out
 
 
-def held_out_passages(used: int, count: int) -> list[str]:
-    """Passages after the first ``used`` by key (the extraction takes those first)."""
+def passages_by_key(skip: int, count: int) -> list[str]:
+    """``count`` distinct passages after the first ``skip``, in the order the extraction
+    takes them (by key, the sha256 of the text): ``skip = texts`` gives held-out ones."""
     texts = sorted(
         {t for _, t in demo_passages()}, key=lambda t: hashlib.sha256(t.encode()).hexdigest()
     )
-    return texts[used : used + count]
+    return texts[skip : skip + count]
 
 
 def run_demo(
@@ -93,7 +94,7 @@ def run_demo(
     )
 
     print("[4/4] evaluate on held-out passages")
-    held_out = held_out_passages(texts, 64)
+    held_out = passages_by_key(texts, 64)
     extractor = Extractor(model_dir, [HOOK], max_length=128)
     x = torch.cat(
         [torch.from_numpy(w.activations[HOOK].astype("float32")) for w in extractor.run(held_out)]

@@ -296,7 +296,9 @@ def run_extraction(
     indexed = corpus.orderBy("key").rdd.zipWithIndex().map(lambda r: (*r[0], r[1]))
     texts = spark.createDataFrame(indexed, "key string, text string, source string, sample_id long")
     parallelism = config.partitions or spark.sparkContext.defaultParallelism
-    texts = texts.repartition(parallelism, "key")
+    # persisted: the model stage and texts.jsonl both read it, and the ordering that
+    # numbers the texts should run once
+    texts = texts.repartition(parallelism, "key").persist(StorageLevel.MEMORY_AND_DISK)
     threads = max(1, (os.cpu_count() or 1) // max(1, spark.sparkContext.defaultParallelism))
 
     staging = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.staging")
@@ -397,6 +399,7 @@ def run_extraction(
         os.replace(staging, out_dir)
         return summary
     finally:
+        texts.unpersist()
         if samples is not None:
             samples.unpersist()
         shutil.rmtree(staging, ignore_errors=True)

@@ -190,10 +190,15 @@ class Extractor:
             padding=False,
         )
         mapping = enc.get("overflow_to_sample_mapping", list(range(len(texts))))
-        windows: list[Window] = []
-        seen: dict[int, int] = {}
-        order = list(range(len(enc["input_ids"])))
-        for start in range(0, len(order), self.batch_size):
+        n = len(enc["input_ids"])
+        window_of, seen = [], {}  # a text's windows are numbered in token order
+        for r in range(n):
+            window_of.append(seen.get(mapping[r], 0))
+            seen[mapping[r]] = window_of[-1] + 1
+        # Batch inputs of similar length together: less padding, less wasted compute.
+        order = sorted(range(n), key=lambda r: len(enc["input_ids"][r]))
+        windows: list[Window | None] = [None] * n
+        for start in range(0, n, self.batch_size):
             rows = order[start : start + self.batch_size]
             batch = self.tokenizer.pad(
                 {"input_ids": [enc["input_ids"][r] for r in rows],
@@ -205,9 +210,6 @@ class Extractor:
             keep = batch["attention_mask"].bool().numpy()  # padding may sit on either side
             captured = {h.name: self._captured[h.name].float().numpy() for h in self.hooks}
             for j, r in enumerate(rows):
-                text = int(mapping[r])
-                w = seen.get(text, 0)
-                seen[text] = w + 1
                 acts = {name: self._store(a[j][keep[j]]) for name, a in captured.items()}
-                windows.append(Window(text, w, acts))
+                windows[r] = Window(int(mapping[r]), window_of[r], acts)
         return windows

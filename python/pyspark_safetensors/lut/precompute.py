@@ -217,15 +217,16 @@ def precompute_lut(
                 f"SAE {info.path} has input dim {info.input_dim}, layer {layer!r} takes {input_dim}"
             )
         layers[layer] = {"input_dim": input_dim, "output_dim": output_dim, "file": files[layer]}
-    num_basis = {i.num_basis for i in infos.values()}
-    if len(num_basis) != 1:
-        raise LUTError(f"the SAEs disagree on num_basis {sorted(num_basis)}; metadata has one")
+    bases = {i.num_basis for i in infos.values()}
+    if len(bases) != 1:
+        raise LUTError(f"the SAEs disagree on num_basis {sorted(bases)}; metadata has one")
+    (num_basis,) = bases
     ks = {i.k for i in infos.values() if i.k is not None}
     k = k_active or (ks.pop() if len(ks) == 1 else None)
     if k is None:
         raise LUTError(f"pass k_active: the SAEs record k values {sorted(ks) or 'none'}")
-    if not 0 < k <= next(iter(num_basis)):
-        raise LUTError(f"k_active {k} outside 1..num_basis {next(iter(num_basis))}")
+    if not 0 < k <= num_basis:
+        raise LUTError(f"k_active {k} outside 1..num_basis {num_basis}")
 
     rank, world = _rank_world()
     staging = out_dir.with_name(f".{out_dir.name}.staging")
@@ -254,7 +255,7 @@ def precompute_lut(
                 device=device,
             )
             d_in, d_out = layers[layer]["input_dim"], layers[layer]["output_dim"]
-            flops += 2 * (next(iter(num_basis)) + 1) * d_in * d_out
+            flops += 2 * (num_basis + 1) * d_in * d_out
             write_shard(
                 staging / files[layer],
                 {n: to_numpy(t) for n, t in tensors.items()},
@@ -273,7 +274,7 @@ def precompute_lut(
     config = model.config()
     meta = {
         "version": VERSION,
-        "sae_config": {"num_basis": next(iter(num_basis)), "k_active": k},
+        "sae_config": {"num_basis": num_basis, "k_active": k},
         "model_config": {
             key: config[src]
             for key, src in (
