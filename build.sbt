@@ -11,7 +11,6 @@ lazy val shim = (project in file("jvm-shim"))
   .settings(
     name := "pyspark-safetensors-shim",
     Compile / scalaSource := baseDirectory.value / "src" / "main" / "scala",
-    Test / scalaSource := baseDirectory.value / "src" / "test" / "scala",
     libraryDependencies ++= Seq(
       "org.apache.spark" %% "spark-sql" % sparkVersion % Provided,
       "org.apache.spark" %% "spark-catalyst" % sparkVersion % Provided

@@ -152,14 +152,14 @@ def cast_array(x: np.ndarray, dtype: DType | str, *, where: str = "") -> np.ndar
             frac = xf != np.trunc(xf)
             if frac.any():
                 raise CastError(
-                    f"value {xf[frac].flat[0]!r}{_describe(where)} is not an integer; {dtype} holds integers only"
+                    f"value {xf[frac].flat[0].item()!r}{_describe(where)} is not an integer; {dtype} holds integers only"
                 )
             info = np.iinfo(target)
             # float bounds: info.max may not be representable, so test against 2^bits.
             if xf.size and (xf.min() < info.min or xf.max() >= float(info.max) + 1):
                 bad = xf.min() if xf.min() < info.min else xf.max()
                 raise CastError(
-                    f"value {bad!r}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})"
+                    f"value {bad.item()!r}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})"
                 )
             return xf.astype(target)
         raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
