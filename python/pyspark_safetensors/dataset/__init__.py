@@ -23,6 +23,7 @@ from .manifest import (
     load_manifest,
     write_manifest,
 )
+from .remote import RemoteDir, is_remote, open_location
 from .verify import shard_crc32c, verify_dataset
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "ColumnSchema",
     "Manifest",
     "ManifestError",
+    "RemoteDir",
     "ShardEntry",
     "StagedShard",
     "TaskResult",
@@ -42,9 +44,11 @@ __all__ = [
     "attempt_dir",
     "commit_dataset",
     "index_rows",
+    "is_remote",
     "load_manifest",
     "local_path",
     "merge_schemas",
+    "open_location",
     "read_index",
     "resolve_inside",
     "shard_crc32c",

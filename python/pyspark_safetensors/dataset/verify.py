@@ -23,6 +23,32 @@ def shard_crc32c(path: Path) -> str:
     return f"{crc:08x}"
 
 
+def check_shard(manifest: Manifest, entry, size: int | None, header) -> list[str]:
+    """Problems of one shard: missing (``size`` None), mis-sized, or a header (given when
+    the size is right) disagreeing with the schema."""
+    if size is None:
+        return [f"{entry.shard_path}: listed in the manifest but missing"]
+    if size != entry.bytes:
+        return [f"{entry.shard_path}: {size} bytes on disk, the manifest says {entry.bytes}"]
+    problems = []
+    if manifest.mode == "batch":
+        for name, col in manifest.schema.items():
+            if name not in header:
+                problems.append(f"{entry.shard_path}: no tensor {name!r}")
+                continue
+            info = header[name]
+            if (
+                info.dtype.name != col.dtype
+                or info.shape[1:] != col.sample_shape
+                or info.shape[0] != entry.samples_count
+            ):
+                problems.append(
+                    f"{entry.shard_path}: tensor {name!r} is {info.dtype}{list(info.shape)}, the manifest says "
+                    f"{col.dtype}[{entry.samples_count}, {', '.join(map(str, col.sample_shape))}]"
+                )
+    return problems
+
+
 def verify_dataset(root: str | os.PathLike, *, checksums: bool = False) -> Manifest:
     """Return the manifest when the dataset is whole; raise ``ManifestError`` listing
     every problem found otherwise."""
@@ -30,36 +56,16 @@ def verify_dataset(root: str | os.PathLike, *, checksums: bool = False) -> Manif
     manifest = load_manifest(root)
     problems: list[str] = []
     for entry, path in zip(manifest.shards, manifest.shard_paths(root), strict=True):
-        if not path.exists():
-            problems.append(f"{entry.shard_path}: listed in the manifest but missing")
-            continue
-        size = path.stat().st_size
-        if size != entry.bytes:
-            problems.append(
-                f"{entry.shard_path}: {size} bytes on disk, the manifest says {entry.bytes}"
-            )
-            continue
-        try:
-            header = read_header(path)
-        except SafetensorsFormatError as e:
-            problems.append(str(e))
-            continue
-        if manifest.mode == "batch":
-            for name, col in manifest.schema.items():
-                if name not in header:
-                    problems.append(f"{entry.shard_path}: no tensor {name!r}")
-                    continue
-                info = header[name]
-                if (
-                    info.dtype.name != col.dtype
-                    or info.shape[1:] != col.sample_shape
-                    or info.shape[0] != entry.samples_count
-                ):
-                    problems.append(
-                        f"{entry.shard_path}: tensor {name!r} is {info.dtype}{list(info.shape)}, the manifest says "
-                        f"{col.dtype}[{entry.samples_count}, {', '.join(map(str, col.sample_shape))}]"
-                    )
-        if checksums and entry.crc32c and shard_crc32c(path) != entry.crc32c:
+        size = path.stat().st_size if path.exists() else None
+        header = None
+        if size is not None and size == entry.bytes:
+            try:
+                header = read_header(path)
+            except SafetensorsFormatError as e:
+                problems.append(str(e))
+                continue
+        problems += check_shard(manifest, entry, size, header)
+        if header is not None and checksums and entry.crc32c and shard_crc32c(path) != entry.crc32c:
             problems.append(f"{entry.shard_path}: crc32c mismatch (file changed or corrupt)")
     if problems:
         raise ManifestError(f"dataset {str(root)!r} is not whole:\n  " + "\n  ".join(problems))

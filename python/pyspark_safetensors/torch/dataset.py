@@ -1,7 +1,9 @@
 """Open a safetensors dataset for torch: map-style access by sample index or by key.
 
-Tensors come back as torch views of a private (copy-on-write) mmap of the shard: no copy,
-and nothing written to them ever reaches the file.
+Local tensors come back as torch views of a private (copy-on-write) mmap of the shard: no
+copy, and nothing written to them ever reaches the file. Remote datasets (``s3://``,
+``gs://``, ``hdfs://``, any fsspec protocol) are read with ranged reads of just the bytes
+asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import numpy as np
 import torch
 
 from ..dataset import Manifest, read_index, verify_dataset
+from ..dataset.remote import RemoteDir, open_location
 from ..format import SafetensorsFile
+from ..format.header import Header
 
 _TORCH_DTYPES = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
@@ -83,10 +87,17 @@ class SafetensorsDataset(torch.utils.data.Dataset):
     index (one lookup, one ranged read, no header parse).
     """
 
-    def __init__(self, root: Path, manifest: Manifest):
+    def __init__(self, root: Path | RemoteDir, manifest: Manifest):
         self.root = root
         self.manifest = manifest
-        self.paths = [str(p) for p in manifest.shard_paths(root)]
+        self.remote = isinstance(root, RemoteDir)
+        # local: absolute paths (mapped); remote: names inside the directory (ranged reads)
+        self.paths = (
+            [s.shard_path for s in manifest.shards]
+            if self.remote
+            else [str(p) for p in manifest.shard_paths(root)]
+        )
+        self._headers: dict[int, Header] = {}
         self.counts = [s.samples_count for s in manifest.shards]
         self.starts = np.cumsum([0, *self.counts])[
             :-1
@@ -121,8 +132,49 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         return shard, index - self.starts[shard]
 
     def shard_view(self, shard: int, column: str) -> np.ndarray:
-        """The whole ``column`` tensor of a shard as a (copy-on-write) mmap view."""
-        return self._files.get(self.paths[shard]).tensor(column)
+        """The whole ``column`` tensor of a shard: a (copy-on-write) mmap view, or for a
+        remote dataset an array read with one ranged read."""
+        if not self.remote:
+            return self._files.get(self.paths[shard]).tensor(column)
+        info = self._header(shard)[column]
+        start = self._header(shard).data_start + info.begin
+        return self._remote_array(shard, start, start + info.nbytes, info.dtype.numpy, info.shape)
+
+    def read_rows(self, shard: int, column: str, rows: np.ndarray) -> np.ndarray:
+        """``shard_view(shard, column)[rows]`` (a copy). Remote: rows close together are
+        fetched with one ranged read, so a shuffled batch costs a few reads per shard."""
+        if not self.remote:
+            return self.shard_view(shard, column)[rows]
+        header = self._header(shard)
+        info = header[column]
+        row_bytes = info.nbytes // max(info.shape[0], 1)
+        sample = info.shape[1:]
+        out = np.empty((len(rows), *sample), dtype=info.dtype.numpy)
+        order = np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        # a new read where the gap to the next wanted row exceeds ~1 MB of unwanted rows
+        gap = max(1, (1 << 20) // max(row_bytes, 1))
+        cuts = np.flatnonzero(np.diff(ordered) > gap) + 1
+        for run in np.split(np.arange(len(ordered)), cuts):
+            lo, hi = int(ordered[run[0]]), int(ordered[run[-1]]) + 1
+            start = header.data_start + info.begin + lo * row_bytes
+            block = self._remote_array(
+                shard, start, start + (hi - lo) * row_bytes, info.dtype.numpy, (hi - lo, *sample)
+            )
+            out[order[run]] = block[ordered[run] - lo]
+        return out
+
+    def _header(self, shard: int) -> Header:
+        header = self._headers.get(shard)
+        if header is None:
+            entry = self.manifest.shards[shard]
+            header = self._headers[shard] = self.root.read_header(entry.shard_path, entry.bytes)
+        return header
+
+    def _remote_array(self, shard: int, begin: int, end: int, dtype, shape) -> np.ndarray:
+        buf = self.root.read_range(self.paths[shard], begin, end)
+        # a writable copy: torch warns on read-only arrays, and remote bytes are copied anyway
+        return np.frombuffer(buf, dtype=dtype).reshape(shape).copy()
 
     def __getitem__(self, index):
         if isinstance(index, str):
@@ -132,6 +184,10 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         shard, row = self.locate(int(index))
         out = {}
         for c, col in self.manifest.schema.items():
+            if self.remote:
+                rows = self.read_rows(shard, c, np.array([row]))
+                out[c] = as_torch(rows.reshape(rows.shape[1:]), col.dtype)
+                continue
             view = self.shard_view(shard, c)
             out[c] = as_torch(
                 view[row : row + 1].reshape(view.shape[1:]), col.dtype
@@ -148,7 +204,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
                 raise ValueError(
                     f"dataset {str(self.root)!r} has no tensor index; write it with generate_index=true"
                 )
-            table = read_index(self.root).to_pydict()
+            table = (self.root.read_index() if self.remote else read_index(self.root)).to_pydict()
             sep = self.manifest.kv_separator or "__"
             keys: dict[str, dict[str, KeyLocation]] = {}
             for name, file, shape, dtype, begin, end in zip(
@@ -162,7 +218,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
             ):
                 key, _, column = name.rpartition(sep)
                 keys.setdefault(key, {})[column] = KeyLocation(
-                    str(self.root / file), begin, end, dtype, tuple(shape)
+                    file if self.remote else str(self.root / file), begin, end, dtype, tuple(shape)
                 )
             self._keys = keys
         return self._keys
@@ -182,8 +238,14 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         return {c: self._read(loc) for c, loc in entry.items()}
 
     def _read(self, loc: KeyLocation) -> torch.Tensor:
-        f = self._files.get(loc.file)
-        raw = np.frombuffer(f.byte_range(loc.begin, loc.end), dtype=np.uint8)
+        if self.remote:
+            raw = np.frombuffer(
+                self.root.read_range(loc.file, loc.begin, loc.end), dtype=np.uint8
+            ).copy()
+        else:
+            raw = np.frombuffer(
+                self._files.get(loc.file).byte_range(loc.begin, loc.end), dtype=np.uint8
+            )
         d = _TORCH_DTYPES[loc.dtype]
         return (
             as_torch(raw, "U8").view(d).reshape(loc.shape)
@@ -192,9 +254,19 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         )
 
 
-def open_dataset(path: str | os.PathLike, *, checksums: bool = False) -> SafetensorsDataset:
+def open_dataset(
+    path: str | os.PathLike, *, checksums: bool = False, filesystem=None
+) -> SafetensorsDataset:
     """Open a dataset directory: the manifest is loaded and checked against the files
     (present, inside the directory, sizes, headers agreeing with the schema; crc32c of
-    every shard with ``checksums=True``). Errors name the file."""
-    root = Path(path)
-    return SafetensorsDataset(root, verify_dataset(root, checksums=checksums))
+    every shard with ``checksums=True``). Errors name the file.
+
+    ``path``: a local directory (or ``file:`` URI), memory-mapped; or a remote URI
+    (``s3://bucket/acts``, ``gs://``, ``hdfs://``, ``memory://`` or any fsspec protocol),
+    or a path on ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem), read with one
+    listing and ranged reads.
+    """
+    location = open_location(path, filesystem)
+    if isinstance(location, RemoteDir):
+        return SafetensorsDataset(location, location.verify(checksums=checksums))
+    return SafetensorsDataset(location, verify_dataset(location, checksums=checksums))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..format.dtypes import get_dtype
 from .dataset import SafetensorsDataset, as_torch
 
 
@@ -142,14 +143,11 @@ class ShuffledBatches(torch.utils.data.IterableDataset):
         out = {}
         for column in self.columns:
             col = ds.manifest.schema[column]
-            pieces = np.empty(
-                (len(indices), *col.sample_shape),
-                dtype=ds.shard_view(int(shard_of[0]), column).dtype,
-            )
+            pieces = np.empty((len(indices), *col.sample_shape), dtype=get_dtype(col.dtype).numpy)
             for shard in np.unique(shard_of):
                 sel = np.flatnonzero(shard_of == shard)
                 rows = indices[sel] - ds.starts[shard]
-                pieces[sel] = ds.shard_view(int(shard), column)[rows]
+                pieces[sel] = ds.read_rows(int(shard), column, rows)
             t = as_torch(pieces, col.dtype)
             if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
                 t = t.to(self.dtype)

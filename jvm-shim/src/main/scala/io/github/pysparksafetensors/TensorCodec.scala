@@ -83,8 +83,8 @@ object TensorCodec {
   /** float32 -> bfloat16 bits, round to nearest even; every NaN becomes 0xFFFF. */
   def bfloat16Bits(f: Float): Int = {
     val x = java.lang.Float.floatToRawIntBits(f)
-    if ((x & 0x7fffffff) > 0x7f800000) 0xffff
-    else (x + 0x7fff + ((x >>> 16) & 1)) >>> 16
+    val rounded = (x + 0x7fff + ((x >>> 16) & 1)) >>> 16
+    if ((x & 0x7fffffff) > 0x7f800000) 0xffff else rounded
   }
 
   def halfToFloat(h: Int): Float = {
@@ -178,12 +178,13 @@ object TensorCodec {
   private def putFloats(f: Array[Float], dt: TensorDType, buf: ByteBuffer): Unit = {
     dt.name match {
       case "F32" => buf.asFloatBuffer().put(f)
-      case "F16" =>
+      case "F16" | "BF16" =>
+        // Into a short[] first: a plain array loop, then one bulk little-endian copy.
+        val bits = new Array[Short](f.length)
         var i = 0
-        while (i < f.length) { buf.putShort(2 * i, halfBits(f(i)).toShort); i += 1 }
-      case "BF16" =>
-        var i = 0
-        while (i < f.length) { buf.putShort(2 * i, bfloat16Bits(f(i)).toShort); i += 1 }
+        if (dt.name == "F16") while (i < f.length) { bits(i) = halfBits(f(i)).toShort; i += 1 }
+        else while (i < f.length) { bits(i) = bfloat16Bits(f(i)).toShort; i += 1 }
+        buf.asShortBuffer().put(bits)
     }
   }
 
