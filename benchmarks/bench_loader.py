@@ -37,10 +37,17 @@ def make_tokens(root: Path, hidden: int):
     rows = TARGET_BYTES // (2 * hidden)
     rng = np.random.default_rng(hidden)
     acts = to_f16(rng.standard_normal((rows, hidden), dtype=np.float32))
-    write_batch_dataset(root / "st", {"activation": acts}, rows_per_shard=max(1, (128 << 20) // (2 * hidden)))
+    write_batch_dataset(
+        root / "st", {"activation": acts}, rows_per_shard=max(1, (128 << 20) // (2 * hidden))
+    )
     values = pa.array(acts.reshape(-1), type=pa.float16())
     column = pa.FixedSizeListArray.from_arrays(values, hidden)
-    pq.write_table(pa.table({"activation": column}), root / "acts.parquet", row_group_size=65_536, compression="none")
+    pq.write_table(
+        pa.table({"activation": column}),
+        root / "acts.parquet",
+        row_group_size=65_536,
+        compression="none",
+    )
     return rows
 
 
@@ -58,7 +65,9 @@ def sequential_read(files: list[Path]) -> tuple[int, float]:
 def ours(root: Path, workers: int) -> tuple[int, float]:
     from pyspark_safetensors.torch import ActivationLoader, open_dataset
 
-    loader = ActivationLoader(open_dataset(root), BATCH, columns=["activation"], num_workers=workers)
+    loader = ActivationLoader(
+        open_dataset(root), BATCH, columns=["activation"], num_workers=workers
+    )
     start, total = time.perf_counter(), 0
     for batch in loader:
         total += batch["activation"].numel() * 4
@@ -77,7 +86,13 @@ class SaevStyleRows:
             header = ds._files.get(path).header
             info = header["activation"]
             self.maps.append(
-                np.memmap(path, dtype=np.float16, mode="r", offset=header.data_start + info.begin, shape=info.shape)
+                np.memmap(
+                    path,
+                    dtype=np.float16,
+                    mode="r",
+                    offset=header.data_start + info.begin,
+                    shape=info.shape,
+                )
             )
         self.length = len(ds)
 
@@ -88,13 +103,17 @@ class SaevStyleRows:
         import torch
 
         shard = int(np.searchsorted(self.starts, i, side="right") - 1)
-        return torch.from_numpy(np.asarray(self.maps[shard][i - self.starts[shard]], dtype=np.float32))
+        return torch.from_numpy(
+            np.asarray(self.maps[shard][i - self.starts[shard]], dtype=np.float32)
+        )
 
 
 def saev_style(root: Path, batches: int) -> tuple[int, float]:
     import torch
 
-    loader = torch.utils.data.DataLoader(SaevStyleRows(root), batch_size=BATCH, shuffle=True, num_workers=0)
+    loader = torch.utils.data.DataLoader(
+        SaevStyleRows(root), batch_size=BATCH, shuffle=True, num_workers=0
+    )
     start, total = time.perf_counter(), 0
     for n, batch in enumerate(loader):
         total += batch.numel() * 4
@@ -156,11 +175,23 @@ def kv_latency(root: Path, samples: int = 400, layers: int = 12, seq: int = 128,
     schema = {f"layer{j}": ColumnSchema("F16", (seq, hidden), (seq, hidden)) for j in range(layers)}
     write_manifest(
         root,
-        Manifest(tuple(entries), schema, mode="kv", name_col="key", kv_separator="__", index_file="_tensor_index.parquet"),
+        Manifest(
+            tuple(entries),
+            schema,
+            mode="kv",
+            name_col="key",
+            kv_separator="__",
+            index_file="_tensor_index.parquet",
+        ),
     )
     ds = open_dataset(root)
     keys = ds.keys()
-    picks = [(keys[i], f"layer{j}") for i, j in zip(rng.integers(0, len(keys), 20_000), rng.integers(0, layers, 20_000), strict=True)]
+    picks = [
+        (keys[i], f"layer{j}")
+        for i, j in zip(
+            rng.integers(0, len(keys), 20_000), rng.integers(0, layers, 20_000), strict=True
+        )
+    ]
     for key, layer in picks[:2000]:  # warm: index loaded, files mapped, pages cached
         ds.get(key, layer)
     times = np.empty(len(picks))
@@ -168,7 +199,11 @@ def kv_latency(root: Path, samples: int = 400, layers: int = 12, seq: int = 128,
         t = time.perf_counter_ns()
         ds.get(key, layer)
         times[n] = time.perf_counter_ns() - t
-    return np.percentile(times, 50) / 1e3, np.percentile(times, 95) / 1e3, samples * layers * seq * hidden * 2
+    return (
+        np.percentile(times, 50) / 1e3,
+        np.percentile(times, 95) / 1e3,
+        samples * layers * seq * hidden * 2,
+    )
 
 
 def run() -> str:
@@ -186,15 +221,21 @@ def run() -> str:
             seq = gbps(read, seconds)
             results = {"(a) np.fromfile, sequential (GB/s read)": seq}
             for workers in (0, 2):
-                results[f"ours, shuffled, {workers} DataLoader workers"] = gbps(*ours(root / "st", workers))
+                results[f"ours, shuffled, {workers} DataLoader workers"] = gbps(
+                    *ours(root / "st", workers)
+                )
             results["(b) saev-style memmap rows + DataLoader"] = gbps(*saev_style(root / "st", 8))
-            results["(c) pyarrow parquet → torch, row-group shuffle"] = gbps(*parquet_to_torch(root / "acts.parquet"))
+            results["(c) pyarrow parquet → torch, row-group shuffle"] = gbps(
+                *parquet_to_torch(root / "acts.parquet")
+            )
             best = max(v for k, v in results.items() if k.startswith("ours"))
             for name, value in results.items():
                 ratio = "" if name.startswith("(a)") else f"{value / seq:.0%} of (a)"
                 if name.startswith("(b)") or name.startswith("(c)"):
                     ratio += f"; ours is {best / value:.1f}×"
-                rows_out.append([f"H={hidden}, {rows:,} rows, {size / 1e9:.2f} GB", name, f"{value:.2f}", ratio])
+                rows_out.append(
+                    [f"H={hidden}, {rows:,} rows, {size / 1e9:.2f} GB", name, f"{value:.2f}", ratio]
+                )
                 print(rows_out[-1], flush=True)
             shutil.rmtree(root)
         p50, p95, kv_bytes = kv_latency(out / "kv")

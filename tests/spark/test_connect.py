@@ -32,3 +32,33 @@ def test_write_through_spark_connect(tmp_path):
     kv = json.loads((tmp_path / "k" / "dataset_manifest.json").read_text())
     assert batch["total_samples"] == 10 and batch["schema"]["v"]["sample_shape"] == [2]
     assert kv["total_samples"] == 10 and kv["mode"] == "kv"
+
+
+@pytest.mark.jvm
+def test_tensor_functions_through_spark_connect(tmp_path):
+    from pyspark_safetensors.functions import SHIM_EXTENSIONS, shim_jar
+
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        from pyspark.sql import SparkSession
+        from pyspark_safetensors.functions import arr_to_st, shim_loaded, st_to_array
+        spark = (SparkSession.builder.remote("local[2]")
+                 .config("spark.jars", {str(shim_jar())!r})
+                 .config("spark.sql.extensions", {SHIM_EXTENSIONS!r}).getOrCreate())
+        assert shim_loaded(spark)
+        df = spark.range(4).selectExpr("array(cast(id as float), 0.1f) AS x")
+        got = {{}}
+        for jvm in (True, False):
+            t = df.select(arr_to_st("x", [2], "F16", jvm=jvm).alias("t"))
+            got[jvm] = [(bytes(r.t.data), list(r.a)) for r in t.select("t", st_to_array("t", jvm=jvm).alias("a")).collect()]
+        assert got[True] == got[False], got
+        assert got[True][1][1] == [1.0, 0.0999755859375], got
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
