@@ -27,18 +27,6 @@ def pytest_collection_modifyitems(config, items):
 os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
 
 
-def shim_jar_conf() -> dict[str, str]:
-    """The JVM shim jar on ``spark.jars`` when built. The driver's classpath is fixed when
-    the first session of the process starts its JVM, so every session carries the jar;
-    only the modules that test the shim also enable its extension."""
-    from pyspark_safetensors.spark.functions import shim_jar
-
-    try:
-        return {"spark.jars": str(shim_jar())}
-    except FileNotFoundError:
-        return {}
-
-
 @pytest.fixture(scope="module")
 def spark():
     """One local Spark session per test module (local[2]; task retries for retry tests)."""
@@ -47,7 +35,7 @@ def spark():
     session = local_session(
         "local[2, 4]",
         app_name="pyspark-safetensors-tests",
-        **{"spark.ui.showConsoleProgress": "false", **shim_jar_conf()},
+        **{"spark.ui.showConsoleProgress": "false"},
     )
     yield session
     session.stop()

@@ -21,8 +21,22 @@ def spark_defaults(path: Path = CONF_DIR / "spark-defaults.conf") -> dict[str, s
     return conf
 
 
+def _shim_classpath() -> dict[str, str]:
+    """The JVM shim jar on ``spark.jars`` when it is built. The driver's classpath is fixed
+    when the process's first session starts the JVM, so every session carries the jar and a
+    later one can enable the extension (``spark.sql.extensions``); the jar alone registers
+    nothing."""
+    from .functions import shim_jar
+
+    try:
+        return {"spark.jars": str(shim_jar())}
+    except FileNotFoundError:
+        return {}
+
+
 def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors", **conf: str):
-    """A local SparkSession whose Python workers run this interpreter."""
+    """A local SparkSession whose Python workers run this interpreter (with the JVM shim's
+    jar on the classpath when built; pass ``spark.sql.extensions`` to enable its functions)."""
     from pyspark.sql import SparkSession
 
     # Workers must import this package: run them with the interpreter we run in.
@@ -35,6 +49,6 @@ def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors
         builder = builder.config("spark.driver.extraJavaOptions", opt).config(
             "spark.executor.extraJavaOptions", opt
         )
-    for key, value in {**spark_defaults(), **conf}.items():
+    for key, value in {**spark_defaults(), **_shim_classpath(), **conf}.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
