@@ -78,12 +78,13 @@ class SaevStyleRows:
     """One row per ``__getitem__`` from per-shard ``np.memmap``s, as saev's reader does."""
 
     def __init__(self, root: Path):
+        from pyspark_safetensors.format import read_header
         from pyspark_safetensors.torch import open_dataset
 
         ds = open_dataset(root)
         self.starts, self.maps = np.asarray(ds.starts), []
         for path in ds.paths:
-            header = ds._files.get(path).header
+            header = read_header(path)
             info = header["activation"]
             self.maps.append(
                 np.memmap(

@@ -164,20 +164,25 @@ class Manifest:
         return [resolve_inside(root, s.shard_path) for s in self.shards]
 
 
-def load_manifest(root: str | os.PathLike) -> Manifest:
-    root = Path(root)
-    path = root / MANIFEST
+def parse_manifest(read, root: str, path: str) -> Manifest:
+    """The manifest from ``read()`` (its bytes or text), errors naming ``path``."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read()
     except FileNotFoundError:
         raise ManifestError(
-            f"{str(path)!r}: no {MANIFEST}; is {str(root)!r} a dataset written by pyspark-safetensors?"
+            f"{path!r}: no {MANIFEST}; is {root!r} a dataset written by pyspark-safetensors?"
         ) from None
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{str(path)!r}: not valid JSON ({e})") from None
-    manifest = Manifest.from_json(doc, repr(str(path)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path!r}: not valid JSON ({e})") from None
+    return Manifest.from_json(doc, repr(path))
+
+
+def load_manifest(root: str | os.PathLike) -> Manifest:
+    root = Path(root)
+    path = root / MANIFEST
+    manifest = parse_manifest(lambda: path.read_bytes(), str(root), str(path))
     manifest.shard_paths(root)  # refuse escaping paths at load time
     return manifest
 

@@ -8,7 +8,6 @@ memory-mapped instead.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
@@ -21,11 +20,10 @@ from ..format import SafetensorsFormatError
 from ..format.header import Header, decode_header, read_header_length
 from .index import INDEX_SCHEMA
 from .layout import INDEX, MANIFEST, local_path
-from .manifest import Manifest, ManifestError
-from .verify import check_shard
+from .manifest import Manifest, parse_manifest
+from .verify import stream_crc32c, verify_shards
 
 _URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+://")
-_CHUNK = 16 << 20
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -134,58 +132,32 @@ class RemoteDir:
         n = read_header_length(prefix, size, self.path(name))
         return decode_header(prefix + bytes(self.read_range(name, 8, 8 + n)), size, self.path(name))
 
-    def crc32c(self, name: str) -> str:
-        import crc32c
-
-        crc = 0
-        with self.fs.open_input_stream(self.path(name)) as f:
-            while chunk := f.read(_CHUNK):
-                crc = crc32c.crc32c(chunk, crc)
-        return f"{crc:08x}"
-
     def load_manifest(self) -> Manifest:
-        where = repr(posixpath.join(self.uri, MANIFEST))
-        try:
-            text = self.read_bytes(MANIFEST)
-        except FileNotFoundError:
-            raise ManifestError(
-                f"{where}: no {MANIFEST}; is {self.uri!r} a dataset written by pyspark-safetensors?"
-            ) from None
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where}: not valid JSON ({e})") from None
-        manifest = Manifest.from_json(doc, where)
+        manifest = parse_manifest(
+            lambda: self.read_bytes(MANIFEST), self.uri, posixpath.join(self.uri, MANIFEST)
+        )
         for shard in manifest.shards:
             self.path(shard.shard_path)  # refuse escaping names at load time
         return manifest
 
     def verify(self, *, checksums: bool = False) -> Manifest:
         """The manifest, checked against the files as ``verify_dataset`` does locally
-        (sizes from one listing, headers from ranged reads)."""
+        (sizes from one listing, headers from ranged reads, crc32c streamed)."""
         manifest = self.load_manifest()
         sizes = self.sizes()
-        problems: list[str] = []
-        for entry in manifest.shards:
-            size = sizes.get(entry.shard_path)
-            header = None
-            if size is not None and size == entry.bytes:
-                try:
-                    header = self.read_header(entry.shard_path, size)
-                except SafetensorsFormatError as e:
-                    problems.append(str(e))
-                    continue
-            problems += check_shard(manifest, entry, size, header)
-            if (
-                header is not None
-                and checksums
-                and entry.crc32c
-                and self.crc32c(entry.shard_path) != entry.crc32c
-            ):
-                problems.append(f"{entry.shard_path}: crc32c mismatch (file changed or corrupt)")
-        if problems:
-            raise ManifestError(f"dataset {self.uri!r} is not whole:\n  " + "\n  ".join(problems))
-        return manifest
+
+        def crc(entry) -> str:
+            with self.fs.open_input_stream(self.path(entry.shard_path)) as f:
+                return stream_crc32c(f)
+
+        return verify_shards(
+            manifest,
+            self.uri,
+            lambda e: sizes.get(e.shard_path),
+            lambda e: self.read_header(e.shard_path, e.bytes),
+            crc,
+            checksums=checksums,
+        )
 
     def read_index(self) -> pa.Table:
         return pq.read_table(self.path(INDEX, what="file"), filesystem=self.fs, schema=INDEX_SCHEMA)

@@ -13,14 +13,19 @@ from .manifest import Manifest, ManifestError, load_manifest
 _CHUNK = 16 << 20
 
 
-def shard_crc32c(path: Path) -> str:
+def stream_crc32c(stream) -> str:
+    """crc32c (hex) of everything a binary stream yields, read in 16 MB chunks."""
     import crc32c
 
     crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = crc32c.crc32c(chunk, crc)
+    while chunk := stream.read(_CHUNK):
+        crc = crc32c.crc32c(chunk, crc)
     return f"{crc:08x}"
+
+
+def shard_crc32c(path: Path) -> str:
+    with open(path, "rb") as f:
+        return stream_crc32c(f)
 
 
 def check_shard(manifest: Manifest, entry, size: int | None, header) -> list[str]:
@@ -49,24 +54,43 @@ def check_shard(manifest: Manifest, entry, size: int | None, header) -> list[str
     return problems
 
 
+def verify_shards(
+    manifest: Manifest, where: str, size_of, header_of, crc32c_of, *, checksums: bool
+) -> Manifest:
+    """Check every shard of ``manifest`` with the given probes (``size_of(entry)`` → size
+    or None when missing, ``header_of(entry)``, ``crc32c_of(entry)``); raise
+    ``ManifestError`` listing every problem, naming ``where``."""
+    problems: list[str] = []
+    for entry in manifest.shards:
+        size = size_of(entry)
+        header = None
+        if size is not None and size == entry.bytes:
+            try:
+                header = header_of(entry)
+            except SafetensorsFormatError as e:
+                problems.append(str(e))
+                continue
+        problems += check_shard(manifest, entry, size, header)
+        if header is not None and checksums and entry.crc32c and crc32c_of(entry) != entry.crc32c:
+            problems.append(f"{entry.shard_path}: crc32c mismatch (file changed or corrupt)")
+    if problems:
+        raise ManifestError(f"dataset {where!r} is not whole:\n  " + "\n  ".join(problems))
+    return manifest
+
+
 def verify_dataset(root: str | os.PathLike, *, checksums: bool = False) -> Manifest:
     """Return the manifest when the dataset is whole; raise ``ManifestError`` listing
     every problem found otherwise."""
     root = Path(root)
     manifest = load_manifest(root)
-    problems: list[str] = []
-    for entry, path in zip(manifest.shards, manifest.shard_paths(root), strict=True):
-        size = path.stat().st_size if path.exists() else None
-        header = None
-        if size is not None and size == entry.bytes:
-            try:
-                header = read_header(path)
-            except SafetensorsFormatError as e:
-                problems.append(str(e))
-                continue
-        problems += check_shard(manifest, entry, size, header)
-        if header is not None and checksums and entry.crc32c and shard_crc32c(path) != entry.crc32c:
-            problems.append(f"{entry.shard_path}: crc32c mismatch (file changed or corrupt)")
-    if problems:
-        raise ManifestError(f"dataset {str(root)!r} is not whole:\n  " + "\n  ".join(problems))
-    return manifest
+    paths = {
+        e.shard_path: p for e, p in zip(manifest.shards, manifest.shard_paths(root), strict=True)
+    }
+    return verify_shards(
+        manifest,
+        str(root),
+        lambda e: paths[e.shard_path].stat().st_size if paths[e.shard_path].exists() else None,
+        lambda e: read_header(paths[e.shard_path]),
+        lambda e: shard_crc32c(paths[e.shard_path]),
+        checksums=checksums,
+    )

@@ -8,6 +8,7 @@ fall back to vectorised Arrow UDFs built on the format core. Both give identical
 values, and the same errors for bad input (null elements, shape/element-count mismatch,
 integer overflow, unknown dtype). A null array or struct gives null.
 
+>>> from pyspark.sql import SparkSession
 >>> from pyspark_safetensors.functions import arr_to_st, st_to_array, with_shim
 >>> spark = with_shim(SparkSession.builder.master("local[2]")).getOrCreate()
 >>> df = spark.range(4).selectExpr("array(cast(id as float), 0.5f) AS x")
@@ -26,6 +27,7 @@ import pyarrow.compute as pc
 
 from ..format.casts import cast_array
 from ..format.dtypes import DType, get_dtype
+from .columns import _first_null
 
 SHIM_EXTENSIONS = "io.github.pysparksafetensors.SafetensorsExtensions"
 """The ``spark.sql.extensions`` class of the JVM shim."""
@@ -123,8 +125,8 @@ def arr_to_st(col, shape=None, dtype: str = "F32", *, jvm: bool | None = None):
         fixed = tuple(int(d) for d in shape)
         if any(d < 0 for d in fixed):
             raise TensorFunctionError(f"arr_to_st: shape {list(fixed)} has a negative dimension")
-    col = F.col(col) if isinstance(col, str) else col
-    shape_col = F.col(shape) if isinstance(shape, str) else shape
+    col = _column(col)
+    shape_col = _column(shape)
     if _jvm(jvm):
         if shape is None:
             return F.call_function("arr_to_st", col, F.lit(dt.name))
@@ -152,7 +154,7 @@ def st_to_array(col, element: str = "float", *, jvm: bool | None = None):
     from pyspark.sql import functions as F
 
     element = _element("st_to_array", element)
-    col = F.col(col) if isinstance(col, str) else col
+    col = _column(col)
     if _jvm(jvm):
         return F.call_function("st_to_array", col, F.lit(element))
 
@@ -176,7 +178,7 @@ def st_numel(col, *, jvm: bool | None = None):
     """A Tensor Struct column's element count (``long``), checked against its data length."""
     from pyspark.sql import functions as F
 
-    col = F.col(col) if isinstance(col, str) else col
+    col = _column(col)
     if _jvm(jvm):
         return F.call_function("st_numel", col)
     return F.arrow_udf(numel_arrow, "long")(col)
@@ -185,8 +187,14 @@ def st_numel(col, *, jvm: bool | None = None):
 def _field(function: str, field: str, col, jvm):
     from pyspark.sql import functions as F
 
-    col = F.col(col) if isinstance(col, str) else col
+    col = _column(col)
     return F.call_function(function, col) if _jvm(jvm) else col.getField(field)
+
+
+def _column(col):
+    from pyspark.sql import functions as F
+
+    return F.col(col) if isinstance(col, str) else col
 
 
 # ---------------------------------------------------------------- Arrow kernels
@@ -206,10 +214,6 @@ def _element(function: str, element: str) -> str:
             f"{function}: unknown element type {element!r}; valid: {', '.join(ELEMENT_DTYPES)}"
         )
     return key
-
-
-def _first_null(arr: pa.Array) -> int:
-    return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
 
 
 def _list_offsets(lengths: np.ndarray) -> np.ndarray:
@@ -260,10 +264,10 @@ def encode_arrow(values: pa.Array, shape, dtype: str) -> pa.StructArray:
     )
     flat = values.flatten()
     if flat.null_count:
-        at = _first_null(flat)
-        row = int(np.searchsorted(_list_offsets(lengths), at, side="right") - 1)
+        at, starts = _first_null(flat), _list_offsets(lengths)
+        row = int(np.searchsorted(starts, at, side="right") - 1)
         raise TensorFunctionError(
-            f"arr_to_st: null element at index {at - int(_list_offsets(lengths)[row])} of row {row}; "
+            f"arr_to_st: null element at index {at - int(starts[row])} of row {row}; "
             "tensors cannot hold nulls"
         )
     if shape is None:

@@ -136,8 +136,9 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         remote dataset an array read with one ranged read."""
         if not self.remote:
             return self._files.get(self.paths[shard]).tensor(column)
-        info = self._header(shard)[column]
-        start = self._header(shard).data_start + info.begin
+        header = self._header(shard)
+        info = header[column]
+        start = header.data_start + info.begin
         return self._remote_array(shard, start, start + info.nbytes, info.dtype.numpy, info.shape)
 
     def read_rows(self, shard: int, column: str, rows: np.ndarray) -> np.ndarray:

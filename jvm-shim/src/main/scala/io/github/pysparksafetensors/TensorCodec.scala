@@ -21,7 +21,7 @@ final case class TensorDType(name: String, size: Int) {
   /** Largest value of an integer dtype, as text (U64's does not fit a Long). */
   def maxText: String = if (name == "U64") "18446744073709551615" else max.toString
 
-  /** Largest value of an integer dtype below U64 (U64: Long.MaxValue, see `fitsLong`). */
+  /** Largest value of an integer dtype as a Long (U64's true maximum is `maxText`). */
   def max: Long =
     if (size == 8) Long.MaxValue
     else if (isUnsigned) (1L << (size * 8)) - 1

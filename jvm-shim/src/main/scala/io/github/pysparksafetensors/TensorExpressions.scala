@@ -31,9 +31,14 @@ object TensorStruct {
       }
       if (s("data").dataType == BinaryType && s("dtype").dataType == StringType && shapeOk)
         Some((s.fieldIndex("data"), s.fieldIndex("shape"), s.fieldIndex("dtype"),
-          shapeType == ArrayType(LongType, true) || shapeType == ArrayType(LongType, false)))
+          isLongArray(shapeType)))
       else None
     case _ => None
+  }
+
+  def isLongArray(t: DataType): Boolean = t match {
+    case ArrayType(LongType, _) => true
+    case _ => false
   }
 
   def describe: String = "a Tensor Struct struct<data: binary, shape: array<int>, dtype: string>"
@@ -58,7 +63,7 @@ case class ArrToSt(array: Expression, shape: Expression, dtype: Expression)
     case _ => ArrayType(FloatType, containsNull = false)
   }
   private lazy val elementKind: Int = ElementKind.of(arrayType.elementType).getOrElse(ElementKind.Float)
-  private def shapeIsLong: Boolean = shape.dataType == ArrayType(LongType, true) || shape.dataType == ArrayType(LongType, false)
+  private def shapeIsLong: Boolean = TensorStruct.isLongArray(shape.dataType)
 
   override def checkInputDataTypes(): TypeCheckResult = (array.dataType, shape.dataType, dtype.dataType) match {
     case (a: ArrayType, _, _) if ElementKind.of(a.elementType).isEmpty =>
