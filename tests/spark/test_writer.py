@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import save
 
-from pyspark_safetensors.format import WRITABLE, get_dtype
+from pyspark_safetensors.format import WRITABLE, get_dtype, write_shard
 
 pytestmark = pytest.mark.spark
 
@@ -282,6 +282,57 @@ def test_kv_duplicates(spark, tmp_path):
     assert t["a__v"].tolist() == [3.0] and manifest(tmp_path / "d")["total_samples"] == 2
 
 
+def test_kv_rows_of_every_shape_over_many_batches(spark, tmp_path):
+    """Ragged and nested arrays, scalars and Tensor Structs of mixed dtypes (cast to one),
+    keys out of order and repeated across Arrow batches (lastWin): each tensor reads back
+    as written, and every shard is laid out as the one-tensor-at-a-time writer does it."""
+    rng = np.random.default_rng(3)
+    rows, expected = [], {}
+    for i in [*rng.permutation(60).tolist(), 5, 17, 42]:  # three keys come back later
+        key = f"doc{i}"
+        seq = rng.random((int(rng.integers(1, 4)), 3)).round(3).tolist()
+        dtype, shape = ("F32", [2, 1]) if i % 3 else ("I16", [int(rng.integers(1, 4)), 1])
+        blob = (np.arange(np.prod(shape)) + i).astype(get_dtype(dtype).numpy)
+        rows.append((key, seq, i, (blob.tobytes(), shape, dtype)))
+        expected[key] = (seq, i, blob.reshape(shape).astype(np.float64))
+    df = spark.createDataFrame(
+        rows,
+        "k string, seq array<array<double>>, n int, "
+        "t struct<data: binary, shape: array<int>, dtype: string>",
+    ).coalesce(1)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "7")
+    try:
+        write(df, tmp_path / "kv", name_col="k", duplicatesStrategy="lastWin", dtype='{"t": "F64"}')
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    got = {}
+    for f in shards(tmp_path / "kv"):
+        tensors = load_file(f)
+        with safe_open(str(f), "np") as g:
+            metadata = g.metadata()
+        write_shard(tmp_path / "again.safetensors", tensors, metadata)
+        assert f.read_bytes() == (tmp_path / "again.safetensors").read_bytes()
+        got.update(tensors)
+    assert set(got) == {f"{k}__{c}" for k in expected for c in ("seq", "n", "t")}
+    for key, (seq, n, blob) in expected.items():
+        assert got[f"{key}__seq"].shape == (len(seq), 3) and got[f"{key}__seq"].dtype == np.float64
+        np.testing.assert_allclose(got[f"{key}__seq"].reshape(-1), np.ravel(seq), rtol=1e-6)
+        assert got[f"{key}__n"].shape == () and got[f"{key}__n"] == n
+        assert got[f"{key}__t"].dtype == blob.dtype
+        np.testing.assert_array_equal(got[f"{key}__t"], blob)
+    m = manifest(tmp_path / "kv")
+    assert m["total_samples"] == 60
+    assert m["schema"]["seq"]["sample_shape"] == [-1, 3]
+    assert m["schema"]["t"]["dtype"] == "F64" and m["schema"]["t"]["sample_shape"] == [-1, 1]
+
+
+def test_kv_tensor_names_must_not_collide(spark, tmp_path):
+    df = spark.createDataFrame([("a__b", 1, 2), ("a", 3, 4)], "k string, c int, `b__c` int")
+    with pytest.raises(Exception, match="two tensors are named 'a__b__c'"):
+        write(df.coalesce(1), tmp_path / "c", name_col="k")
+    assert_nothing_written(tmp_path / "c")
+
+
 # ------------------------------------------------------------------ commit protocol
 
 
@@ -362,10 +413,34 @@ def assert_nothing_written(path):
         ([([1.0, None],)], "x array<double>", {"batch_size": 2}, "column 'x'.*null element"),
         ([(None, [1.0])], "k string, x array<double>", {"name_col": "k"}, "null key"),
         (
+            [("a", [1.0]), ("b", [2.0, None])],
+            "k string, x array<double>",
+            {"name_col": "k"},
+            r"column 'x' \(key 'b'\): null element",
+        ),
+        (
+            [("a", [[1.0], [2.0]]), ("b", [[1.0, 2.0], [3.0]])],
+            "k string, x array<array<double>>",
+            {"name_col": "k"},
+            r"column 'x' \(key 'b'\): ragged arrays inside one row",
+        ),
+        (
+            [("a", [1]), ("b", [300])],
+            "k string, x array<int>",
+            {"name_col": "k", "dtype": '{"x": "I8"}'},
+            r"column 'x' \(key 'b'\): value 300 overflows I8",
+        ),
+        (
+            [("a", (b"\0" * 8, [2], "F32")), ("b", (b"\0" * 6, [2], "F32"))],
+            "k string, t struct<data: binary, shape: array<int>, dtype: string>",
+            {"name_col": "k"},
+            r"column 't' \(key 'b'\): Tensor Struct data has 6 bytes, shape \[2\] of F32 needs 8",
+        ),
+        (
             [([300],)],
             "x array<int>",
             {"batch_size": 1, "dtype": '{"x": "I8"}'},
-            "value 300 in column 'x' overflows I8",
+            r"column 'x' \(row 0 of this partition\): value 300 overflows I8",
         ),
         (
             [([1.5],)],

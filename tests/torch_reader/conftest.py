@@ -1,11 +1,9 @@
 """Datasets for the torch reader tests, built with the format and dataset layers."""
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from pyspark_safetensors.dataset import (
-    INDEX_SCHEMA,
     ColumnSchema,
     Manifest,
     ShardEntry,
@@ -47,7 +45,7 @@ def make_kv_dataset(root, n=20, hidden=4):
             tensors[f"k{i}__layer{layer}"] = np.full((i + 1, hidden), i * 10 + layer, np.float32)
     name = shard_name(0, 0)
     header = write_shard(root / name, tensors)
-    write_index(root, [pa.table(index_rows(name, header), schema=INDEX_SCHEMA)])
+    write_index(root, [index_rows(name, header)])
     schema = {
         f"layer{layer}": ColumnSchema("F32", (-1, hidden), (-1, hidden)) for layer in range(2)
     }

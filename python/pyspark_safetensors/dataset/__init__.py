@@ -12,7 +12,7 @@ from .commit import (
     commit_dataset,
     merge_schemas,
 )
-from .index import INDEX_SCHEMA, index_rows, read_index, write_index
+from .index import INDEX_SCHEMA, index_rows, index_table, read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS, local_path, resolve_inside, shard_name
 from .manifest import (
     FORMAT_VERSION,
@@ -44,6 +44,7 @@ __all__ = [
     "attempt_dir",
     "commit_dataset",
     "index_rows",
+    "index_table",
     "is_remote",
     "load_manifest",
     "local_path",

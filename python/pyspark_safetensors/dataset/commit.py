@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .index import INDEX_SCHEMA, read_index, write_index
+from .index import read_index, write_index
 from .layout import INDEX, MANIFEST, STAGING, SUCCESS
 from .manifest import (
     ColumnSchema,
@@ -44,8 +44,8 @@ class StagedShard:
     bytes: int
     crc32c: str | None
     """Hex crc32c of the file, or None when checksums are off."""
-    index: dict[str, list]
-    """Index columns (``index.index_rows``) with ``file_name`` = ``final_name``."""
+    index: pa.Table | None
+    """Index rows (``INDEX_SCHEMA``) with ``file_name`` = ``final_name``, if kept."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def commit_dataset(
     )
     varying = template.mode == "kv"
     schema = merge_schemas([r.schema for r in results], where, varying=varying)
-    new_index = [pa.table(s.index, schema=INDEX_SCHEMA) for s in staged if s.index]
+    new_index = [s.index for s in staged if s.index is not None]
 
     previous = None
     if (root / MANIFEST).exists():

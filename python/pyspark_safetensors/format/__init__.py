@@ -20,8 +20,23 @@ from .errors import (
     TruncatedFileError,
     UnknownDTypeError,
 )
-from .header import MAX_HEADER_BYTES, Header, TensorInfo, decode_header, encode_header, layout_order
-from .shard import ChunkedTensor, SafetensorsFile, read_header, write_shard
+from .header import (
+    MAX_HEADER_BYTES,
+    Header,
+    HeaderLayout,
+    TensorInfo,
+    decode_header,
+    encode_header,
+    layout_header,
+)
+from .shard import (
+    ChunkedTensor,
+    PackedTensors,
+    SafetensorsFile,
+    read_header,
+    write_packed,
+    write_shard,
+)
 
 __all__ = [
     "DTYPES",
@@ -34,10 +49,12 @@ __all__ = [
     "FileSizeError",
     "Header",
     "HeaderEncodingError",
+    "HeaderLayout",
     "HeaderStructureError",
     "HeaderTooLargeError",
     "MetadataError",
     "OffsetsError",
+    "PackedTensors",
     "SafetensorsFile",
     "SafetensorsFormatError",
     "ShapeError",
@@ -50,9 +67,10 @@ __all__ = [
     "dtype_of",
     "encode_header",
     "get_dtype",
-    "layout_order",
+    "layout_header",
     "read_header",
     "to_bf16",
     "to_f16",
+    "write_packed",
     "write_shard",
 ]  # fmt: skip

@@ -8,11 +8,12 @@ directory, fsyncs, and renames into place: a reader sees the whole file or nothi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,16 @@ import numpy as np
 
 from .dtypes import DType, dtype_of
 from .errors import TruncatedFileError
-from .header import Header, TensorInfo, decode_header, encode_header, read_header_length
+from .header import (
+    Header,
+    HeaderLayout,
+    Spec,
+    TensorInfo,
+    decode_header,
+    encode_header,
+    layout_header,
+    read_header_length,
+)
 
 _WRITE_CHUNK = 64 << 20  # bytes per write call; bounds the kernel-side copy
 _SMALL = 64 << 10  # tensors below this many bytes are gathered before writing
@@ -78,27 +88,14 @@ def write_shard(
 
     ``on_bytes`` sees every byte written, in order (e.g. to checksum the file).
     Returns the header written."""
-    path = Path(path)
     header_bytes, infos = encode_header({n: _spec(t) for n, t in tensors.items()}, metadata)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb", buffering=0) as f:
-            for data in _file_pieces(header_bytes, infos, tensors):
-                f.write(data)
-                if on_bytes is not None:
-                    on_bytes(data)
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _write_atomically(path, _file_pieces(header_bytes, infos, tensors), fsync, on_bytes)
     return Header(tuple(infos), dict(metadata) if metadata is not None else None, len(header_bytes))
 
 
 def _file_pieces(header_bytes, infos, tensors):
     """The file's bytes in order. Small tensors are gathered into one buffer per few MB
-    (one C-level copy) rather than written one call each: KV shards hold many of them."""
+    (one C-level copy) rather than written one call each."""
     yield memoryview(header_bytes)
     small: list[np.ndarray] = []
     small_bytes = 0
@@ -119,6 +116,140 @@ def _file_pieces(header_bytes, infos, tensors):
                 yield data[start : start + _WRITE_CHUNK]
     if small:
         yield memoryview(np.concatenate(small))
+
+
+@dataclass(frozen=True)
+class PackedTensors:
+    """Many small tensors stored back to back in one byte buffer (e.g. one tensor per
+    Spark row): tensor ``i`` has dtype and shape ``specs[spec_of[i]]`` and its
+    little-endian bytes start at ``data[starts[i]]``."""
+
+    data: np.ndarray
+    """1-D uint8."""
+    starts: np.ndarray
+    """int64 byte offsets, one per tensor."""
+    specs: tuple[Spec, ...]
+    spec_of: np.ndarray
+    """int64 indices into ``specs``, one per tensor."""
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Bytes of each tensor."""
+        spec_bytes = [dtype.nbytes(math.prod(shape)) for dtype, shape in self.specs]
+        return np.array(spec_bytes or [0], dtype=np.int64)[self.spec_of]
+
+    def take(self, rows: slice | np.ndarray) -> PackedTensors:
+        """Some of the tensors (same buffer, no copy of their bytes)."""
+        return PackedTensors(self.data, self.starts[rows], self.specs, self.spec_of[rows])
+
+    @classmethod
+    def of(cls, arrays: list[np.ndarray]) -> PackedTensors:
+        """Pack separate arrays (one copy of their bytes)."""
+        ids: dict[Spec, int] = {}
+        spec_of = np.array(
+            [ids.setdefault((dtype_of(a), a.shape), len(ids)) for a in arrays], dtype=np.int64
+        )
+        sizes = np.array([a.nbytes for a in arrays], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        data = (
+            np.concatenate([_little_endian_bytes(a) for a in arrays])
+            if arrays
+            else np.empty(0, np.uint8)
+        )
+        return cls(data, starts[: len(arrays)], tuple(ids), spec_of)
+
+
+def write_packed(
+    path: str | os.PathLike,
+    groups: Sequence[tuple[Sequence[str], PackedTensors]],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
+    on_bytes: Callable[[memoryview], None] | None = None,
+) -> HeaderLayout:
+    """Write the tensors of several ``(names, PackedTensors)`` groups to ``path``
+    atomically, as ``write_shard`` would write them one by one but without a Python
+    object per tensor: the header is laid out in bulk and the bytes are gathered into
+    file order a few MB at a time."""
+    ids: dict[Spec, int] = {}
+    names: list[str] = []
+    spec_of, buffer_of, starts = [], [], []
+    for i, (group_names, packed) in enumerate(groups):
+        if len(group_names) != len(packed):
+            raise ValueError(f"group {i}: {len(group_names)} names for {len(packed)} tensors")
+        remap = np.array([ids.setdefault(s, len(ids)) for s in packed.specs] or [0], np.int64)
+        names.extend(group_names)
+        spec_of.append(remap[packed.spec_of])
+        buffer_of.append(np.full(len(packed), i, dtype=np.int64))
+        starts.append(packed.starts)
+    layout = layout_header(names, list(ids), _concat(spec_of), metadata)
+    buffers = [packed.data for _, packed in groups]
+    pieces = _gather(
+        layout, buffers, _concat(buffer_of)[layout.order], _concat(starts)[layout.order]
+    )
+    _write_atomically(path, itertools.chain([memoryview(layout.header)], pieces), fsync, on_bytes)
+    return layout
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.empty(0, np.int64)
+
+
+def _gather(layout: HeaderLayout, buffers, buffer_of: np.ndarray, starts: np.ndarray):
+    """Tensor bytes in file order (``buffer_of``/``starts`` already are), one buffer of
+    about ``_WRITE_CHUNK / 8`` bytes at a time."""
+    sizes = layout.ends - layout.begins
+    if not len(sizes):
+        return
+    size = int(sizes[0])
+    if size and (sizes == size).all() and not (starts % size).any():
+        # Equal-sized tensors on row boundaries (the usual KV shard): each buffer is a
+        # matrix of rows, and numpy gathers whole rows per chunk.
+        matrices = [b[: len(b) // size * size].reshape(-1, size) for b in buffers]
+        rows = starts // size
+        step = max(1, (_WRITE_CHUNK // 8) // size)
+        for lo in range(0, len(rows), step):
+            chunk_rows, chunk_src = rows[lo : lo + step], buffer_of[lo : lo + step]
+            out = np.empty((len(chunk_rows), size), dtype=np.uint8)
+            if chunk_src[0] == chunk_src[-1] and (chunk_src == chunk_src[0]).all():
+                np.take(matrices[chunk_src[0]], chunk_rows, axis=0, out=out)
+            else:
+                for b in np.unique(chunk_src).tolist():
+                    mine = chunk_src == b
+                    out[mine] = matrices[b][chunk_rows[mine]]
+            yield memoryview(out.reshape(-1))
+        return
+    # Mixed sizes: join each chunk's slices (one copy, one slice object per tensor).
+    views = [memoryview(b) for b in buffers]
+    ends = (starts + sizes).tolist()
+    cum = np.cumsum(sizes)
+    cuts = [0, *(np.flatnonzero(np.diff(cum // (_WRITE_CHUNK // 8))) + 1).tolist(), len(sizes)]
+    sources, begins = buffer_of.tolist(), starts.tolist()
+    for lo, hi in itertools.pairwise(cuts):
+        yield memoryview(b"".join([views[sources[i]][begins[i] : ends[i]] for i in range(lo, hi)]))
+
+
+def _write_atomically(
+    path: str | os.PathLike, pieces, fsync: bool, on_bytes: Callable[[memoryview], None] | None
+) -> None:
+    """Write ``pieces`` to a temporary name beside ``path``, fsync, rename into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            for data in pieces:
+                f.write(data)
+                if on_bytes is not None:
+                    on_bytes(data)
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_header(path: str | os.PathLike) -> Header:

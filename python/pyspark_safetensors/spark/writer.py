@@ -4,10 +4,14 @@ out, one ``TaskCommit`` back to the driver."""
 from __future__ import annotations
 
 import shutil
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import WriterCommitMessage
@@ -20,10 +24,11 @@ from ..dataset import (
     TaskResult,
     attempt_dir,
     index_rows,
+    index_table,
     merge_schemas,
     shard_name,
 )
-from ..format import ChunkedTensor, dtype_of, write_shard
+from ..format import ChunkedTensor, PackedTensors, dtype_of, write_packed, write_shard
 from .columns import ColumnError, ColumnPlan, decode_batch_column, decode_kv_column
 from .options import WriterOptions
 
@@ -35,8 +40,23 @@ class TaskCommit(WriterCommitMessage):
     result: TaskResult
 
 
+class _Checksum:
+    """The running crc32c of a file being written, or nothing when checksums are off."""
+
+    def __init__(self, kind: str):
+        self.value = 0 if kind == "crc32c" else None
+
+    def update(self, data) -> None:
+        if self.value is not None:
+            self.value = crc32c.crc32c(data, self.value)
+
+    def hex(self) -> str | None:
+        return None if self.value is None else f"{self.value:08x}"
+
+
 class _ShardSink:
-    """Writes shards for one task attempt and remembers what it wrote."""
+    """Writes shards for one task attempt, on a background thread, and remembers what it
+    wrote."""
 
     def __init__(
         self,
@@ -54,6 +74,9 @@ class _ShardSink:
         self.dir = attempt_dir(root, job_id, attempt_id)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shards: list[StagedShard] = []
+        self.submitted = 0
+        self.in_flight: deque[Future] = deque()
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         self.schema: dict[str, ColumnSchema] = {}
         self.metadata = {
             "format": "pt",
@@ -63,32 +86,49 @@ class _ShardSink:
         }
 
     def write(self, tensors: dict, samples: int) -> None:
-        name = shard_name(self.task_id, len(self.shards), self.file_uuid)
-        path = self.dir / name
-        crc = 0
-        if self.options.checksum == "crc32c":
-            import crc32c
+        """Write one shard of whole tensors (batch mode)."""
 
-            def on_bytes(data):
-                nonlocal crc
-                crc = crc32c.crc32c(data, crc)
-        else:
-            on_bytes = None
-        header = write_shard(path, tensors, self.metadata, on_bytes=on_bytes)
-        self.shards.append(
-            StagedShard(
+        def write(name, path, checksum):
+            header = write_shard(path, tensors, self.metadata, on_bytes=checksum.update)
+            index = index_rows(name, header) if self.options.generate_index else None
+            return header.file_size, index
+
+        self._submit(write, samples)
+
+    def write_packed(self, groups: list, samples: int) -> None:
+        """Write one shard of many packed tensors (KV mode); always indexed."""
+
+        def write(name, path, checksum):
+            layout = write_packed(path, groups, self.metadata, on_bytes=checksum.update)
+            return layout.file_size, index_table(name, layout)
+
+        self._submit(write, samples)
+
+    def _submit(self, write, samples: int) -> None:
+        """Write the next shard on the background thread (file writes, checksum and fsync
+        release the GIL, so they overlap the decoding of the next batches); at most two
+        shards are in flight, which bounds the memory held."""
+        shard_index = self.submitted
+        self.submitted += 1
+        name = shard_name(self.task_id, shard_index, self.file_uuid)
+
+        def job():
+            checksum = _Checksum(self.options.checksum)
+            size, index = write(name, self.dir / name, checksum)
+            return StagedShard(
                 task_id=self.task_id,
-                shard_index=len(self.shards),
-                staged_path=str(path),
+                shard_index=shard_index,
+                staged_path=str(self.dir / name),
                 final_name=name,
                 samples_count=samples,
-                bytes=header.file_size,
-                crc32c=f"{crc:08x}" if self.options.checksum == "crc32c" else None,
-                index=index_rows(name, header)
-                if self.options.generate_index or self.options.mode == "kv"
-                else {},
+                bytes=size,
+                crc32c=checksum.hex(),
+                index=index,
             )
-        )
+
+        self.in_flight.append(self.io.submit(job))
+        while len(self.in_flight) > 2:
+            self.shards.append(self.in_flight.popleft().result())
 
     def note_schema(self, column: str, dtype: str, sample_shape: tuple[int, ...]) -> None:
         """Record a column's dtype and sample shape; the commit's merge rule applies here
@@ -102,9 +142,15 @@ class _ShardSink:
             )
 
     def result(self) -> TaskResult:
+        """Wait for every shard to be on disk; the task's commit message."""
+        while self.in_flight:
+            self.shards.append(self.in_flight.popleft().result())
+        self.io.shutdown()
         return TaskResult(self.attempt_id, tuple(self.shards), self.schema)
 
     def discard(self) -> None:
+        """Stop writing and delete everything this attempt wrote."""
+        self.io.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -170,17 +216,55 @@ class BatchModeWriter:
         # "drop": the incomplete last batch is discarded
 
 
+@dataclass
+class _Rows:
+    """Consecutive KV rows of one Arrow batch: keys, one packed tensor per row and column,
+    and which rows are still live (``lastWin`` retires a replaced row)."""
+
+    keys: list[str]
+    columns: dict[str, PackedTensors]
+    sizes: np.ndarray
+    """Bytes of each row over all columns."""
+    live: np.ndarray | None = None
+    """Boolean mask; None while every row is live."""
+
+    def take(self, start: int, stop: int) -> _Rows:
+        part = slice(start, stop)
+        columns = {name: packed.take(part) for name, packed in self.columns.items()}
+        return _Rows(self.keys[part], columns, self.sizes[part])
+
+    @cached_property
+    def position(self) -> dict[str, int]:
+        return {key: i for i, key in enumerate(self.keys)}
+
+    def retire(self, key: str) -> int | None:
+        """Mark the live row of ``key`` replaced; its bytes, or None if it is not here."""
+        i = self.position.get(key)
+        if i is None or (self.live is not None and not self.live[i]):
+            return None
+        if self.live is None:
+            self.live = np.ones(len(self.keys), dtype=bool)
+        self.live[i] = False
+        return int(self.sizes[i])
+
+
 class KVModeWriter:
     """One tensor per row and non-key column, keyed ``{key}{sep}{column}``; shards roll
-    over at ``target_shard_size_mb``."""
+    over at ``target_shard_size_mb``.
+
+    Rows stay in their Arrow batches' cast buffers until a shard is sealed; then the
+    header is laid out and the bytes gathered in bulk (``format.write_packed``), so the
+    work per row is a few list and numpy operations, not Python objects per tensor."""
 
     def __init__(self, options: WriterOptions, plans: list[ColumnPlan], sink: _ShardSink):
         self.options = options
         self.plans = plans
         self.sink = sink
         self.limit = options.target_shard_size_mb * 1_000_000
-        self.current: dict[str, dict[str, np.ndarray]] = {}
+        self.blocks: list[_Rows] = []
+        self.keys: set[str] = set()
         self.current_bytes = 0
+        self.current_rows = 0
 
     def add(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -192,33 +276,76 @@ class KVModeWriter:
             )
         keys = key_col.to_pylist()
         columns = {p.name: decode_kv_column(batch.column(p.name), p, keys) for p in self.plans}
-        for p in self.plans:
-            for tensor in {(t.shape, t.dtype): t for t in columns[p.name]}.values():
-                self.sink.note_schema(p.name, dtype_of(tensor).name, tensor.shape)
-        sep = self.options.kv_separator
-        suffixes = [(f"{sep}{p.name}", columns[p.name]) for p in self.plans]
-        sizes = np.sum([[t.nbytes for t in columns[p.name]] for p in self.plans], axis=0)
+        for name, packed in columns.items():
+            for dtype, shape in packed.specs:
+                self.sink.note_schema(name, dtype.name, shape)
+        rows = _Rows(keys, columns, np.sum([p.sizes for p in columns.values()], axis=0))
+        if len(set(keys)) == len(keys) and self.keys.isdisjoint(keys):
+            self._append(rows)
+            return
+        # Duplicate keys: the runs between repeated keys in bulk, the repeats one by one.
+        seen, start = set(), 0
         for i, key in enumerate(keys):
-            row = {key + suffix: tensors[i] for suffix, tensors in suffixes}
-            size = int(sizes[i])
-            if key in self.current:
-                if self.options.duplicates_strategy == "fail":
-                    raise ColumnError(
-                        f"duplicate key {key!r} in column {self.options.name_col!r} (duplicatesStrategy=fail; use lastWin to keep the last row)"
-                    )
-                self.current_bytes -= sum(t.nbytes for t in self.current.pop(key).values())
-            elif self.current and self.current_bytes + size > self.limit:
-                self._seal()
-            self.current[key] = row
-            self.current_bytes += size
+            if key in self.keys or key in seen:
+                if start < i:
+                    self._append(rows.take(start, i))
+                self._append_one(rows.take(i, i + 1))
+                start = i + 1
+            seen.add(key)
+        if start < len(keys):
+            self._append(rows.take(start, len(keys)))
+
+    def _append(self, rows: _Rows) -> None:
+        """Add rows, sealing the shard whenever the next row would overflow it (a row
+        larger than the limit gets a shard of its own)."""
+        total = np.cumsum(rows.sizes)
+        start = 0
+        while start < len(rows.keys):
+            before = int(total[start - 1]) if start else 0
+            stop = int(np.searchsorted(total, before + self.limit - self.current_bytes, "right"))
+            if stop == start:
+                if self.blocks:
+                    self._seal()
+                    continue
+                stop = start + 1
+            self._keep(rows.take(start, stop) if (start, stop) != (0, len(rows.keys)) else rows)
+            start = stop
+
+    def _append_one(self, row: _Rows) -> None:
+        key = row.keys[0]
+        if key in self.keys:
+            if self.options.duplicates_strategy == "fail":
+                raise ColumnError(
+                    f"duplicate key {key!r} in column {self.options.name_col!r} (duplicatesStrategy=fail; use lastWin to keep the last row)"
+                )
+            replaced = next(r for b in reversed(self.blocks) if (r := b.retire(key)) is not None)
+            self.current_bytes -= replaced
+            self.current_rows -= 1
+            self._keep(row)
+        else:
+            self._append(row)
+
+    def _keep(self, rows: _Rows) -> None:
+        self.blocks.append(rows)
+        self.keys.update(rows.keys)
+        self.current_bytes += int(rows.sizes.sum())
+        self.current_rows += len(rows.keys)
 
     def _seal(self) -> None:
-        tensors = {name: t for row in self.current.values() for name, t in row.items()}
-        self.sink.write(tensors, len(self.current))
-        self.current, self.current_bytes = {}, 0
+        groups = []
+        for block in self.blocks:
+            live = None if block.live is None else np.flatnonzero(block.live)
+            keys = block.keys if live is None else [block.keys[i] for i in live.tolist()]
+            for p in self.plans:
+                packed = block.columns[p.name]
+                suffix = f"{self.options.kv_separator}{p.name}"
+                names = [key + suffix for key in keys]
+                groups.append((names, packed if live is None else packed.take(live)))
+        self.sink.write_packed(groups, self.current_rows)
+        self.blocks, self.keys, self.current_bytes, self.current_rows = [], set(), 0, 0
 
     def finish(self) -> None:
-        if self.current:
+        if self.blocks:
             self._seal()
 
 
@@ -240,7 +367,7 @@ def write_partition(
         for batch in batches:
             writer.add(batch)
         writer.finish()
+        return TaskCommit(sink.result())
     except BaseException:
         sink.discard()
         raise
-    return TaskCommit(sink.result())
