@@ -19,6 +19,23 @@ def median_seconds(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -
     return statistics.median(times)
 
 
+def interleaved_medians(
+    cases: dict[str, Callable[[], object]], repeat: int = 5, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall time of each case, running the cases in turn ``repeat`` times, so
+    slow drifts of a shared machine touch every case alike."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -119,6 +119,26 @@ def test_packed_rows_of_equal_size_gather_across_buffers(tmp_path):
     assert (tmp_path / "p.safetensors").read_bytes() == save(expected)
 
 
+def test_packed_mixed_sizes_over_several_write_chunks(tmp_path):
+    """Tensors of different sizes and dtypes, more bytes than one gathered chunk (8 MB)."""
+    rng = np.random.default_rng(1)
+    big = [rng.random(75_000 + i).astype(np.float32) for i in range(30)]
+    small = [rng.integers(-9, 9, 50_000 + i).astype(np.int16) for i in range(30)]
+    names_big, names_small = (
+        [f"k{i:02d}__big" for i in range(30)],
+        [f"k{i:02d}__s" for i in range(30)],
+    )
+    write_packed(
+        tmp_path / "m.safetensors",
+        [(names_small, PackedTensors.of(small)), (names_big, PackedTensors.of(big))],
+        {"k": "v"},
+    )
+    expected = {
+        n: torch.from_numpy(a) for n, a in zip(names_big + names_small, big + small, strict=True)
+    }
+    assert (tmp_path / "m.safetensors").read_bytes() == save(expected, metadata={"k": "v"})
+
+
 def test_packed_names_must_be_unique(tmp_path):
     packed = PackedTensors.of([np.zeros(2, np.float32), np.ones(2, np.float32)])
     with pytest.raises(DuplicateKeyError, match="'x'"):
