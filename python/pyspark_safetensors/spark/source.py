@@ -50,7 +50,8 @@ class SafetensorsDataSource(DataSource):
     ``duplicatesStrategy``        ``fail`` (default) | ``lastWin`` for a key repeated in a
                                   shard. Keys repeated across shards are always an error.
     ``kv_separator``              default ``__``
-    ``target_shard_size_mb``      KV shard size, 50..1000, default 300
+    ``target_shard_size_mb``      KV shard size, 50..1000, default 300 (a task holds up to
+                                  two shards in memory)
     ``generate_index``            write ``_tensor_index.parquet`` (default: true in KV
                                   mode, false in batch mode)
     ``metadata``                  JSON object of strings, stored in every shard's

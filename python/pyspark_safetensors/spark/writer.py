@@ -106,8 +106,8 @@ class _ShardSink:
 
     def _submit(self, write, samples: int) -> None:
         """Write the next shard on the background thread (file writes, checksum and fsync
-        release the GIL, so they overlap the decoding of the next batches); at most two
-        shards are in flight, which bounds the memory held."""
+        release the GIL, so they overlap the decoding of the next batches). One shard is
+        written while the next fills: a task holds at most two shards' data."""
         shard_index = self.submitted
         self.submitted += 1
         name = shard_name(self.task_id, shard_index, self.file_uuid)
@@ -127,7 +127,7 @@ class _ShardSink:
             )
 
         self.in_flight.append(self.io.submit(job))
-        while len(self.in_flight) > 2:
+        while len(self.in_flight) > 1:
             self.shards.append(self.in_flight.popleft().result())
 
     def note_schema(self, column: str, dtype: str, sample_shape: tuple[int, ...]) -> None:
