@@ -6,6 +6,7 @@ warm, median of several runs. Throughput is input float32 bytes per second.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -80,7 +81,7 @@ def run() -> str:
             str(out / "pqkv")
         ),
     }
-    measured = interleaved_medians({**cases, **profile}, repeat=REPEAT)
+    measured = interleaved_medians({**cases, **profile}, repeat=REPEAT, settle=os.sync)
     seconds = {name: measured[name] for name in cases}
     profiled = {name: measured[name] for name in profile}
     rows = []
@@ -96,7 +97,8 @@ def run() -> str:
     breakdown = [[name, f"{t:.2f}"] for name, t in profiled.items()]
     return (
         "## Spark writer: 200,000 × 256 float32, 2 partitions, local[2]\n\n"
-        f"Cached DataFrame, warm, median of {REPEAT} runs in one session (cases taken in turn); "
+        f"Cached DataFrame, warm, median of {REPEAT} runs in one session (cases taken in turn, "
+        "dirty pages flushed before each run); "
         "MB/s of float32 input "
         f"({mb:.0f} MB). Batch mode uses batch_size=10,000; KV mode one tensor per row.\n\n"
         + table(["writer", "seconds", "MB/s", "vs parquet"], rows)

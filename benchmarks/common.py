@@ -20,16 +20,22 @@ def median_seconds(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -
 
 
 def interleaved_medians(
-    cases: dict[str, Callable[[], object]], repeat: int = 5, warmup: int = 1
+    cases: dict[str, Callable[[], object]],
+    repeat: int = 5,
+    warmup: int = 1,
+    settle: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Median wall time of each case, running the cases in turn ``repeat`` times, so
-    slow drifts of a shared machine touch every case alike."""
+    slow drifts of a shared machine touch every case alike. ``settle`` runs untimed
+    before each run (e.g. ``os.sync``, so no case pays for the previous one's writes)."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
+            if settle is not None:
+                settle()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
