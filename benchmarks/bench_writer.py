@@ -31,6 +31,28 @@ def make_df(spark):
     return df
 
 
+def _discarding_source():
+    """A Python data source whose tasks read every Arrow batch and write nothing: the
+    floor of any Python writer. (Defined in a function so that workers get it by value.)"""
+    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+
+    class Discard(DataSourceArrowWriter):
+        def write(self, iterator):
+            for _ in iterator:
+                pass
+            return WriterCommitMessage()
+
+    class DiscardSource(DataSource):
+        @classmethod
+        def name(cls):
+            return "discard"
+
+        def writer(self, schema, overwrite):
+            return Discard()
+
+    return DiscardSource
+
+
 def run() -> str:
     from pyspark_safetensors.spark.session import local_session
 
@@ -45,9 +67,16 @@ def run() -> str:
             "noop"
         ).mode("overwrite").save()
 
+    spark.dataSource.register(_discarding_source())
     profile = {
         "scan only (noop sink)": lambda: acts.write.format("noop").mode("overwrite").save(),
         "scan + Arrow to Python (mapInArrow, noop)": arrow_transfer,
+        "a Python data source that discards its input": lambda: (
+            acts.write.format("discard").mode("overwrite").save()
+        ),
+        "the same, with the key column": lambda: (
+            df.write.format("discard").mode("overwrite").save()
+        ),
         "safetensors batch F32, checksum none": lambda: (
             acts.write.format("safetensors")
             .option("batch_size", 10_000)
