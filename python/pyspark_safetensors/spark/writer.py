@@ -74,7 +74,6 @@ class _ShardSink:
         self.dir = attempt_dir(root, job_id, attempt_id)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shards: list[StagedShard] = []
-        self.submitted = 0
         self.in_flight: deque[Future] = deque()
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         self.schema: dict[str, ColumnSchema] = {}
@@ -108,8 +107,7 @@ class _ShardSink:
         """Write the next shard on the background thread (file writes, checksum and fsync
         release the GIL, so they overlap the decoding of the next batches). One shard is
         written while the next fills: a task holds at most two shards' data."""
-        shard_index = self.submitted
-        self.submitted += 1
+        shard_index = len(self.shards) + len(self.in_flight)
         name = shard_name(self.task_id, shard_index, self.file_uuid)
 
         def job():
