@@ -67,6 +67,9 @@ def run() -> str:
             "noop"
         ).mode("overwrite").save()
 
+    def ours(frame, name, **options):
+        frame.write.format("safetensors").options(**options).mode("overwrite").save(str(out / name))
+
     spark.dataSource.register(_discarding_source())
     profile = {
         "scan only (noop sink)": lambda: acts.write.format("noop").mode("overwrite").save(),
@@ -77,35 +80,15 @@ def run() -> str:
         "the same, with the key column": lambda: (
             df.write.format("discard").mode("overwrite").save()
         ),
-        "safetensors batch F32, checksum none": lambda: (
-            acts.write.format("safetensors")
-            .option("batch_size", 10_000)
-            .option("checksum", "none")
-            .mode("overwrite")
-            .save(str(out / "f32n"))
+        "safetensors batch F32, checksum none": lambda: ours(
+            acts, "f32n", batch_size=10_000, checksum="none"
         ),
     }
     cases = {
         "parquet (Spark's own)": lambda: acts.write.mode("overwrite").parquet(str(out / "pq")),
-        "safetensors batch F32": lambda: (
-            acts.write.format("safetensors")
-            .option("batch_size", 10_000)
-            .mode("overwrite")
-            .save(str(out / "f32"))
-        ),
-        "safetensors batch F16": lambda: (
-            acts.write.format("safetensors")
-            .option("batch_size", 10_000)
-            .option("dtype", "F16")
-            .mode("overwrite")
-            .save(str(out / "f16"))
-        ),
-        "safetensors KV F32": lambda: (
-            df.write.format("safetensors")
-            .option("name_col", "key")
-            .mode("overwrite")
-            .save(str(out / "kv"))
-        ),
+        "safetensors batch F32": lambda: ours(acts, "f32", batch_size=10_000),
+        "safetensors batch F16": lambda: ours(acts, "f16", batch_size=10_000, dtype="F16"),
+        "safetensors KV F32": lambda: ours(df, "kv", name_col="key"),
         "parquet with key (KV baseline)": lambda: df.write.mode("overwrite").parquet(
             str(out / "pqkv")
         ),

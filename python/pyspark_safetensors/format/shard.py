@@ -3,6 +3,7 @@
 ``write_shard`` writes the header and then each tensor's bytes straight from its numpy
 buffer (no copy of the whole file in memory) to a temporary name in the target
 directory, fsyncs, and renames into place: a reader sees the whole file or nothing.
+``write_packed`` does the same for many small tensors packed into a few buffers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from .header import (
 )
 
 _WRITE_CHUNK = 64 << 20  # bytes per write call; bounds the kernel-side copy
-_SMALL = 64 << 10  # tensors below this many bytes are gathered before writing
 
 
 def _little_endian_bytes(array: np.ndarray) -> memoryview:
@@ -94,28 +94,13 @@ def write_shard(
 
 
 def _file_pieces(header_bytes, infos, tensors):
-    """The file's bytes in order. Small tensors are gathered into one buffer per few MB
-    (one C-level copy) rather than written one call each."""
+    """The file's bytes in order, straight from each tensor's buffers."""
     yield memoryview(header_bytes)
-    small: list[np.ndarray] = []
-    small_bytes = 0
     for info in infos:
         for part in _parts(tensors[info.name]):
-            if part.nbytes < _SMALL and part.dtype.byteorder != ">":
-                small.append(part.reshape(-1).view(np.uint8))
-                small_bytes += part.nbytes
-                if small_bytes >= _WRITE_CHUNK // 8:
-                    yield memoryview(np.concatenate(small))
-                    small, small_bytes = [], 0
-                continue
-            if small:
-                yield memoryview(np.concatenate(small))
-                small, small_bytes = [], 0
             data = _little_endian_bytes(part)
             for start in range(0, len(data), _WRITE_CHUNK):
                 yield data[start : start + _WRITE_CHUNK]
-    if small:
-        yield memoryview(np.concatenate(small))
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,17 @@ def _checked_shape(plan: ColumnPlan, sample: tuple[int, ...], row: int) -> tuple
     return plan.shape
 
 
+def _fit_shapes(plan: ColumnPlan, specs: tuple, spec_of: np.ndarray) -> tuple:
+    """KV specs with the ``shapes`` option applied; a spec that does not fit names the
+    first row using it."""
+    if plan.shape is None:
+        return specs
+    return tuple(
+        (dtype, _checked_shape(plan, shape, int(np.argmax(spec_of == i))))
+        for i, (dtype, shape) in enumerate(specs)
+    )
+
+
 def decode_batch_column(arr: pa.Array, plan: ColumnPlan, first_row: int) -> np.ndarray:
     """A column chunk as one array ``[rows, *sample_shape]`` in the target dtype.
 
@@ -278,13 +289,9 @@ def decode_kv_column(arr: pa.Array, plan: ColumnPlan, keys: list[str]) -> Packed
             shapes, spec_of = dims[:1], np.zeros(len(dims), dtype=np.int64)
         else:
             shapes, spec_of = np.unique(dims, axis=0, return_inverse=True)
-        specs = tuple(
-            (dtype, _checked_shape(plan, tuple(s), int(np.argmax(spec_of == i))))
-            for i, s in enumerate(shapes.tolist())
-        )
-        return PackedTensors(
-            _bytes(out), bounds[:-1] * dtype.itemsize, specs, spec_of.reshape(-1).astype(np.int64)
-        )
+        spec_of = spec_of.reshape(-1).astype(np.int64)
+        specs = _fit_shapes(plan, tuple((dtype, tuple(s)) for s in shapes.tolist()), spec_of)
+        return PackedTensors(_bytes(out), bounds[:-1] * dtype.itemsize, specs, spec_of)
 
 
 def _bytes(x: np.ndarray) -> np.ndarray:
@@ -359,10 +366,7 @@ def _struct_rows(arr: pa.StructArray, plan: ColumnPlan):
 def _cast_struct_rows(raw, starts, specs, spec_of, plan: ColumnPlan) -> PackedTensors:
     """Tensor Struct rows in the plan's target dtype (their own dtypes when it has none)."""
     target = get_dtype(plan.target) if plan.target else None
-    specs = tuple(
-        (dtype, _checked_shape(plan, shape, int(np.argmax(spec_of == i))))
-        for i, (dtype, shape) in enumerate(specs)
-    )
+    specs = _fit_shapes(plan, specs, spec_of)
     if target is None or all(dtype == target for dtype, _ in specs):
         return PackedTensors(raw, starts, specs, spec_of)
     sources = {dtype for dtype, _ in specs}
