@@ -6,7 +6,8 @@ Subcommands:
   train-sae  train a TopK SAE (same as python -m pyspark_safetensors.sae.train)
   lut        precompute lookup tables for linear layers from SAE checkpoints
   inspect    print a dataset's manifest summary or a file's tensors
-  verify     check a dataset against its manifest (sizes, headers, checksums)
+  verify     check a dataset against its manifest, or a saev dump / Zarr store
+  convert    convert between our datasets, saev dumps and Zarr stores
 """
 
 from __future__ import annotations
@@ -42,10 +43,32 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    from .dataset import verify_dataset
+    from .interop import detect_source
 
-    m = verify_dataset(args.path, checksums=not args.no_checksums)
-    print(f"{args.path}: whole ({len(m.shards)} shards, {m.total_samples:,} samples)")
+    kind = detect_source(args.path) if Path(args.path).is_dir() else "safetensors"
+    if kind == "saev":
+        from .interop.saev import verify_dump
+
+        print(verify_dump(args.path))
+    elif kind in ("zarr", "zarr-run"):
+        from .interop.zarr import verify_store
+
+        print(verify_store(args.path))
+    else:
+        from .dataset import verify_dataset
+
+        m = verify_dataset(args.path, checksums=not args.no_checksums)
+        print(f"{args.path}: whole ({len(m.shards)} shards, {m.total_samples:,} samples)")
+    return 0
+
+
+def _convert(args) -> int:
+    from .interop import convert
+
+    out = convert(
+        args.src, args.dst, to=args.to, dtype=args.dtype, workers=args.workers, progress=True
+    )
+    print(f"{args.src} -> {out}")
     return 0
 
 
@@ -144,10 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         "--no-checksums", action="store_true", help="skip reading whole shards for crc32c"
     )
     p.set_defaults(fn=_verify)
+    p = sub.add_parser("convert", help="convert between datasets, saev dumps and Zarr stores")
+    p.add_argument("src", help="a dataset, a saev dump (hash or dump_to dir), a Zarr store or run")
+    p.add_argument("dst", help="output (for --to saev: the dump_to directory)")
+    p.add_argument("--to", required=True, choices=["safetensors", "zarr", "saev"])
+    p.add_argument("--dtype", help="storage dtype of the output (default: the source's)")
+    p.add_argument("--workers", type=int, default=1, help="parallel processes (default: 1)")
+    p.set_defaults(fn=_convert)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
 

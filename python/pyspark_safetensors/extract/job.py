@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..dataset import verify_dataset
+from ..dataset.publish import publish, staging_path
 from .model import ExtractionError, Extractor, default_model_dir, weights_hash
 
 TENSOR_STRUCT = "struct<data: binary, shape: array<int>, dtype: string>"
@@ -301,7 +302,7 @@ def run_extraction(
     texts = texts.repartition(parallelism, "key").persist(StorageLevel.MEMORY_AND_DISK)
     threads = max(1, (os.cpu_count() or 1) // max(1, spark.sparkContext.defaultParallelism))
 
-    staging = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.staging")
+    staging = staging_path(out_dir)
     staging.mkdir(parents=True)
     samples = None
     try:
@@ -394,9 +395,7 @@ def run_extraction(
         (staging / "extraction.json").write_text(json.dumps(doc, indent=2) + "\n")
         for hook in hooks:
             verify_dataset(staging / "activations" / hook.column)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
+        publish(staging, out_dir)
         return summary
     finally:
         texts.unpersist()

@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ..dataset.publish import publish
 from ..format import SafetensorsFile, write_shard
 from ..sae.checkpoint import load_sae
 from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
@@ -229,7 +230,7 @@ def precompute_lut(
         raise LUTError(f"k_active {k} outside 1..num_basis {num_basis}")
 
     rank, world = _rank_world()
-    staging = out_dir.with_name(f".{out_dir.name}.staging")
+    staging = out_dir.with_name(f".{out_dir.name}.staging")  # one name: every rank writes here
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -295,18 +296,6 @@ def precompute_lut(
     if rank == 0:
         (staging / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         validate_lut(staging)
-        _publish(staging, out_dir)
+        publish(staging, out_dir)
     _barrier()
     return {**meta, "timing": {"seconds": seconds, "flops_per_s": flops / max(seconds, 1e-9)}}
-
-
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Move the finished staging directory to ``out_dir``, replacing an old one only
-    after the new one is complete."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out_dir, old)
-    os.replace(staging, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

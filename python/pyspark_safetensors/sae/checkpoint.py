@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..dataset.publish import publishing
 from ..format import SafetensorsFile, write_shard
 
 SAE_FILE = "sae.safetensors"
@@ -72,18 +73,10 @@ def write_checkpoint(
 ) -> Path:
     """``directory/{sae.safetensors, trainer_state.pt, config.json}``, all or nothing."""
     final = Path(directory)
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-    tmp.mkdir(parents=True)
-    try:
+    with publishing(final) as tmp:
         save_sae(tmp / SAE_FILE, sae_tensors, {"config": config, **metadata})
         torch.save(trainer_state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 
