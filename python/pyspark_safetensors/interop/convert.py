@@ -85,7 +85,7 @@ def convert(
 ) -> Path:
     """Convert ``src`` (format detected) to ``to`` at ``dst``; returns what was written.
 
-        convert("dumps/ab12...", "out/acts", to="safetensors")
+    convert("dumps/ab12...", "out/acts", to="safetensors")
     """
     if workers < 1:
         raise ConversionError(f"workers must be >= 1, got {workers}")
