@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -140,6 +139,14 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def folded_encoder_bias(sae: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``b_enc - W_enc b_dec`` in float64 then float32: the bias under which the LUT's
+    ``ReLU(x W_enc^T + b)`` equals the trainer's ``ReLU(W_enc (x - b_dec) + b_enc)``."""
+    w_enc = sae["encoder_weight"].to(torch.float64)
+    folded = sae["encoder_bias"].to(torch.float64) - w_enc @ sae["decoder_bias"].to(torch.float64)
+    return folded.to(torch.float32)
+
+
 def precompute_layer(
     weight: torch.Tensor,
     sae: Mapping[str, torch.Tensor],
@@ -149,13 +156,17 @@ def precompute_layer(
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """The six tensors of one layer file. ``weight`` is the torch Linear weight
-    ``[output_dim, input_dim]``; ``W_target = weight.T``."""
+    ``[output_dim, input_dim]``; ``W_target = weight.T``.
+
+    ``sae`` is in the trainer's convention, ``ReLU(W_enc (x - b_dec) + b_enc)``; the LUT
+    encodes ``ReLU(x W_enc^T + b_enc')``, so ``b_enc' = b_enc - W_enc b_dec`` is folded here
+    in float32 (at least) before the cast: both then select the same latents."""
     w_target = weight.to(device, compute_dtype).t()
     w_dec = sae["decoder_weight"].to(device, compute_dtype)
     b_dec = sae["decoder_bias"].to(device, compute_dtype)
     out = {
         "encoder_weight": sae["encoder_weight"],
-        "encoder_bias": sae["encoder_bias"],
+        "encoder_bias": folded_encoder_bias(sae),
         "decoder_weight": sae["decoder_weight"],
         "decoder_bias": sae["decoder_bias"],
         "precomputed_products": w_dec @ w_target,
