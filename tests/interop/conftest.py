@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 
-def seed_metadata(layers, n_patches, cls_token, d, n_imgs, budget, **changes) -> dict:
+def seed_metadata(layers, n_patches, cls_token, d, n_imgs, budget, /, **changes) -> dict:
     """The seed's ten keys in saev's order."""
     doc = {
         "vit_family": "clip",
