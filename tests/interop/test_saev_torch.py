@@ -1,0 +1,76 @@
+"""A saev dump served by the torch loader: map-style access over a view, and the same
+shuffled, rank/worker-split, resumable batches as our datasets (each row once an epoch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pyspark_safetensors.interop.saev import SaevDump, open_saev  # noqa: E402
+from pyspark_safetensors.torch import ActivationLoader, ShuffledBatches  # noqa: E402
+
+
+def _keys(batches):
+    """(image, layer, token) of every row delivered, and its activation."""
+    keys, acts = [], []
+    for b in batches:
+        keys += zip(b["image"].tolist(), b["layer"].tolist(), b["token"].tolist(), strict=True)
+        acts.append(b["activation"])
+    return keys, torch.cat(acts).numpy() if acts else np.empty((0, 3), np.float32)
+
+
+def _check_epoch(keys, acts, dump, view):
+    want = view.coordinates(np.arange(len(view)))
+    assert sorted(keys) == sorted(
+        zip(want["image"].tolist(), want["layer"].tolist(), want["token"].tolist(), strict=True)
+    )  # every row of the view exactly once
+    for (img, layer, token), act in zip(keys, acts, strict=True):
+        assert np.array_equal(act, dump.vector(img, layer, token))
+
+
+def test_map_style_rows_follow_the_view(small_dump):
+    root, acts = small_dump
+    ds = open_saev(root, patches="all", layer=-1)
+    assert len(ds) == 7 * 5 and ds.counts == [10, 10, 10, 5]
+    assert ds.manifest.schema["activation"].sample_shape == (3,)
+    row = ds[17]  # image 3 (shard 1), layer -1, token 2 = patch 1
+    assert {k: v.item() for k, v in row.items() if k != "activation"} == {
+        "image": 3, "layer": -1, "token": 2, "patch": 1,
+    }  # fmt: skip
+    assert torch.equal(row["activation"], torch.from_numpy(acts[3, 1, 2]))
+    assert ds[0]["patch"].item() == -1  # the CLS token
+    with pytest.raises(IndexError):
+        ds[35]
+
+
+def test_shuffled_batches_split_over_ranks_cover_an_epoch_once(small_dump):
+    root, _ = small_dump
+    ds = open_saev(root.parent, patches="image", layer="all")
+    keys, acts = [], []
+    for rank in range(2):
+        b = ShuffledBatches(ds, 6, dp_rank=rank, dp_size=2, block_rows=5, mix_blocks=2, seed=3)
+        k, a = _keys(b)
+        keys += k
+        acts.append(a)
+    assert len(keys) == len(ds) == 7 * 2 * 4
+    _check_epoch(keys, np.concatenate(acts), SaevDump(root), ds.view)
+
+
+def test_loader_with_worker_processes_and_exact_resume(small_dump):
+    root, _ = small_dump
+    ds = open_saev(root, patches="image", layer=-2)
+    loader = ActivationLoader(ds, 4, num_workers=2, block_rows=3, seed=1)
+    keys, acts = _keys(loader)
+    _check_epoch(keys, acts, SaevDump(root), ds.view)
+
+    first = ActivationLoader(ds, 4, block_rows=3, seed=1)
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    resumed = ActivationLoader(ds, 4, block_rows=3, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    keys2, acts2 = _keys([*head, *resumed])
+    whole, _ = _keys(ActivationLoader(ds, 4, block_rows=3, seed=1))
+    assert keys2 == whole
+    _check_epoch(keys2, acts2, SaevDump(root), ds.view)
