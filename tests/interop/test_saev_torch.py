@@ -74,3 +74,24 @@ def test_loader_with_worker_processes_and_exact_resume(small_dump):
     whole, _ = _keys(ActivationLoader(ds, 4, block_rows=3, seed=1))
     assert keys2 == whole
     _check_epoch(keys2, acts2, SaevDump(root), ds.view)
+
+
+def test_sae_trainer_trains_from_a_saev_view(tmp_path, saev_real, monkeypatch):
+    from pyspark_safetensors.sae import SAEConfig
+    from pyspark_safetensors.sae import train as train_module
+
+    rng = np.random.default_rng(0)  # 16-dim activations with 4-dim structure, 64 images
+    basis = rng.standard_normal((4, 16)).astype(np.float32)
+    acts = (rng.standard_normal((64, 1, 9, 4)).astype(np.float32) @ basis).astype(np.float32)
+    root = saev_real.write(tmp_path, saev_real.metadata([-2], 8, True, 16, 64, 9 * 20), acts)
+    # the trainer opens its dataset with one call; here it opens the saev view instead
+    monkeypatch.setattr(train_module, "open_dataset", lambda p: open_saev(p, layer=-2))
+    config = SAEConfig(dataset=str(root), n_latents=32, k=4, batch_size=64, tokens=64 * 40,
+                       warmup_steps=2, lr=3e-3, out_dir=str(tmp_path / "sae"), log_every=5,
+                       checkpoints=1, progress=False)  # fmt: skip
+    trainer = train_module.Trainer(config)
+    assert trainer.config.d == 16 and len(trainer.dataset) == 64 * 8
+    trainer.fit()
+    fvu = [r["fvu"] for r in trainer.history]
+    assert fvu[-1] < 0.5 * fvu[0]
+    assert (tmp_path / "sae" / "sae.safetensors").is_file()
