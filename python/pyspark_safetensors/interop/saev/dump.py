@@ -376,10 +376,12 @@ class DumpWriter:
         self._stage.__exit__(exc_type, exc, tb)
 
 
-def write_dump(dump_to: str | os.PathLike, acts: np.ndarray, **metadata) -> Path:
+def write_dump(
+    dump_to: str | os.PathLike, acts: np.ndarray, *, overwrite: bool = False, **metadata
+) -> Path:
     """Write all images ``acts [n_imgs, L, T, D]`` as a dump; ``metadata`` are
     ``new_metadata``'s keywords (``n_imgs`` and ``d_vit`` taken from ``acts``)."""
     meta = new_metadata(n_imgs=len(acts), d_vit=acts.shape[-1], **metadata)
-    with DumpWriter(dump_to, meta) as w:
+    with DumpWriter(dump_to, meta, overwrite=overwrite) as w:
         w.write(acts)
     return w.path
