@@ -1,6 +1,7 @@
 """``pyspark-safetensors`` (or ``python -m pyspark_safetensors.cli``): the command line.
 
 Subcommands:
+  pipeline   extraction -> one SAE per hook point (torchrun) -> LUTs -> held-out report
   demo       the main job end to end on an embedded local Spark
   extract    run a transformer over a corpus in Spark, write activation datasets
   train-sae  train a TopK SAE (same as python -m pyspark_safetensors.sae.train)
@@ -19,22 +20,22 @@ from pathlib import Path
 
 
 def _inspect(args) -> int:
-    from .dataset import MANIFEST, load_manifest
-    from .format import read_header
+    from .dataset import MANIFEST, DatasetLocation
 
-    path = Path(args.path)
-    if (path / MANIFEST).exists():
-        m = load_manifest(path)
+    location = DatasetLocation.of(args.path)
+    if location.has(MANIFEST):
+        m = location.load_manifest()
         print(
-            f"{path}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
+            f"{location}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
         )
         for name, col in m.schema.items():
             print(f"  {name}: {col.dtype} sample shape {list(col.sample_shape)}")
         for k, v in m.metadata.items():
             print(f"  metadata {k} = {v}")
         return 0
-    header = read_header(path)
-    print(f"{path}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
+    parent, name = location.parent()
+    header = parent.read_header(name)
+    print(f"{location}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
     for t in header.tensors[: args.limit]:
         print(f"  {t.name}: {t.dtype} {list(t.shape)}")
     if len(header.tensors) > args.limit:
@@ -78,6 +79,15 @@ def _demo(args) -> int:
     start = time.time()
     run_demo(Path(args.out), texts=args.texts, epochs=args.epochs)
     print(f"demo finished in {time.time() - start:.1f}s; outputs in {args.out}")
+    return 0
+
+
+def _pipeline(args) -> int:
+    from .pipeline import Pipeline, PipelineConfig
+
+    overrides = {"out": args.out, "texts": args.texts, "epochs": args.epochs, "nproc": args.nproc}
+    config = PipelineConfig.load(args.config, **overrides)
+    Pipeline(config, force=args.force).run()
     return 0
 
 
@@ -134,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--texts", type=int, default=600, help="corpus passages (default: 600)")
     p.add_argument("--epochs", type=int, default=4, help="SAE training epochs (default: 4)")
     p.set_defaults(fn=_demo)
+    p = sub.add_parser("pipeline", help="extract -> SAEs (torchrun) -> LUTs -> held-out report")
+    p.add_argument("--config", default="conf/pipeline.toml", help="TOML config")
+    p.add_argument("--out", help="output directory (default: the config's, runs/pipeline)")
+    p.add_argument("--texts", type=int, help="training passages")
+    p.add_argument("--epochs", type=int, help="passes over each hook point's tokens")
+    p.add_argument("--nproc", type=int, help="torchrun processes per SAE")
+    p.add_argument("--force", action="store_true", help="recompute every stage")
+    p.set_defaults(fn=_pipeline)
     p = sub.add_parser("extract", help="run a transformer over a corpus in Spark")
     p.add_argument("out", help="output directory")
     p.add_argument("--corpus", default="demo", help="'demo', a text directory, or parquet/JSON")

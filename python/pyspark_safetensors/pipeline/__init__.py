@@ -1,0 +1,7 @@
+"""The research pipeline: extraction in Spark, one SAE per hook point trained with torchrun,
+LUTs for the linear layers they feed, held-out evaluation, one report
+(``pyspark-safetensors pipeline``). Imports torch and pyspark only when run."""
+
+from .run import Pipeline, PipelineConfig, PipelineError
+
+__all__ = ["Pipeline", "PipelineConfig", "PipelineError"]

@@ -1,0 +1,166 @@
+"""The pipeline's held-out evaluation: texts no stage has seen, through the model once;
+each SAE's reconstruction of its hook point, each LUT layer against the exact layer, the
+LUT's latency against the dense layer, and the patched model's sentence embeddings."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEAD_THRESHOLD = 1e-4
+"""A latent firing on fewer than this fraction of held-out tokens is reported as rare."""
+
+
+@torch.no_grad()
+def sae_figures(sae_path: Path, x: torch.Tensor) -> tuple[dict, np.ndarray]:
+    """Held-out FVU, L0, never-firing and dense latents of the SAE at ``sae_path`` on
+    ``x [N, d]`` (the trainer's encoding), and each latent's firing frequency."""
+    from ..sae.checkpoint import load_sae
+
+    tensors, meta = load_sae(sae_path)
+    w_enc, b_enc = tensors["encoder_weight"].float(), tensors["encoder_bias"].float()
+    w_dec, b_dec = tensors["decoder_weight"].float(), tensors["decoder_bias"].float()
+    k = int(meta.get("k") or meta["config"]["k"])
+    x = x.float()
+    pre = torch.relu((x - b_dec) @ w_enc.T + b_enc)
+    values, indices = pre.topk(k, dim=-1)
+    recon = (
+        torch.nn.functional.embedding_bag(indices, w_dec, per_sample_weights=values, mode="sum")
+        + b_dec
+    )
+    fired = values > 0
+    counts = torch.bincount(indices[fired], minlength=w_enc.shape[0]).numpy()
+    freq = counts / len(x)
+    total = ((x - x.mean(0)) ** 2).sum()
+    figures = {
+        "tokens": len(x),
+        "fvu": float(((x - recon) ** 2).sum() / total),
+        "l0": float(fired.sum(1).float().mean()),
+        "never_fired_fraction": float((counts == 0).mean()),
+        "dense_fraction": float((freq > 0.1).mean()),
+        "k": k,
+        "num_latents": int(w_enc.shape[0]),
+    }
+    return figures, freq
+
+
+def lut_latency(
+    lut_file: Path, weight: torch.Tensor, x: torch.Tensor, k: int, repeat: int = 7
+) -> dict:
+    """Median seconds of the LUT layer (``LUTLinear``, float32) and of the dense layer
+    (``x @ W.T``) on the same inputs, on this machine."""
+    from ..lut import LUTLinear
+
+    lut = LUTLinear.from_file(lut_file, k)
+    weight = weight.float()
+
+    def median(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    with torch.no_grad():
+        lut_s = median(lambda: lut(x))
+        dense_s = median(lambda: x @ weight.T)
+    return {
+        "tokens": len(x),
+        "lut_ms": lut_s * 1e3,
+        "dense_ms": dense_s * 1e3,
+        "lut_over_dense": lut_s / dense_s,
+    }
+
+
+def plot_frequencies(freqs: Mapping[str, np.ndarray], tokens: int, out: Path) -> Path:
+    """Histogram of held-out latent firing frequencies per SAE, with the rare threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    # one firing in the whole held-out set is the smallest frequency that can show
+    lowest = min(np.log10(DEAD_THRESHOLD), -np.log10(max(tokens, 1))) - 0.5
+    bins = np.linspace(np.floor(lowest * 2) / 2, 0, 50)
+    for hook, freq in freqs.items():
+        never = int((freq == 0).sum())
+        ax.hist(np.log10(freq[freq > 0]), bins=bins, histtype="step", linewidth=1.5,
+                label=f"{hook} ({never} never fired)")  # fmt: skip
+    ax.axvline(np.log10(DEAD_THRESHOLD), color="grey", linestyle="--", label="rare threshold 1e-4")
+    ax.set_xlabel("log10 firing frequency on held-out tokens")
+    ax.set_ylabel("latents")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def evaluate_pipeline(
+    *,
+    model_dir: str | os.PathLike,
+    hooks: Mapping[str, Sequence[str]],
+    sae_files: Mapping[str, Path],
+    lut_dir: Path,
+    skip_texts: int,
+    held_out_texts: int,
+    max_length: int,
+    ks: Sequence[int],
+    ms: Sequence[int],
+    out_dir: Path,
+) -> dict:
+    """Every held-out figure of the report; writes ``evaluation.md``/``evaluation.png``
+    (LUT error against k) and ``latent_frequency.png`` into ``out_dir``."""
+    from ..demo import passages_by_key
+    from ..extract import Extractor
+    from ..lut import embedding_agreement, evaluate
+    from ..lut.precompute import ModelWeights
+    from ..lut.spec import validate_lut
+
+    texts = passages_by_key(skip_texts, held_out_texts)
+    extractor = Extractor(model_dir, list(hooks), max_length=max_length)
+    windows = extractor.run(texts)
+    acts = {
+        hook: torch.cat([torch.from_numpy(w.activations[hook].astype(np.float32)) for w in windows])
+        for hook in hooks
+    }
+    saes, freqs = {}, {}
+    for hook, path in sae_files.items():
+        saes[hook], freqs[hook] = sae_figures(path, acts[hook])
+    plot_frequencies(freqs, min(len(x) for x in acts.values()), out_dir / "latent_frequency.png")
+
+    k_active = validate_lut(lut_dir)["sae_config"]["k_active"]
+    layer_inputs = {layer: acts[hook] for hook, layers in hooks.items() for layer in layers}
+    rows = evaluate(
+        lut_dir, model_dir, layer_inputs, ks=list(ks) or None, ms=list(ms), out_dir=out_dir
+    )
+    weights = ModelWeights(model_dir)
+    meta = validate_lut(lut_dir)
+    latency = {
+        layer: lut_latency(
+            lut_dir / meta["layers"][layer]["file"], weights.weight(layer), x, k_active
+        )
+        for layer, x in layer_inputs.items()
+    }
+    embedding = {
+        str(m): embedding_agreement(model_dir, lut_dir, texts, compensate=m, max_length=max_length)
+        for m in ms
+    }
+    return {
+        "held_out_texts": len(texts),
+        "held_out_tokens": {hook: len(x) for hook, x in acts.items()},
+        "sae": saes,
+        "lut": rows,
+        "k_active": k_active,
+        "latency": latency,
+        "embedding_cosine": embedding,
+    }

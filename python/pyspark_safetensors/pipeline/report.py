@@ -1,0 +1,126 @@
+"""``report.md``: the pipeline's figures as a researcher would show them, rendered from
+``summary.json`` (the same numbers, machine-readable)."""
+
+from __future__ import annotations
+
+import json
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def render_report(summary: dict) -> str:
+    """The markdown report of one pipeline run."""
+    c, ev, stages = summary["config"], summary["evaluation"], summary["stages"]
+    ex = summary["extraction"]
+    lines = [
+        "# Pipeline report",
+        "",
+        f"Model `{summary['source_model']}`; {c['texts']} training passages, "
+        f"{ev['held_out_texts']} held-out passages never seen by any stage; "
+        f"SAEs trained on {c['nproc']} process(es) ({c['parallel']} parallel). "
+        f"Created {summary['created_at']}, {summary['seconds']:.0f} s in all.",
+        "",
+        "## Stages",
+        "",
+        *_table(
+            ["stage", "output", "config hash", "reused"],
+            [
+                [n, f"`{s['dir']}`", f"`{s['hash']}`", "yes" if s.get("reused") else "no"]
+                for n, s in stages.items()
+            ],
+        ),
+        "",
+        "## Extraction",
+        "",
+        f"{ex['texts']:,} texts → {ex['samples']:,} model inputs, {ex['tokens']:,} tokens per hook point, "
+        f"{ex['bytes'] / 1e9:.3f} GB, {ex['tokens_per_s']:,.0f} tokens/s ({ex['seconds']:.1f} s).",
+        "",
+        "## SAEs",
+        "",
+        "Training figures are the last logged step; held-out figures are measured on the "
+        "held-out passages' tokens with the trained encoding.",
+        "",
+    ]
+    rows = []
+    for hook, t in summary["training"].items():
+        h = ev["sae"][hook]
+        rows.append([
+            f"`{hook}`", f"{h['num_latents']} / k={h['k']}", f"{t['fvu']:.4f}", f"{h['fvu']:.4f}",
+            f"{t['l0']:.1f}", f"{h['l0']:.1f}", f"{t['dead_fraction']:.1%}",
+            f"{h['never_fired_fraction']:.1%}", f"{h['dense_fraction']:.1%}",
+            f"{t.get('tokens_per_s', 0):,.0f}",
+        ])  # fmt: skip
+    lines += _table(
+        ["hook point", "latents / k", "FVU (train)", "FVU (held-out)", "L0 (train)", "L0 (held-out)",
+         "dead (train)", "never fired (held-out)", "dense >10% (held-out)", "tokens/s"],
+        rows,
+    )  # fmt: skip
+    lines += [""]
+    for hook in summary["training"]:
+        run = summary["sae_runs"][hook]
+        lines += [f"![training {hook}]({run}/training.png)", ""]
+    lines += [
+        f"![latent frequency]({summary['evaluation_dir']}/latent_frequency.png)",
+        "",
+        "## LUT layers",
+        "",
+        f"Relative L2 error and cosine of each LUT layer against the exact layer on held-out "
+        f"inputs, as `relative L2 / cosine` per k; **bold**: the trained k = {ev['k_active']}; "
+        "m = input dims whose contribution is added exactly.",
+        "",
+    ]
+    ks = sorted({r["k"] for r in ev["lut"]})
+    cells = {(r["layer"], r["m"], r["k"]): r for r in ev["lut"]}
+    rows = []
+    for layer, m in dict.fromkeys((r["layer"], r["m"]) for r in ev["lut"]):
+        row = [f"`{layer}`", m]
+        for k in ks:
+            r = cells.get((layer, m, k))
+            text = f"{r['rel_l2']:.3f} / {r['cosine']:.3f}" if r else ""
+            row.append(f"**{text}**" if k == ev["k_active"] and r else text)
+        rows.append(row)
+    header = ["layer", "m"] + [f"**k={k}**" if k == ev["k_active"] else f"k={k}" for k in ks]
+    lines += _table(header, rows)
+    lines += [
+        "",
+        f"![LUT error against k]({summary['evaluation_dir']}/evaluation.png)",
+        "",
+        "## LUT latency",
+        "",
+    ]
+    rows = [
+        [
+            f"`{layer}`",
+            t["tokens"],
+            f"{t['lut_ms']:.2f}",
+            f"{t['dense_ms']:.2f}",
+            f"{t['lut_over_dense']:.2f}×",
+        ]
+        for layer, t in ev["latency"].items()
+    ]
+    lines += _table(["layer", "tokens", "LUT ms", "dense ms", "LUT / dense"], rows)
+    lines += [
+        "",
+        "Median of 7 runs on this machine, float32; below 1× the LUT is faster. Per token the "
+        "LUT's encoder costs num_basis × input_dim multiply-adds and the layer input_dim × "
+        "output_dim, so the LUT can only win where num_basis < output_dim "
+        "(see docs/lut.md).",
+        "",
+        "## Sentence embeddings",
+        "",
+        "Mean cosine between the model's mean-pooled embeddings with every LUT layer patched in "
+        "and the original model's, on the held-out passages:",
+        "",
+        *_table(["m", "cosine"], [[m, f"{v:.4f}"] for m, v in ev["embedding_cosine"].items()]),
+        "",
+        "## Configuration",
+        "",
+        "```json",
+    ]
+
+    lines += [json.dumps(c, indent=2), "```", ""]
+    return "\n".join(lines)

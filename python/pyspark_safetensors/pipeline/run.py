@@ -1,0 +1,332 @@
+"""The research pipeline, end to end (``pyspark-safetensors pipeline``, config
+``conf/pipeline.toml``):
+
+1. extract: the corpus through the transformer inside Spark, the activations of every
+   hook point written as token-level datasets (one Spark job for all hook points);
+2. train: one TopK SAE per hook point, on ``nproc`` processes launched with torchrun
+   (data or tensor parallel, set in the config);
+3. lut: lookup tables for every linear layer each hook point feeds;
+4. evaluate: on texts no stage has seen, each SAE (FVU, L0, dead latents), each LUT layer
+   against the exact layer (relative L2 and cosine against k and m, latency against the
+   dense layer), and the sentence embeddings of the patched model;
+5. report: ``report.md`` and ``summary.json`` in the output directory.
+
+Every stage's output is content-addressed (``{stage}-{hash}``, the hash of its config
+and of its inputs' hashes), published whole, and reused on a rerun unless ``force``.
+The output directory is created by the pipeline and marked as such; a directory the
+pipeline did not create is never written into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from ..dataset.publish import publishing
+
+MARKER = ".pyspark-safetensors-pipeline"
+DEFAULT_HOOKS = {
+    "encoder.layer.0.attention.self.query:input": (
+        "encoder.layer.0.attention.self.query",
+        "encoder.layer.0.attention.self.key",
+        "encoder.layer.0.attention.self.value",
+    ),
+    "encoder.layer.0.intermediate.dense:input": ("encoder.layer.0.intermediate.dense",),
+}
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot run as configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    out: str = "runs/pipeline"
+    """Output directory: created by the pipeline, reused by its reruns, never a directory
+    it did not create."""
+    texts: int = 600
+    """Corpus passages (the bundled Python documentation topics) to extract and train on."""
+    held_out_texts: int = 64
+    """Further passages, never trained on, for the evaluation."""
+    max_length: int = 128
+    """Tokens per model input (longer passages are cut into windows)."""
+    hooks: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_HOOKS))
+    """Hook point -> the linear layers it feeds (each gets a LUT from that hook's SAE)."""
+    model_dir: str = ""
+    """A Hugging Face model directory; empty = the packaged all-MiniLM-L6-v2."""
+    master: str = "local[*]"
+    """Spark master of the extraction."""
+    nproc: int = 2
+    """Training processes (torchrun); 1 trains in this process."""
+    parallel: str = "data"
+    """How the ``nproc`` processes split training: "data" (DP) or "model" (TP)."""
+    epochs: int = 4
+    """Passes over each hook point's tokens."""
+    sae: dict = field(default_factory=dict)
+    """Trainer settings (``SAEConfig`` fields, e.g. ``k``, ``expansion_factor``,
+    ``batch_size``); ``dataset``, ``out_dir``, ``tokens`` and the parallel sizes are set
+    by the pipeline."""
+    lut_dtype: str = "float16"
+    ks: tuple[int, ...] = ()
+    """k values of the LUT evaluation; empty = k/4, k/2, k, 2k of the trained k."""
+    ms: tuple[int, ...] = (0, 32)
+    """Compensation sizes m of the LUT evaluation."""
+
+    def __post_init__(self):
+        if self.texts < 1 or self.held_out_texts < 1 or self.epochs < 1 or self.nproc < 1:
+            raise PipelineError("texts, held_out_texts, epochs and nproc must be >= 1")
+        if self.parallel not in ("data", "model"):
+            raise PipelineError(f"parallel must be 'data' or 'model', got {self.parallel!r}")
+        if not self.hooks:
+            raise PipelineError("hooks is empty: name at least one hook point and its layers")
+        for hook, layers in self.hooks.items():
+            if not layers:
+                raise PipelineError(f"hook {hook!r} names no linear layer to build a LUT for")
+        reserved = {"dataset", "out_dir", "tokens", "data_parallel_size", "model_parallel_size"}
+        if reserved & set(self.sae):
+            raise PipelineError(
+                f"[sae] may not set {sorted(reserved & set(self.sae))}: the pipeline sets them"
+            )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, **overrides) -> PipelineConfig:
+        """From a TOML file (``[pipeline]``, ``[pipeline.hooks]``, ``[sae]`` tables) and
+        keyword overrides; unknown keys are errors naming them."""
+        values: dict = {}
+        if path is not None:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+            values.update(data.get("pipeline", {}))
+            if "sae" in data:
+                values["sae"] = data["sae"]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise PipelineError(f"unknown pipeline setting(s) {unknown}; known: {sorted(known)}")
+        if "hooks" in values:
+            values["hooks"] = {h: tuple(layers) for h, layers in values["hooks"].items()}
+        for name in ("ks", "ms"):
+            if name in values:
+                values[name] = tuple(values[name])
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def digest(*parts) -> str:
+    """Short content hash of JSON-able parts (a stage's config and its inputs' hashes)."""
+    body = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+def hook_slug(hook: str) -> str:
+    """``encoder.layer.0.attention.self.query:input`` -> ``encoder_layer_0_attention_self_query_input``
+    (the extraction's column name for a hook point)."""
+    return hook.replace(":", ".").replace(".", "_")
+
+
+def prepare_out_dir(out: Path, *, force: bool) -> None:
+    """Create ``out`` and mark it as the pipeline's; refuse a non-empty directory the
+    pipeline did not create (nothing in it is touched)."""
+    if out.exists() and not out.is_dir():
+        raise PipelineError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise PipelineError(
+            f"--out {out} is not empty and was not created by the pipeline; "
+            "choose a new or empty directory (nothing was written)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(
+        "created by pyspark-safetensors pipeline; stages are reused on rerun\n"
+    )
+
+
+class Pipeline:
+    """The stages over one ``PipelineConfig``; ``run()`` returns the summary."""
+
+    def __init__(self, config: PipelineConfig, *, force: bool = False, log=print):
+        self.config, self.force, self.log = config, force, log
+        self.out = Path(config.out)
+        self.summary: dict = {"config": config.to_dict(), "stages": {}}
+
+    # -- stage plumbing ---------------------------------------------------------------
+
+    def stage(self, name: str, key: str, build) -> Path:
+        """``out/{name}-{key}``: reused when complete (unless ``force``), else built by
+        ``build(tmp_dir)`` under a staging name and published whole."""
+        path = self.out / f"{name}-{key}"
+        self.summary["stages"][name] = {"dir": path.name, "hash": key}
+        if path.is_dir() and not self.force:
+            self.log(f"      reusing {path}")
+            self.summary["stages"][name]["reused"] = True
+            return path
+        with publishing(path) as tmp:
+            build(tmp)
+        self.summary["stages"][name]["reused"] = False
+        return path
+
+    # -- the stages ---------------------------------------------------------------------
+
+    def run(self) -> dict:
+        started = time.perf_counter()
+        prepare_out_dir(self.out, force=self.force)
+        self.log(f"outputs go to {self.out.resolve()}")
+        from ..extract import ExtractConfig, default_model_dir
+        from ..extract.model import weights_hash
+
+        c = self.config
+        self.model_dir = Path(c.model_dir) if c.model_dir else default_model_dir()
+        self.model_hash = weights_hash(self.model_dir)
+        self.extract_config = ExtractConfig(
+            model_dir=c.model_dir, hooks=tuple(c.hooks), max_texts=c.texts, max_length=c.max_length
+        )
+        extract_dir = self.extract()
+        sae_files = {hook: self.train(hook, extract_dir) for hook in c.hooks}
+        lut_dir = self.lut(sae_files)
+        self.evaluate(sae_files, lut_dir)
+        self.summary["seconds"] = time.perf_counter() - started
+        self.write_report()
+        return self.summary
+
+    def extract(self) -> Path:
+        from ..extract import config_hash, run_extraction
+        from ..spark.session import local_session
+
+        c = self.config
+        key = config_hash(self.extract_config, self.model_hash)[:12]
+        self.log(
+            f"[1/4] extract: {c.texts} passages, {len(c.hooks)} hook points, in Spark ({c.master})"
+        )
+
+        def build(tmp: Path) -> None:
+            spark = local_session(c.master)
+            try:
+                run_extraction(spark, self.extract_config, tmp / "data", overwrite=True)
+            finally:
+                spark.stop()
+
+        path = self.stage("extract", key, build)
+        info = json.loads((path / "data" / "extraction.json").read_text())
+        self.summary["extraction"] = info["summary"]
+        return path / "data"
+
+    def sae_settings(self, hook: str, extract_dir: Path) -> dict:
+        c = self.config
+        tokens = self.summary["extraction"]["tokens"]
+        settings = {
+            "batch_size": 1024,
+            **c.sae,
+            "dataset": str(extract_dir / "activations" / hook_slug(hook)),
+            "hook_point": hook,
+            "tokens": tokens * c.epochs,
+            "data_parallel_size": c.nproc if c.parallel == "data" else 1,
+            "model_parallel_size": c.nproc if c.parallel == "model" else 1,
+        }
+        return settings
+
+    def train(self, hook: str, extract_dir: Path) -> Path:
+        from ..sae import SAEConfig
+
+        c = self.config
+        settings = self.sae_settings(hook, extract_dir)
+        probe = SAEConfig.from_dict({**settings, "out_dir": "."})
+        key = digest(self.summary["stages"]["extract"]["hash"], hook, probe.config_hash())
+        self.log(f"[2/4] train: TopK SAE on {hook} ({c.nproc} process(es), {c.parallel} parallel)")
+
+        def build(tmp: Path) -> None:
+            overrides = [
+                f"{k}={json.dumps(v)}" for k, v in {**settings, "out_dir": str(tmp)}.items()
+            ]
+            if c.nproc == 1:
+                from ..sae.train import main as train_main
+
+                rc = train_main(overrides)
+            else:
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={c.nproc}", "-m", "pyspark_safetensors.sae.train", *overrides,
+                ]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                rc = subprocess.run(cmd, env=env).returncode
+            if rc != 0:
+                raise PipelineError(
+                    f"training the SAE for {hook} failed (exit code {rc}); see above"
+                )
+
+        path = self.stage(f"sae-{hook_slug(hook)}", key, build)
+        self.summary["stages"][f"sae-{hook_slug(hook)}"]["hook"] = hook
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        self.summary.setdefault("training", {})[hook] = json.loads(lines[-1])
+        return path / "sae.safetensors"
+
+    def lut(self, sae_files: dict[str, Path]) -> Path:
+        from ..lut import precompute_lut
+
+        c = self.config
+        layers = {layer: sae_files[hook] for hook, names in c.hooks.items() for layer in names}
+        sae_keys = [self.summary["stages"][f"sae-{hook_slug(h)}"]["hash"] for h in c.hooks]
+        key = digest(sae_keys, sorted(layers), c.lut_dtype, self.model_hash)
+        self.log(f"[3/4] lut: {len(layers)} linear layers from {len(sae_files)} SAEs")
+
+        def build(tmp: Path) -> None:
+            precompute_lut(
+                self.model_dir, layers, out_dir=tmp / "lut", dtype=c.lut_dtype,
+                source_model=self.source_model,
+            )  # fmt: skip
+
+        return self.stage("lut", key, build) / "lut"
+
+    @property
+    def source_model(self) -> str:
+        """One id for the model in every artifact: the extraction's."""
+        return self.config.model_dir or "sentence-transformers/all-MiniLM-L6-v2"
+
+    def evaluate(self, sae_files: dict[str, Path], lut_dir: Path) -> None:
+        from .evaluation import evaluate_pipeline
+
+        c = self.config
+        key = digest(self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.ks, c.ms)
+        self.log(f"[4/4] evaluate on {c.held_out_texts} held-out passages")
+
+        def build(tmp: Path) -> None:
+            figures = evaluate_pipeline(
+                model_dir=self.model_dir, hooks=c.hooks, sae_files=sae_files, lut_dir=lut_dir,
+                skip_texts=c.texts, held_out_texts=c.held_out_texts, max_length=c.max_length,
+                ks=c.ks, ms=c.ms, out_dir=tmp,
+            )  # fmt: skip
+            (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+        path = self.stage("evaluation", key, build)
+        self.summary["evaluation"] = json.loads((path / "figures.json").read_text())
+        self.summary["evaluation_dir"] = path.name
+
+    # -- the report ---------------------------------------------------------------------
+
+    def write_report(self) -> None:
+        from .report import render_report
+
+        self.summary["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.summary["source_model"] = self.source_model
+        self.summary["sae_runs"] = {
+            h: self.summary["stages"][f"sae-{hook_slug(h)}"]["dir"] for h in self.config.hooks
+        }
+        with publishing(self.out / "summary.json", directory=False) as tmp:
+            tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
+        with publishing(self.out / "report.md", directory=False) as tmp:
+            tmp.write_text(render_report(self.summary))
+        self.log(f"report: {self.out / 'report.md'}")
