@@ -1,206 +1,473 @@
 """``pyspark-safetensors`` (or ``python -m pyspark_safetensors.cli``): the command line.
 
-Subcommands:
-  pipeline   extraction -> one SAE per hook point (torchrun) -> LUTs -> held-out report
-  demo       the main job end to end on an embedded local Spark
-  extract    run a transformer over a corpus in Spark, write activation datasets
-  train-sae  train a TopK SAE (same as python -m pyspark_safetensors.sae.train)
-  lut        precompute lookup tables for linear layers from SAE checkpoints
-  inspect    print a dataset's manifest summary or a file's tensors
-  verify     check a dataset against its manifest, or a saev dump / Zarr store
-  convert    convert between our datasets, saev dumps and Zarr stores
+Commands:
+  pipeline  extraction -> one SAE per hook point (torchrun) -> LUTs -> held-out report
+  extract   run a transformer over a corpus in Spark, write activation datasets
+  train     train a TopK SAE (one process, or --nproc N launching torchrun)
+  lut       precompute lookup tables for linear layers from SAE checkpoints
+  evaluate  a LUT directory against the exact layers on held-out corpus passages
+  inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
+  verify    check a dataset against its manifest, or a saev dump / Zarr store
+  convert   convert between our datasets, saev dumps and Zarr stores
+  bench     run the benchmarks (from a source checkout) into docs/BENCHMARKS.md
+
+Every command takes ``--help`` (each option with its meaning and default). A mistake in
+what you typed exits with code 2 and a message, never a traceback; ``--debug`` (before
+the command) shows the traceback of any error.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import difflib
+import inspect as inspect_module
+import json
+import os
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    FileExistsError,
+)
+"""Exceptions that mean the input was wrong (our errors derive from ValueError): shown as
+one line. Anything else is a bug and keeps its traceback."""
 
 
-def _inspect(args) -> int:
-    from .dataset import MANIFEST, DatasetLocation
+class UsageError(ValueError):
+    """A command line that cannot be run as typed."""
 
-    location = DatasetLocation.of(args.path)
-    if location.has(MANIFEST):
-        m = location.load_manifest()
+
+def _tyro():
+    import tyro
+
+    return tyro
+
+
+def _parse(cls, argv: list[str], command: str, description: str, default=None):
+    """``cls`` (a dataclass) from ``argv``: every field an option, its docstring the help."""
+    tyro = _tyro()
+    return tyro.cli(
+        Annotated[cls, tyro.conf.OmitArgPrefixes],
+        args=argv,
+        default=default,
+        prog=f"pyspark-safetensors {command}",
+        description=inspect_module.cleandoc(description),
+    )
+
+
+def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Take ``--config PATH`` (or ``--config=PATH``) out of ``argv``."""
+    rest, path, it = [], None, iter(argv)
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+            if path is None:
+                raise UsageError("--config needs a TOML file")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return path, rest
+
+
+# -- pipeline -------------------------------------------------------------------------------
+
+
+def _default_pipeline_config() -> str | None:
+    path = Path("conf/pipeline.toml")
+    return str(path) if path.is_file() else None
+
+
+def pipeline(argv: list[str]) -> int:
+    """Extraction in Spark -> one TopK SAE per hook point (torchrun) -> LUTs -> held-out
+    evaluation -> report.md and summary.json in --out. Stages are reused on a rerun.
+    Options after --config override the file (default conf/pipeline.toml when present)."""
+    from .pipeline import Pipeline, PipelineConfig
+
+    path, rest = _split_config(argv)
+    force = "--force" in rest
+    rest = [a for a in rest if a != "--force"]
+    config = _parse(
+        PipelineConfig, rest, "pipeline",
+        pipeline.__doc__ + " --force recomputes every stage.",
+        default=PipelineConfig.load(path or _default_pipeline_config()),
+    )  # fmt: skip
+    Pipeline(config, force=force).run()
+    return 0
+
+
+# -- extract --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtractCommand:
+    out: str
+    """Output directory (published whole when the job succeeds)."""
+    master: str = "local[*]"
+    """Spark master."""
+    overwrite: bool = False
+    """Replace an existing output directory."""
+
+
+def extract(argv: list[str]) -> int:
+    """Run a transformer over a corpus inside Spark and write its hook points'
+    activations as safetensors datasets (see docs/extract.md)."""
+    from .extract import ExtractConfig, run_extraction
+    from .spark.session import local_session
+
+    tyro = _tyro()
+
+    omit = tyro.conf.OmitArgPrefixes
+    args_type = dataclasses.make_dataclass(  # both dataclasses' fields as one flat option list
+        "ExtractArgs",
+        [
+            ("job", Annotated[ExtractCommand, omit]),
+            (
+                "config",
+                Annotated[ExtractConfig, omit],
+                dataclasses.field(default_factory=ExtractConfig),
+            ),
+        ],
+        frozen=True,
+    )
+    args = _parse(args_type, argv, "extract", extract.__doc__)
+    spark = local_session(args.job.master)
+    try:
+        print(run_extraction(spark, args.config, args.job.out, overwrite=args.job.overwrite))
+    finally:
+        spark.stop()
+    return 0
+
+
+# -- train ----------------------------------------------------------------------------------
+
+
+def train(argv: list[str]) -> int:
+    """Train a TopK SAE on an activation dataset. --config reads a TOML file (e.g.
+    conf/sae.toml); options override it; --nproc N launches torchrun with N processes
+    (set --data-parallel-size / --model-parallel-size to match)."""
+    from .sae import SAEConfig
+
+    path, rest = _split_config(argv)
+    nproc = 1
+    if "--nproc" in rest:
+        i = rest.index("--nproc")
+        try:
+            nproc = int(rest[i + 1])
+        except (IndexError, ValueError):
+            raise UsageError("--nproc needs a number of processes") from None
+        del rest[i : i + 2]
+    if nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
+    config = _parse(SAEConfig, rest, "train", train.__doc__, default=SAEConfig.load(path))
+    if nproc > 1 and config.data_parallel_size * config.model_parallel_size == 1:
+        config = dataclasses.replace(config, data_parallel_size=nproc)
+    overrides = [f"{k}={json.dumps(v)}" for k, v in config.to_dict().items()]
+    if nproc == 1:
+        from .sae.train import main as train_main
+
+        return train_main(overrides)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "pyspark_safetensors.sae.train", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(cmd, env=env).returncode
+
+
+# -- lut ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LutCommand:
+    sae: tuple[str, ...] = ()
+    """LAYER[,LAYER...]=SAE_FILE, repeatable: the SAE each layer's LUT is built from."""
+    out: str = ""
+    """Output directory (default: MODEL_DIR/lut)."""
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    """Storage dtype of the LUT files."""
+    overwrite: bool = False
+    """Replace an existing LUT directory."""
+
+
+def lut(argv: list[str]) -> int:
+    """Precompute lookup tables (docs/lut.md) for linear layers from SAE checkpoints:
+    pyspark-safetensors lut MODEL_DIR --sae LAYER[,LAYER...]=SAE_FILE [--sae ...]."""
+    from .lut import precompute_lut
+
+    positional = [a for a in argv[:1] if not a.startswith("-")]
+    args = _parse(LutCommand, argv[len(positional) :], "lut", lut.__doc__)
+    if not positional:
+        raise UsageError(
+            "lut needs MODEL_DIR first: pyspark-safetensors lut MODEL_DIR --sae LAYER=SAE_FILE"
+        )
+    if not args.sae:
+        raise UsageError("lut needs at least one --sae LAYER[,LAYER...]=SAE_FILE")
+    saes = {}
+    for item in args.sae:
+        layers, sep, path = item.rpartition("=")
+        if not sep or not layers:
+            raise UsageError(f"--sae {item!r} must be LAYER[,LAYER...]=SAE_FILE")
+        saes.update(dict.fromkeys(layers.split(","), path))
+    meta = precompute_lut(
+        positional[0], saes, out_dir=args.out or None, dtype=args.dtype, overwrite=args.overwrite
+    )
+    print(f"{len(meta['layers'])} layers, {meta['timing']['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    return 0
+
+
+# -- evaluate -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvaluateCommand:
+    model_dir: str = ""
+    """Model directory of the LUT's layers; empty = the packaged all-MiniLM-L6-v2."""
+    texts: int = 64
+    """Held-out corpus passages to evaluate on."""
+    skip: int = 600
+    """Passages to skip first (those the SAEs were trained on)."""
+    max_length: int = 128
+    ks: tuple[int, ...] = ()
+    """k values; empty = k/4, k/2, k, 2k of the LUT's k."""
+    ms: tuple[int, ...] = (0, 32)
+    """Compensation sizes m."""
+    out: str = ""
+    """Directory for evaluation.md and evaluation.png (none when empty)."""
+
+
+def evaluate(argv: list[str]) -> int:
+    """Evaluate a LUT directory on held-out corpus passages: every layer's relative L2
+    error and cosine against the exact layer for several k and m, and the model's
+    sentence embeddings with all LUT layers patched in:
+    pyspark-safetensors evaluate LUT_DIR [options]."""
+    import torch
+
+    from .demo import passages_by_key
+    from .extract import Extractor, default_model_dir
+    from .lut import embedding_agreement, validate_lut
+    from .lut import evaluate as evaluate_lut
+
+    positional = [a for a in argv[:1] if not a.startswith("-")]
+    args = _parse(EvaluateCommand, argv[len(positional) :], "evaluate", evaluate.__doc__)
+    if not positional:
+        raise UsageError("evaluate needs LUT_DIR first: pyspark-safetensors evaluate LUT_DIR")
+    lut_dir = Path(positional[0])
+    meta = validate_lut(lut_dir)
+    model_dir = args.model_dir or default_model_dir()
+    texts = passages_by_key(args.skip, args.texts)
+    hooks = [f"{layer}:input" for layer in meta["layers"]]
+    windows = Extractor(model_dir, hooks, max_length=args.max_length).run(texts)
+    inputs = {
+        h.rsplit(":", 1)[0]: torch.cat(
+            [torch.from_numpy(w.activations[h].astype("float32")) for w in windows]
+        )
+        for h in hooks
+    }
+    rows = evaluate_lut(lut_dir, model_dir, inputs, ks=list(args.ks) or None, ms=list(args.ms),
+                        out_dir=args.out or None)  # fmt: skip
+    for r in rows:
         print(
-            f"{location}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
+            f"{r['layer']} k={r['k']} m={r['m']}: relative L2 {r['rel_l2']:.4f}, cosine {r['cosine']:.4f}"
+        )
+    for m in args.ms:
+        cos = embedding_agreement(
+            model_dir, lut_dir, texts, compensate=m, max_length=args.max_length
+        )
+        print(f"sentence embeddings, LUT layers vs original (m={m}): cosine {cos:.4f}")
+    return 0
+
+
+# -- inspect, verify, convert ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PathCommand:
+    limit: int = 20
+    """Tensors to list for a single file (inspect)."""
+    no_checksums: bool = False
+    """Skip reading whole shards for their crc32c (verify)."""
+
+
+def _one_path(argv: list[str], command: str, doc: str) -> tuple[str, PathCommand]:
+    positional = [a for a in argv[:1] if not a.startswith("-")]
+    args = _parse(PathCommand, argv[len(positional) :], command, doc)
+    if not positional:
+        raise UsageError(f"{command} needs a PATH: pyspark-safetensors {command} PATH")
+    return positional[0], args
+
+
+def inspect(argv: list[str]) -> int:
+    """Summarise a dataset directory (local or a URI), a saev dump, a Zarr store or a
+    single .safetensors file: pyspark-safetensors inspect PATH."""
+    path, args = _one_path(argv, "inspect", inspect.__doc__)
+    return _inspect(path, args.limit)
+
+
+def _inspect(path: str, limit: int) -> int:
+    from .dataset import MANIFEST, load_manifest
+    from .format import read_header
+
+    p = Path(path)
+    if p.is_dir() and not (p / MANIFEST).exists():
+        from .interop import detect_source
+
+        kind = detect_source(p)  # refuses what is none of the formats
+        if kind != "safetensors":
+            return _verify(path, checksums=False)
+    if (p / MANIFEST).exists():
+        m = load_manifest(p)
+        print(
+            f"{p}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
         )
         for name, col in m.schema.items():
             print(f"  {name}: {col.dtype} sample shape {list(col.sample_shape)}")
         for k, v in m.metadata.items():
             print(f"  metadata {k} = {v}")
         return 0
-    parent, name = location.parent()
-    header = parent.read_header(name)
-    print(f"{location}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
-    for t in header.tensors[: args.limit]:
+    header = read_header(p)
+    print(f"{p}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
+    for t in header.tensors[:limit]:
         print(f"  {t.name}: {t.dtype} {list(t.shape)}")
-    if len(header.tensors) > args.limit:
-        print(f"  ... {len(header.tensors) - args.limit} more")
+    if len(header.tensors) > limit:
+        print(f"  ... {len(header.tensors) - limit} more")
     return 0
 
 
-def _verify(args) -> int:
+def verify(argv: list[str]) -> int:
+    """Check a dataset against its manifest (sizes, headers, checksums), or a saev dump or
+    a Zarr store against its metadata: pyspark-safetensors verify PATH."""
+    path, args = _one_path(argv, "verify", verify.__doc__)
+    return _verify(path, checksums=not args.no_checksums)
+
+
+def _verify(path: str, *, checksums: bool) -> int:
     from .interop import detect_source
 
-    kind = detect_source(args.path) if Path(args.path).is_dir() else "safetensors"
+    kind = detect_source(path) if Path(path).is_dir() else "safetensors"
     if kind == "saev":
         from .interop.saev import verify_dump
 
-        print(verify_dump(args.path))
+        print(verify_dump(path))
     elif kind in ("zarr", "zarr-run"):
         from .interop.zarr import verify_store
 
-        print(verify_store(args.path))
+        print(verify_store(path))
     else:
         from .dataset import verify_dataset
 
-        m = verify_dataset(args.path, checksums=not args.no_checksums)
-        print(f"{args.path}: whole ({len(m.shards)} shards, {m.total_samples:,} samples)")
+        m = verify_dataset(path, checksums=checksums)
+        print(f"{path}: whole ({len(m.shards)} shards, {m.total_samples:,} samples)")
     return 0
 
 
-def _convert(args) -> int:
-    from .interop import convert
+@dataclass(frozen=True)
+class ConvertCommand:
+    to: Literal["safetensors", "zarr", "saev"]
+    """Target format (for saev, DST is the dump_to directory)."""
+    dtype: str | None = None
+    """Storage dtype of the output (default: the source's)."""
+    workers: int = 1
+    """Parallel processes."""
 
-    out = convert(
-        args.src, args.dst, to=args.to, dtype=args.dtype, workers=args.workers, progress=True
-    )
-    print(f"{args.src} -> {out}")
+
+def convert(argv: list[str]) -> int:
+    """Convert between our datasets, saev dumps and Zarr activation stores (docs/interop.md):
+    pyspark-safetensors convert SRC DST --to safetensors|zarr|saev. The source format is
+    detected from SRC."""
+    from .interop import convert as run_convert
+
+    positional = [a for a in argv[:2] if not a.startswith("-")]
+    args = _parse(ConvertCommand, argv[len(positional) :], "convert", convert.__doc__)
+    if len(positional) != 2:
+        raise UsageError(
+            "convert needs SRC and DST: pyspark-safetensors convert SRC DST --to FORMAT"
+        )
+    src, dst = positional
+    out = run_convert(src, dst, to=args.to, dtype=args.dtype, workers=args.workers, progress=True)
+    print(f"{src} -> {out}")
     return 0
 
 
-def _demo(args) -> int:
-    from .demo import run_demo
-
-    start = time.time()
-    run_demo(Path(args.out), texts=args.texts, epochs=args.epochs)
-    print(f"demo finished in {time.time() - start:.1f}s; outputs in {args.out}")
-    return 0
+# -- bench, demo -----------------------------------------------------------------------------
 
 
-def _pipeline(args) -> int:
-    from .pipeline import Pipeline, PipelineConfig
-
-    overrides = {"out": args.out, "texts": args.texts, "epochs": args.epochs, "nproc": args.nproc}
-    config = PipelineConfig.load(args.config, **overrides)
-    Pipeline(config, force=args.force).run()
-    return 0
-
-
-def _train(args) -> int:
-    from .sae.train import main as train_main
-
-    return train_main(([f"--config={args.config}"] if args.config else []) + args.overrides)
+def bench(argv: list[str]) -> int:
+    """Run benchmarks (all, or the names given) and update docs/BENCHMARKS.md; needs a
+    source checkout (the benchmarks/ folder): pyspark-safetensors bench [NAME ...]."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(bench.__doc__)
+        return 0
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        raise UsageError("the benchmarks ship with the source checkout; run this from a clone")
+    return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=root).returncode
 
 
-def _extract(args) -> int:
-    from .extract import ExtractConfig, run_extraction
-    from .spark.session import local_session
-
-    config = ExtractConfig(
-        corpus=args.corpus,
-        text_column=args.text_column,
-        model_dir=args.model_dir,
-        hooks=tuple(args.hook) if args.hook else ExtractConfig.hooks,
-        max_length=args.max_length,
-        dtype=args.dtype,
-        max_texts=args.max_texts,
-    )
-    spark = local_session(args.master)
-    try:
-        print(run_extraction(spark, config, args.out, overwrite=args.overwrite))
-    finally:
-        spark.stop()
-    return 0
+def demo(argv: list[str]) -> int:
+    """The main job: the pipeline with the shipped config (conf/pipeline.toml)."""
+    return pipeline(argv)
 
 
-def _lut(args) -> int:
-    from .lut import precompute_lut
+COMMANDS = {
+    "pipeline": pipeline,
+    "extract": extract,
+    "train": train,
+    "lut": lut,
+    "evaluate": evaluate,
+    "inspect": inspect,
+    "verify": verify,
+    "convert": convert,
+    "bench": bench,
+    "demo": demo,
+}
 
-    saes = {}
-    for item in args.sae:
-        layers, sep, path = item.rpartition("=")
-        if not sep:
-            raise ValueError(f"--sae {item!r} must be LAYER[,LAYER...]=SAE_FILE")
-        saes.update(dict.fromkeys(layers.split(","), path))
-    meta = precompute_lut(
-        args.model_dir, saes, out_dir=args.out, dtype=args.dtype, overwrite=args.overwrite
-    )
-    print(f"{len(meta['layers'])} layers, {meta['timing']['flops_per_s'] / 1e9:.1f} GFLOP/s")
-    return 0
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pyspark-safetensors", description=__doc__.splitlines()[0]
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run the main job end to end on an embedded local Spark")
-    p.add_argument("--out", default="out/demo", help="output directory (default: out/demo)")
-    p.add_argument("--texts", type=int, default=600, help="corpus passages (default: 600)")
-    p.add_argument("--epochs", type=int, default=4, help="SAE training epochs (default: 4)")
-    p.set_defaults(fn=_demo)
-    p = sub.add_parser("pipeline", help="extract -> SAEs (torchrun) -> LUTs -> held-out report")
-    p.add_argument("--config", default="conf/pipeline.toml", help="TOML config")
-    p.add_argument("--out", help="output directory (default: the config's, runs/pipeline)")
-    p.add_argument("--texts", type=int, help="training passages")
-    p.add_argument("--epochs", type=int, help="passes over each hook point's tokens")
-    p.add_argument("--nproc", type=int, help="torchrun processes per SAE")
-    p.add_argument("--force", action="store_true", help="recompute every stage")
-    p.set_defaults(fn=_pipeline)
-    p = sub.add_parser("extract", help="run a transformer over a corpus in Spark")
-    p.add_argument("out", help="output directory")
-    p.add_argument("--corpus", default="demo", help="'demo', a text directory, or parquet/JSON")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--model-dir", default="", help="HF model dir (default: packaged MiniLM)")
-    p.add_argument("--hook", action="append", help="module_glob:input|output (repeatable)")
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--dtype", default="F16", choices=["F16", "BF16", "F32"])
-    p.add_argument("--max-texts", type=int, default=0)
-    p.add_argument("--master", default="local[*]")
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(fn=_extract)
-    p = sub.add_parser("train-sae", help="train a TopK SAE (config TOML + key=value)")
-    p.add_argument("--config")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(fn=_train)
-    p = sub.add_parser("lut", help="precompute lookup tables from SAE checkpoints")
-    p.add_argument("model_dir")
-    p.add_argument("--sae", action="append", required=True, help="LAYER[,LAYER...]=SAE_FILE")
-    p.add_argument("--out", help="output directory (default: MODEL_DIR/lut)")
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(fn=_lut)
-    p = sub.add_parser("inspect", help="summarise a dataset directory or a .safetensors file")
-    p.add_argument("path")
-    p.add_argument("--limit", type=int, default=20, help="tensors to list for a file")
-    p.set_defaults(fn=_inspect)
-    p = sub.add_parser("verify", help="check a dataset against its manifest")
-    p.add_argument("path")
-    p.add_argument(
-        "--no-checksums", action="store_true", help="skip reading whole shards for crc32c"
-    )
-    p.set_defaults(fn=_verify)
-    p = sub.add_parser("convert", help="convert between datasets, saev dumps and Zarr stores")
-    p.add_argument("src", help="a dataset, a saev dump (hash or dump_to dir), a Zarr store or run")
-    p.add_argument("dst", help="output (for --to saev: the dump_to directory)")
-    p.add_argument("--to", required=True, choices=["safetensors", "zarr", "saev"])
-    p.add_argument("--dtype", help="storage dtype of the output (default: the source's)")
-    p.add_argument("--workers", type=int, default=1, help="parallel processes (default: 1)")
-    p.set_defaults(fn=_convert)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"pyspark-safetensors {_version()}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n", 1)[1].rstrip() if argv else __doc__.rstrip())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(
+            f"error: unknown command '{name}'{hint} (commands: {', '.join(COMMANDS)})",
+            file=sys.stderr,
+        )
+        return 2
+    started = time.perf_counter()
     try:
-        return args.fn(args)
-    except (ValueError, OSError) as e:
-        if args.debug:
+        rc = COMMANDS[name](rest)
+    except USER_ERRORS as e:
+        if debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if name in ("pipeline", "demo"):
+        print(f"{name} finished in {time.perf_counter() - started:.0f} s")
+    return rc
 
 
 if __name__ == "__main__":
