@@ -328,3 +328,34 @@ def test_ranks_split_the_layers(tmp_path, model_dir):
     want = sae["decoder_weight"] @ model.encoder.layer[0].intermediate.dense.weight.detach().T
     assert (ff["precomputed_products"].float() - want).abs().max() < 2e-3 * want.abs().max()
     assert not list(tmp_path.glob(".lut*"))  # staging gone
+
+
+def test_layer_files_must_be_regular_files_inside_lut(tmp_path, model_dir):
+    import os
+
+    root, _ = model_dir
+    random_sae(tmp_path / "sae.safetensors")
+    precompute_lut(root, {Q: tmp_path / "sae.safetensors"}, progress=False)
+    lut = root / "lut"
+    layer = lut / f"{Q}.lut.safetensors"
+    outside = tmp_path / "outside.lut.safetensors"
+    os.replace(layer, outside)
+    layer.symlink_to(outside)  # a valid file, but outside lut/
+    with pytest.raises(LUTError, match="symlink to .*outside"):
+        validate_lut(lut)
+    with pytest.raises(LUTError, match="symlink to .*outside"):
+        patch_model(Tiny(), lut)
+    layer.unlink()
+    (lut / "inner.bin").write_bytes(outside.read_bytes())
+    layer.symlink_to("inner.bin")  # a symlink that stays inside is fine
+    validate_lut(lut)
+    layer.unlink()
+    os.mkfifo(layer)  # opening a FIFO would block forever
+    with pytest.raises(LUTError, match="not a regular file"):
+        validate_lut(lut)
+    with pytest.raises(LUTError, match="not a regular file"):
+        load_layer_file(layer)
+    layer.unlink()
+    layer.mkdir()
+    with pytest.raises(LUTError, match="not a regular file"):
+        validate_lut(lut)

@@ -2,6 +2,7 @@
 checkpoint format, and the errors a user meets."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.sae import CheckpointError, SAEConfig, load_sae
-from pyspark_safetensors.sae.checkpoint import SAE_TENSORS, latest_checkpoint
+from pyspark_safetensors.sae.checkpoint import SAE_TENSORS, file_sha256, latest_checkpoint
 from pyspark_safetensors.sae.train import NonFiniteLoss, Trainer, main
 
 
@@ -163,6 +164,11 @@ def test_missing_or_foreign_checkpoints_are_refused(tmp_path, activations):
     with pytest.raises(CheckpointError, match=r"different training config.*'k': \(6, 5\)"):
         other.load(ckpt)
     (ckpt / "trainer_state.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"trainer_state.pt does not match its recorded"):
+        Trainer(_config(activations, tmp_path / "run")).load(ckpt)
+    sums = json.loads((ckpt / "checksums.json").read_text())
+    sums["trainer_state.pt"] = file_sha256(ckpt / "trainer_state.pt")  # garbage, recorded
+    (ckpt / "checksums.json").write_text(json.dumps(sums))
     with pytest.raises(CheckpointError, match=r"unreadable trainer state"):
         Trainer(_config(activations, tmp_path / "run")).load(ckpt)
     (ckpt / "trainer_state.pt").unlink()
@@ -181,3 +187,107 @@ def test_command_line_train_sae(tmp_path, activations, repo_root):
     assert cli(args) == 0
     assert (tmp_path / "sae.safetensors").is_file()
     assert cli([*args[:3], "k=0"]) == 2  # a bad value is a clean error, not a traceback
+
+
+# --- resume after a kill ---------------------------------------------------------------
+
+
+def test_resume_drops_the_killed_runs_log_lines_and_skips_incomplete_checkpoints(
+    tmp_path, activations
+):
+    run = tmp_path / "run"
+    Trainer(_config(activations, run)).fit()
+    ckpts = run / "checkpoints"
+    saved = sorted(p.name for p in ckpts.iterdir())
+    assert saved == ["step-00000006", "step-00000012", "step-00000024"]
+    # killed after logging step 24 but before the checkpoints of steps 12 and 24 landed
+    for name in saved[1:]:
+        shutil.rmtree(ckpts / name)
+    # a newer checkpoint missing files (copied half-way) is passed over
+    (ckpts / "step-00000020").mkdir()
+    (ckpts / "step-00000020" / "config.json").write_text("{}")
+    assert latest_checkpoint(run).name == "step-00000006"
+    args = [f"dataset={activations}", "n_latents=192", "k=6", "batch_size=256", "tokens=6144",
+            "warmup_steps=3", "lr=2e-3", "dead_tokens=2048", f"out_dir={run}", "log_every=4",
+            "checkpoints=2", "progress=false", "resume=auto"]  # fmt: skip
+    assert main(args) == 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(4, 25, 4))  # each step once, in order
+
+
+def test_a_bit_flip_in_a_checkpoint_is_refused(tmp_path, activations):
+    config = _config(activations, tmp_path / "run", tokens=256 * 4, checkpoints=0)
+    Trainer(config).fit()
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert set(json.loads((ckpt / "checksums.json").read_text())) == {
+        "sae.safetensors", "trainer_state.pt", "config.json"
+    }  # fmt: skip
+    Trainer(config).load(ckpt)  # intact: accepted
+    data = bytearray((ckpt / "sae.safetensors").read_bytes())
+    data[-5] ^= 0x10  # one bit of the last weights
+    (ckpt / "sae.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"sae.safetensors does not match its recorded sha256"):
+        Trainer(config).load(ckpt)
+
+
+# --- defaults and held-out evaluation ----------------------------------------------------
+
+
+def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
+    short = Trainer(_config(activations, tmp_path, warmup_steps=0, dead_tokens=0, tokens=256 * 200))
+    assert short.warmup_steps == 10  # 5 % of 200 steps
+    assert short.lr_at(0) == pytest.approx(short.config.learning_rate / 10)
+    assert short.lr_at(50) == short.config.learning_rate
+    assert short.lr_at(199) < short.config.learning_rate / 20  # decayed at the end
+    assert short.dead_tokens == 256 * 200 // 10
+    assert SAEConfig(d=384, n_latents=16384).learning_rate == pytest.approx(3e-3)
+    assert SAEConfig(d=384, n_latents=4096).learning_rate == pytest.approx(6e-3)
+    with pytest.warns(UserWarning, match="little room to train: 4 steps, of which 2 warm up"):
+        Trainer(_config(activations, tmp_path, warmup_steps=2, tokens=256 * 4))
+
+
+def test_held_out_figures_in_the_log_the_checkpoint_and_the_summary(tmp_path, capsys):
+    from pyspark_safetensors.sae.evaluate import evaluate_sae, held_out_batches, split_by_sample
+    from pyspark_safetensors.sae.model import TopKSAE, dense_reference
+
+    rng = np.random.default_rng(1)
+    dictionary = rng.standard_normal((96, 32)).astype(np.float32)
+    codes = (rng.random((4096, 96)) < 4 / 96) * rng.uniform(0.5, 2, (4096, 96))
+    x = (codes @ dictionary + 1).astype(np.float32)
+    text_of = np.arange(len(x)) // 16  # 16 tokens per text
+    write_batch_dataset(tmp_path / "all", {"activation": x, "sample_id": text_of})
+    train, val = split_by_sample(tmp_path / "all", tmp_path / "split", val_fraction=0.25)
+    ids = {p.name: set(open_dataset_ids(p)) for p in (train, val)}
+    assert not ids["train"] & ids["val"] and len(ids["val"]) == 64  # whole texts held out
+
+    run = tmp_path / "run"
+    args = [f"dataset={train}", f"val_dataset={val}", "n_latents=96", "k=4", "batch_size=256",
+            "tokens=12288", "lr=5e-3", f"out_dir={run}", "progress=false", "checkpoints=2",
+            "log_every=8"]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < summary["val_fvu"] < 0.5 and summary["val_l0"] == pytest.approx(4, abs=0.3)
+    assert {"val_dead_fraction", "val_dense_fraction"} <= set(summary)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    held = [r["step"] for r in lines if "val_fvu" in r]
+    assert held[-1] == 48 and len(held) >= 2
+    tensors, meta = load_sae(run / "sae.safetensors")
+    assert meta["metrics"]["val_fvu"] == summary["val_fvu"]
+    # the evaluator agrees with the plain dense computation
+    sae = TopKSAE(32, 96, 4)
+    sae.load_full_state(tensors)
+    xv = torch.cat(list(held_out_batches(val)))
+    with torch.no_grad():
+        want = ((dense_reference(sae, xv) - xv) ** 2).sum() / ((xv - xv.mean(0)) ** 2).sum()
+    got = evaluate_sae(sae, held_out_batches(val, batch=100))
+    assert got["fvu"] == pytest.approx(float(want), rel=1e-4)
+    assert got["tokens"] == len(xv) and got["frequency"].shape == (96,)
+    with pytest.raises(ValueError, match="no column 'text_id' to split by"):
+        split_by_sample(tmp_path / "all", tmp_path / "x", sample_column="text_id")
+
+
+def open_dataset_ids(path):
+    from pyspark_safetensors.torch import open_dataset
+
+    ds = open_dataset(path)
+    return np.concatenate([ds.shard_view(i, "sample_id") for i in range(len(ds.counts))]).tolist()

@@ -12,6 +12,7 @@ contribution ``(x - x_hat)[dims] @ W_target[dims]`` added. Because the table par
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ def load_layer_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     """The six tensors of a ``.lut.safetensors`` file as torch tensors of ``dtype``."""
     from safetensors.torch import load_file
 
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
+        raise LUTError(f"{path}: not a regular file; a LUT layer file must be a plain file")
     return {k: v.to(dtype) for k, v in load_file(os.fspath(path)).items()}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from ..format import SafetensorsFile
@@ -36,6 +37,23 @@ def layer_file(layer: str) -> str:
     return layer + SUFFIX
 
 
+def check_inside(path: Path, lut_dir: Path) -> None:
+    """Refuse a file of ``lut/`` that is not a regular file (a FIFO would block the
+    reader, a directory or device is no table) or a symlink leading out of ``lut/``."""
+    real = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(lut_dir))
+    if path.is_symlink() and root not in real.parents:
+        raise LUTError(
+            f"{path}: a symlink to {real}, outside {lut_dir}; every LUT file must lie in lut/"
+        )
+    try:
+        mode = os.stat(real).st_mode
+    except OSError as e:
+        raise LUTError(f"{path}: cannot be read ({e.strerror})") from e
+    if not stat.S_ISREG(mode):
+        raise LUTError(f"{path}: not a regular file; a LUT file must be a plain file")
+
+
 def _need(doc: dict, key: str, kind, where: str):
     if key not in doc:
         raise LUTError(f"{where}: missing required key {key!r}")
@@ -49,13 +67,14 @@ def _need(doc: dict, key: str, kind, where: str):
 
 def validate_lut(lut_dir: str | os.PathLike) -> dict:
     """Check ``metadata.json`` against the spec and every layer file against it (keys,
-    shapes, one float16/bfloat16 dtype per file), and
-    that no file escapes ``lut_dir``. Returns the metadata; raises ``LUTError`` naming
+    shapes, one float16/bfloat16 dtype per file), and that every file is a regular file
+    inside ``lut_dir`` (no symlink out of it, no FIFO or directory). Returns the metadata; raises ``LUTError`` naming
     the file and the rule."""
     lut_dir = Path(lut_dir)
     meta_path = lut_dir / METADATA
-    if not meta_path.is_file():
+    if not os.path.lexists(meta_path):
         raise LUTError(f"{lut_dir}: no {METADATA} (an incomplete or foreign directory)")
+    check_inside(meta_path, lut_dir)
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -92,8 +111,9 @@ def validate_lut(lut_dir: str | os.PathLike) -> dict:
         if not file.endswith(SUFFIX):
             raise LUTError(f"{lw}: file {file!r} must end with {SUFFIX}")
         path = lut_dir / file
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise LUTError(f"{lw}: file {file} is missing")
+        check_inside(path, lut_dir)
         _check_layer_file(path, dims)
     return meta
 

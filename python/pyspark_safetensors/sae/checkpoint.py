@@ -1,9 +1,11 @@
 """SAE checkpoints: the SAE as one safetensors file (the LUT spec's tensor names, config
 and metrics as JSON in ``__metadata__``), and trainer state next to it, each directory
-written whole under a temporary name and renamed into place."""
+written whole under a temporary name and renamed into place, with the sha256 of every
+file in ``checksums.json`` (verified when a run resumes from it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,6 +19,8 @@ from ..format import SafetensorsFile, write_shard
 SAE_FILE = "sae.safetensors"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
+CHECKSUMS_FILE = "checksums.json"
+CHECKPOINT_FILES = (SAE_FILE, STATE_FILE, CONFIG_FILE, CHECKSUMS_FILE)
 SAE_TENSORS = ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias")
 CHECKPOINT_VERSION = "1"
 
@@ -62,6 +66,14 @@ def load_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def write_checkpoint(
     directory: str | os.PathLike,
     sae_tensors: dict[str, torch.Tensor],
@@ -69,21 +81,54 @@ def write_checkpoint(
     config: dict,
     metadata: dict,
 ) -> Path:
-    """``directory/{sae.safetensors, trainer_state.pt, config.json}``, all or nothing."""
+    """``directory/{sae.safetensors, trainer_state.pt, config.json, checksums.json}``,
+    all or nothing."""
     final = Path(directory)
     with publishing(final) as tmp:
         save_sae(tmp / SAE_FILE, sae_tensors, {"config": config, **metadata})
         torch.save(trainer_state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        sums = {n: file_sha256(tmp / n) for n in (SAE_FILE, STATE_FILE, CONFIG_FILE)}
+        (tmp / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=2, sort_keys=True) + "\n")
     return final
 
 
-def read_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(SAE tensors, trainer state, config dict) of a checkpoint directory."""
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Every file of a checkpoint is there (their contents are verified on loading)."""
+    return all(Path(directory, n).is_file() for n in CHECKPOINT_FILES)
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> None:
+    """Refuse a checkpoint with a missing file or one whose bytes changed since it was
+    written (a bit flip, a truncated copy)."""
     directory = Path(directory)
-    missing = [n for n in (SAE_FILE, STATE_FILE, CONFIG_FILE) if not (directory / n).is_file()]
+    missing = [n for n in CHECKPOINT_FILES if not (directory / n).is_file()]
     if missing:
         raise CheckpointError(f"{directory}: not a complete checkpoint, missing {missing}")
+    try:
+        sums = json.loads((directory / CHECKSUMS_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{directory}: {CHECKSUMS_FILE} is not JSON ({e})") from e
+    if not isinstance(sums, dict) or set(sums) != {SAE_FILE, STATE_FILE, CONFIG_FILE}:
+        raise CheckpointError(
+            f"{directory}: {CHECKSUMS_FILE} must map {[SAE_FILE, STATE_FILE, CONFIG_FILE]} "
+            "to sha256 digests"
+        )
+    for name, want in sorted(sums.items()):
+        got = file_sha256(directory / name)
+        if got != want:
+            raise CheckpointError(
+                f"{directory}: {name} does not match its recorded sha256 ({got[:12]}... != "
+                f"{str(want)[:12]}...): the file was damaged or changed since it was written; "
+                "resume from an earlier checkpoint"
+            )
+
+
+def read_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(SAE tensors, trainer state, config dict) of a checkpoint directory, verified
+    against its checksums first."""
+    directory = Path(directory)
+    verify_checkpoint(directory)
     tensors, _ = load_sae(directory / SAE_FILE)
     try:
         state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
@@ -94,6 +139,7 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, torch.Tenso
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete ``checkpoints/step-*`` directory of a run, if any."""
-    found = sorted(Path(run_dir, "checkpoints").glob("step-*"))
-    return found[-1] if found else None
+    """The newest complete ``checkpoints/step-*`` directory of a run, if any (a newer
+    one missing a file, e.g. copied half-way, is passed over)."""
+    found = sorted(Path(run_dir, "checkpoints").glob("step-*"), reverse=True)
+    return next((p for p in found if p.is_dir() and is_complete(p)), None)

@@ -15,8 +15,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import SAEConfig
+from .evaluate import evaluate_sae, held_out_batches
 from .mesh import (
     DATA,
     MODEL,
@@ -46,6 +49,8 @@ from .mesh import (
 )
 from .model import PLACEMENT, TopKSAE, geometric_median
 
+SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
+                "val_dead_fraction", "val_dense_fraction")  # fmt: skip
 LATENTS = DimMap({MODEL: 0})  # per-latent trainer state is sharded like the encoder bias
 
 
@@ -97,6 +102,20 @@ class Trainer:
                 f"the config asks for {config.data_parallel_size} x {config.model_parallel_size}"
             )
         self.dataset = ds
+        if config.val_dataset:
+            val = open_dataset(config.val_dataset)
+            width = (
+                val.manifest.schema[config.column].sample_shape
+                if config.column in val.columns
+                else None
+            )
+            if width != shape:
+                raise ValueError(
+                    f"val_dataset {config.val_dataset}: column {config.column!r} "
+                    f"{'has rows of shape ' + str(list(width)) if width is not None else 'is missing'}"
+                    f", the training data's rows are {list(shape)}"
+                )
+        self.val_frequency = None
         self.device = _device(config.device)
         self.dp = config.data_parallel_size
         self.sae = TopKSAE(
@@ -126,6 +145,9 @@ class Trainer:
                 f"{config.batch_size}: lower batch_size"
             )
         self.total_steps = (config.tokens // config.batch_size if config.tokens else per_epoch) or 1
+        self.warmup_steps = config.warmup_steps or round(config.warmup_fraction * self.total_steps)
+        self.dead_tokens = config.dead_window(self.total_steps * config.batch_size)
+        self._warn_about_schedule()
         n_local = self.sae.n_local
         self.since_fired = torch.zeros(n_local, dtype=torch.long, device=self.device)
         self.fire_count = torch.zeros(n_local, dtype=torch.long, device=self.device)
@@ -136,9 +158,21 @@ class Trainer:
 
     # --- schedules -------------------------------------------------------------------------
 
+    def _warn_about_schedule(self) -> None:
+        decay = int(self.total_steps * self.config.decay_fraction)
+        full = self.total_steps - self.warmup_steps - decay
+        if self.total_steps < 50 or full < 0.5 * self.total_steps:
+            warnings.warn(
+                f"the schedule leaves little room to train: {self.total_steps} steps, of which "
+                f"{self.warmup_steps} warm up and {decay} decay, {max(full, 0)} at the full "
+                "learning rate; raise tokens or lower batch_size, warmup_steps or decay_fraction",
+                stacklevel=3,
+            )
+
     def lr_at(self, step: int) -> float:
         c = self.config
-        scale = min(1.0, (step + 1) / c.warmup_steps) if c.warmup_steps else 1.0
+        warm = self.warmup_steps
+        scale = min(1.0, (step + 1) / warm) if warm else 1.0
         decay_steps = int(self.total_steps * c.decay_fraction)
         if decay_steps and step >= self.total_steps - decay_steps:
             scale *= max(0.0, (self.total_steps - step) / decay_steps)
@@ -180,7 +214,7 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        dead = self.since_fired >= c.dead_tokens
+        dead = self.since_fired >= self.dead_tokens
         n_dead = int(all_reduce(dead.sum(), self.mesh, MODEL).item())
         use_aux = n_dead > 0 and c.aux_coef > 0
         amp = (
@@ -229,7 +263,7 @@ class Trainer:
         self._track_firing(out.values, out.indices, int(n_tokens))
         self.step += 1
         self.tokens_seen += int(n_tokens)
-        dead_now = all_reduce((self.since_fired >= c.dead_tokens).sum(), self.mesh, MODEL)
+        dead_now = all_reduce((self.since_fired >= self.dead_tokens).sum(), self.mesh, MODEL)
         return {
             "step": self.step,
             "tokens": self.tokens_seen,
@@ -280,6 +314,17 @@ class Trainer:
         all_reduce(fired, self.mesh, DATA)
         self.fire_count += fired
         self.since_fired = torch.where(fired > 0, 0, self.since_fired + n_tokens)
+
+    def evaluate_held_out(self) -> dict[str, float]:
+        """``val_*`` metrics on ``config.val_dataset`` ({} without one); keeps the
+        per-latent frequencies for the plots (collective on every rank)."""
+        c = self.config
+        if not c.val_dataset:
+            return {}
+        batches = held_out_batches(c.val_dataset, c.column, tokens=c.val_tokens, batch=c.batch_size)
+        result = evaluate_sae(self.sae, batches, self.mesh)
+        self.val_frequency = result.pop("frequency")
+        return {f"val_{k}": v for k, v in result.items()}
 
     # --- state -----------------------------------------------------------------------------
 
@@ -336,13 +381,29 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         torch.set_rng_state(state["rng"])
-        metrics = self.out_dir / "metrics.jsonl"
-        if metrics.is_file():
-            self.history = [
-                r
-                for r in map(json.loads, metrics.read_text().splitlines())
-                if r["step"] <= self.step
-            ]
+        self._truncate_metrics()
+
+    def _truncate_metrics(self) -> None:
+        """Keep the log lines up to the checkpoint's step: the killed run's later lines
+        would otherwise stay in ``metrics.jsonl`` beside the resumed run's (rank 0
+        rewrites the file; every rank keeps the same history)."""
+        path = self.out_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        lines = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut short by the kill; nothing after it is trusted
+            if record.get("step", 0) > self.step:
+                break
+            lines.append((line, record))
+        self.history = [r for _, r in lines]
+        if is_main_process():
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line, _ in lines))
+            os.replace(tmp, path)
 
     def sae_metadata(self, metrics: dict | None = None) -> dict:
         c = self.config
@@ -408,6 +469,8 @@ class Trainer:
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(fvu=f"{metrics['fvu']:.3f}", l0=f"{metrics['l0']:.1f}")
+                    if self.step in ckpt_steps or self.step == self.total_steps:
+                        metrics.update(self.evaluate_held_out())
                     if self.step % c.log_every == 0 or self.step == self.total_steps:
                         self.history.append(metrics)
                         if main:
@@ -431,7 +494,7 @@ class Trainer:
             )
             from .plots import plot_training
 
-            plot_training(self.history, counts, self.tokens_seen, self.out_dir)
+            plot_training(self.history, counts, self.tokens_seen, self.out_dir, self.val_frequency)
         barrier()
         return metrics
 
@@ -464,11 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.load(found)
     metrics = trainer.fit()
     if is_main_process():
-        print(
-            json.dumps(
-                {k: metrics.get(k) for k in ("step", "tokens", "fvu", "l0", "dead_fraction")}
-            )
-        )
+        print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
     if torch.distributed.is_initialized():
         barrier()  # no rank tears gloo down while another still talks
         torch.distributed.destroy_process_group()

@@ -1,0 +1,109 @@
+"""Held-out evaluation of an SAE: FVU, L0, dead and dense latents and the latent
+frequencies on activations the SAE never trained on (other texts, never other tokens of
+the same text), and ``split_by_sample`` to make such a split from one dataset."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..torch import ShuffledBatches, open_dataset
+from .mesh import MODEL, all_reduce
+from .model import PLACEMENT, TopKSAE
+
+#: A latent firing on more than this fraction of tokens counts as dense.
+DENSE_FREQUENCY = 0.1
+
+
+def held_out_batches(
+    dataset: str | os.PathLike, column: str = "activation", *, tokens: int = 0, batch: int = 4096
+) -> Iterable[torch.Tensor]:
+    """The first ``tokens`` rows (0 = all) of a batch-mode dataset, in storage order,
+    as float32 ``[<=batch, d]`` tensors (every rank reads the same rows)."""
+    ds = open_dataset(dataset)
+    if column not in ds.columns:
+        raise ValueError(f"{dataset}: no column {column!r}; it has {ds.columns}")
+    reader = ShuffledBatches(ds, batch, columns=[column], shuffle=False, dp_rank=0, dp_size=1)
+    n = min(len(ds), tokens) if tokens else len(ds)
+    for start in range(0, n, batch):
+        yield reader.read_batch(np.arange(start, min(start + batch, n)))[column]
+
+
+@torch.no_grad()
+def evaluate_sae(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh=None) -> dict:
+    """``{fvu, l0, dead_fraction, dense_fraction, tokens, frequency}`` of ``sae`` on
+    ``batches`` (``frequency``: per-latent firing rate, a float64 numpy array over every
+    latent). A collective over "model" when the SAE is sharded; every rank passes the
+    same batches."""
+    device = sae.encoder_weight.device
+    d = sae.d
+    # sum of x [d], then sum of x^2, squared error, active latents, tokens
+    sums = torch.zeros(d + 4, dtype=torch.float64, device=device)
+    fired = torch.zeros(sae.n_local, dtype=torch.float64, device=device)
+    for x in batches:
+        x = x.to(device, torch.float32)
+        out = sae(x)
+        sums[:d] += x.sum(0).double()
+        sums[d] += x.double().pow(2).sum()
+        sums[d + 1] += (out.x_hat.float() - x).double().pow(2).sum()
+        active = out.values > 0
+        sums[d + 2] += active.sum()
+        sums[d + 3] += x.shape[0]
+        local = (out.indices - sae.offset)[active]
+        fired += torch.bincount(local, minlength=sae.n_local).double()
+    n = float(sums[d + 3])
+    if n == 0:
+        raise ValueError("no held-out rows to evaluate on")
+    l0 = all_reduce(sums[d + 2 : d + 3].clone(), mesh, MODEL)[0]
+    var = float(sums[d] - sums[:d].pow(2).sum() / n)
+    freq = (PLACEMENT["encoder_bias"].gather(fired, mesh) / n).cpu().numpy()
+    return {
+        "fvu": float(sums[d + 1]) / max(var, 1e-30),
+        "l0": float(l0) / n,
+        "dead_fraction": float((freq == 0).mean()),
+        "dense_fraction": float((freq > DENSE_FREQUENCY).mean()),
+        "tokens": int(n),
+        "frequency": freq,
+    }
+
+
+def split_by_sample(
+    dataset: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    val_fraction: float = 0.1,
+    sample_column: str = "sample_id",
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """Write ``out_dir/train`` and ``out_dir/val`` from a token-level dataset, putting
+    every token of a sample (a text) on the same side; returns both paths."""
+    from ..dataset import write_batch_dataset
+
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    ds = open_dataset(dataset)
+    if sample_column not in ds.columns:
+        raise ValueError(
+            f"{dataset}: no column {sample_column!r} to split by; it has {ds.columns} "
+            "(give sample_column, or a separate held-out dataset)"
+        )
+    rows = ShuffledBatches(ds, max(len(ds), 1), shuffle=False, dtype=None, dp_rank=0, dp_size=1)
+    columns = {k: v.numpy() for k, v in rows.read_batch(np.arange(len(ds))).items()}
+    samples = np.unique(columns[sample_column])
+    n_val = max(1, round(len(samples) * val_fraction))
+    if n_val >= len(samples):
+        raise ValueError(f"{dataset}: {len(samples)} sample(s) are too few to hold some out")
+    held = np.random.default_rng(seed).choice(samples, size=n_val, replace=False)
+    is_val = np.isin(columns[sample_column], held)
+    out = Path(out_dir)
+    paths = []
+    for name, keep in (("train", ~is_val), ("val", is_val)):
+        paths.append(out / name)
+        write_batch_dataset(
+            paths[-1], {k: v[keep] for k, v in columns.items()}, metadata=dict(ds.metadata)
+        )
+    return paths[0], paths[1]
