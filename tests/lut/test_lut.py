@@ -341,9 +341,9 @@ def test_layer_files_must_be_regular_files_inside_lut(tmp_path, model_dir):
     outside = tmp_path / "outside.lut.safetensors"
     os.replace(layer, outside)
     layer.symlink_to(outside)  # a valid file, but outside lut/
-    with pytest.raises(LUTError, match="symlink to .*outside"):
+    with pytest.raises(LUTError, match=r"symlink to .*outside"):
         validate_lut(lut)
-    with pytest.raises(LUTError, match="symlink to .*outside"):
+    with pytest.raises(LUTError, match=r"symlink to .*outside"):
         patch_model(Tiny(), lut)
     layer.unlink()
     (lut / "inner.bin").write_bytes(outside.read_bytes())

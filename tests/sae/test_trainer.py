@@ -226,7 +226,9 @@ def test_a_bit_flip_in_a_checkpoint_is_refused(tmp_path, activations):
     data = bytearray((ckpt / "sae.safetensors").read_bytes())
     data[-5] ^= 0x10  # one bit of the last weights
     (ckpt / "sae.safetensors").write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"sae.safetensors does not match its recorded sha256"):
+    with pytest.raises(
+        CheckpointError, match=r"sae.safetensors does not match its recorded sha256"
+    ):
         Trainer(config).load(ckpt)
 
 
