@@ -34,7 +34,10 @@ class HeaderTooLargeError(SafetensorsFormatError):
 
 
 class HeaderEncodingError(SafetensorsFormatError):
-    rule = "header is UTF-8 JSON starting with '{'"
+    rule = (
+        "header is UTF-8 JSON starting with '{': no NaN/Infinity, numbers within float64, "
+        "no lone UTF-16 surrogates, nesting at most 127 deep"
+    )
 
 
 class HeaderStructureError(SafetensorsFormatError):
@@ -54,11 +57,11 @@ class UnknownDTypeError(SafetensorsFormatError):
 
 
 class ShapeError(SafetensorsFormatError):
-    rule = "shape is a list of non-negative integers"
+    rule = "shape is a list of integers in 0..2^64-1 whose running product fits 64 bits"
 
 
 class OffsetsError(SafetensorsFormatError):
-    rule = "data_offsets are [begin, end], contiguous from 0 with no holes or overlaps"
+    rule = "data_offsets are [begin, end] in 0..2^64-1, contiguous from 0 with no holes or overlaps"
 
 
 class SizeMismatchError(SafetensorsFormatError):

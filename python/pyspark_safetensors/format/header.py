@@ -7,10 +7,14 @@ start of the byte buffer (8 + N).
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import NamedTuple
@@ -138,18 +142,27 @@ class HeaderLayout:
 def _checked_spec(
     spec: Spec, names: list[str], spec_of: np.ndarray, index: int
 ) -> tuple[Spec, int]:
-    """The spec with plain-int dims and its bytes per tensor; errors name a tensor using it."""
+    """The spec with plain-int dims and its bytes per tensor, refused where the reference
+    reader would refuse it; errors name a tensor using it."""
     dtype, shape = spec
     shape = tuple(map(int, shape))
-    nbytes = dtype.nbytes(math.prod(shape))
-    if any(s < 0 for s in shape) or nbytes is None:
+
+    def user() -> str | None:
         users = np.flatnonzero(spec_of == index)
-        name = names[int(users[0])] if len(users) else None
-        if any(s < 0 for s in shape):
-            raise ShapeError(f"negative dimension in shape {list(shape)}", tensor=name)
+        return names[int(users[0])] if len(users) else None
+
+    if any(s < 0 or s > U64_MAX for s in shape):
+        raise ShapeError(f"shape {list(shape)} has a dimension outside 0..2^64-1", tensor=user())
+    try:
+        nbytes = _checked_nbytes(dtype, shape)
+    except ShapeError as e:
+        raise ShapeError(e.detail, tensor=user()) from None
+    if nbytes is None:
         raise SizeMismatchError(
-            f"{dtype} elements of shape {list(shape)} do not end on a byte", tensor=name
+            f"{dtype} elements of shape {list(shape)} do not end on a byte", tensor=user()
         )
+    if nbytes >= 2**63:
+        raise ShapeError(f"shape {list(shape)} of {dtype} needs {nbytes} bytes", tensor=user())
     return (dtype, shape), nbytes
 
 
@@ -207,11 +220,31 @@ def layout_header(
         )
     ]
     # The reference writes compact serde_json: same separators, non-ASCII kept as UTF-8.
-    body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    try:
+        body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    except UnicodeEncodeError:
+        _refuse_surrogates(file_names, metadata)
+        raise
     body += b" " * (-len(body) % 8)
     return HeaderLayout(
         struct.pack("<Q", len(body)) + body, file_names, specs, file_specs, begins, ends, order
     )
+
+
+def _refuse_surrogates(names: list[str], metadata: Mapping[str, str] | None) -> None:
+    """A lone UTF-16 surrogate has no UTF-8 form: name the tensor or metadata key holding it."""
+    for name in names:
+        if _SURROGATES.search(name):
+            raise HeaderEncodingError(
+                "tensor name holds a lone UTF-16 surrogate, which UTF-8 cannot encode",
+                tensor=name,
+            )
+    for k, v in (metadata or {}).items():
+        if _SURROGATES.search(k) or _SURROGATES.search(v):
+            raise HeaderEncodingError(
+                f"{METADATA_KEY} entry {k!r}: {v!r} holds a lone UTF-16 surrogate, which UTF-8 "
+                "cannot encode"
+            )
 
 
 def encode_header(
@@ -253,6 +286,21 @@ def read_header_length(prefix: bytes, file_size: int, path: str | None = None) -
     return n
 
 
+# The accepted header language is the reference library's (safetensors 0.8, serde_json),
+# less two things we refuse on purpose: a key repeated in any object (the reference keeps
+# the last one silently) and anything before the opening '{' (the format says the header
+# MUST begin with it; the reference also skips JSON whitespace there).
+
+U64_MAX = 2**64 - 1
+"""Dimensions and offsets are ``usize`` in the reference reader."""
+
+MAX_JSON_DEPTH = 127
+"""serde_json's recursion limit: the reference refuses the 128th nested array/object."""
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 def _no_duplicates(path):
     def hook(pairs):
         obj = {}
@@ -263,6 +311,56 @@ def _no_duplicates(path):
         return obj
 
     return hook
+
+
+def _strict_json(path) -> json.JSONDecoder:
+    """A decoder of the JSON serde_json accepts: no NaN/Infinity, no number that
+    overflows a float64, ``-0`` read as a float (so it is no ``usize``), no duplicate key."""
+
+    def constant(name):
+        raise HeaderEncodingError(f"{name} is not JSON", path=path)
+
+    def number(literal):
+        value = float(literal)
+        if math.isinf(value):
+            raise HeaderEncodingError(f"number {literal[:40]} is out of range", path=path)
+        return value
+
+    def integer(literal):
+        digits = len(literal) - literal.startswith("-")
+        if digits > 309:  # beyond float64 (and Python's int-parsing limit): serde refuses it
+            raise HeaderEncodingError(f"number {literal[:40]}... is out of range", path=path)
+        value = int(literal)
+        if digits == 309:
+            try:
+                float(value)
+            except OverflowError:
+                raise HeaderEncodingError(
+                    f"number {literal[:40]}... is out of range", path=path
+                ) from None
+        return -0.0 if value == 0 and literal[0] == "-" else value
+
+    return json.JSONDecoder(
+        object_pairs_hook=_no_duplicates(path),
+        parse_constant=constant,
+        parse_float=number,
+        parse_int=integer,
+    )
+
+
+def _check_json_values(value, path, depth: int = 1, surrogates: bool = True) -> None:
+    """Refuse what the reference's JSON parser refuses past our decoder: nesting deeper
+    than ``MAX_JSON_DEPTH`` and strings holding a lone UTF-16 surrogate (``"\\ud800"``)."""
+    if isinstance(value, dict | list):
+        if depth > MAX_JSON_DEPTH:
+            raise HeaderEncodingError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", path=path)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if surrogates and isinstance(k, str) and _SURROGATES.search(k):
+                raise HeaderEncodingError(f"key {k!r} holds a lone UTF-16 surrogate", path=path)
+            _check_json_values(v, path, depth + 1, surrogates)
+    elif surrogates and isinstance(value, str) and _SURROGATES.search(value):
+        raise HeaderEncodingError(f"string {value!r} holds a lone UTF-16 surrogate", path=path)
 
 
 def _check_metadata(metadata, path):
@@ -277,15 +375,48 @@ def _check_metadata(metadata, path):
             )
 
 
-def _is_uint(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+def _is_usize(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64_MAX
 
 
-def decode_header(raw: bytes, file_size: int, path: str | None = None) -> Header:
+def _checked_numel(shape, path=None, tensor=None) -> int:
+    """The element count, refused as the reference refuses it: when the running product
+    (left to right) leaves 64 bits, even if a later dimension is 0."""
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > U64_MAX:
+            raise ShapeError(
+                f"shape {list(shape)}: the element count overflows 64 bits",
+                path=path,
+                tensor=tensor,
+            )
+    return numel
+
+
+def _checked_nbytes(dtype: DType, shape, path=None, tensor=None) -> int | None:
+    """Bytes of a tensor (None when its elements do not end on a byte), with the
+    reference's 64-bit overflow rule for the element count and the bit count."""
+    bits = _checked_numel(shape, path, tensor) * dtype.bits
+    if bits > U64_MAX:
+        raise ShapeError(
+            f"shape {list(shape)} of {dtype}: the size in bits overflows 64 bits",
+            path=path,
+            tensor=tensor,
+        )
+    return bits // 8 if bits % 8 == 0 else None
+
+
+def decode_header(
+    raw: bytes, file_size: int, path: str | None = None, *, fast: bool = True
+) -> Header:
     """Decode and validate a header.
 
     ``raw`` holds at least the first 8 + N bytes of the file; ``file_size`` is the whole
     file's length. Raises a ``SafetensorsFormatError`` subclass naming the rule broken.
+    ``fast`` tries the bulk parser of compact headers (what this library and the
+    reference write) first; anything it does not recognise as valid goes to the general
+    JSON parser, which alone produces errors. ``fast=False`` uses only the general one.
     """
     n = read_header_length(raw, file_size, path)
     body = raw[8 : 8 + n]
@@ -299,25 +430,34 @@ def decode_header(raw: bytes, file_size: int, path: str | None = None) -> Header
         ) from None
     if not text.startswith("{"):
         raise HeaderEncodingError("header does not start with '{'", path=path)
+    if fast:
+        header = _decode_compact(text, file_size, 8 + n, path)
+        if header is not None:
+            return header
+    return _decode_general(text, file_size, 8 + n, path)
+
+
+def _decode_general(text: str, file_size: int, data_start: int, path) -> Header:
+    """The reference twin: the full JSON language, one entry at a time."""
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates(path))
+        doc = _strict_json(path).decode(text)
     except json.JSONDecodeError as e:
         raise HeaderEncodingError(
             f"header is not valid JSON: {e.msg} at char {e.pos}", path=path
         ) from None
     except RecursionError:
-        raise HeaderEncodingError("header JSON is nested too deeply", path=path) from None
+        raise HeaderEncodingError(
+            f"JSON nested deeper than {MAX_JSON_DEPTH} levels", path=path
+        ) from None
     if not isinstance(doc, dict):
         raise HeaderStructureError("header JSON is not an object", path=path)
+    _check_json_values(doc, path, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
 
     metadata = doc.pop(METADATA_KEY, None)
     if metadata is not None:
         _check_metadata(metadata, path)
 
-    infos = []
-    for name, entry in doc.items():
-        infos.append(_decode_entry(name, entry, path))
-
+    infos = [_decode_entry(name, entry, path) for name, entry in doc.items()]
     infos.sort(key=lambda t: (t.begin, t.end))
     position = 0
     for t in infos:
@@ -329,7 +469,6 @@ def decode_header(raw: bytes, file_size: int, path: str | None = None) -> Header
                 tensor=t.name,
             )
         position = t.end
-    data_start = 8 + n
     if data_start + position != file_size:
         kind = "truncated" if data_start + position > file_size else "trailing bytes"
         raise FileSizeError(
@@ -351,14 +490,14 @@ def _decode_entry(name: str, entry, path) -> TensorInfo:
     if dtype is None:
         raise UnknownDTypeError(f"unknown dtype {entry['dtype']!r}", path=path, tensor=name)
     shape = entry["shape"]
-    if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
+    if not isinstance(shape, list) or not all(_is_usize(s) for s in shape):
         raise ShapeError(
-            f"shape {shape!r} is not a list of non-negative integers", path=path, tensor=name
+            f"shape {_clip(shape)} is not a list of integers in 0..2^64-1", path=path, tensor=name
         )
     offsets = entry["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_usize(o) for o in offsets)):
         raise OffsetsError(
-            f"data_offsets {offsets!r} is not [begin, end] of non-negative integers",
+            f"data_offsets {_clip(offsets)} is not [begin, end] of integers in 0..2^64-1",
             path=path,
             tensor=name,
         )
@@ -367,8 +506,7 @@ def _decode_entry(name: str, entry, path) -> TensorInfo:
         raise OffsetsError(
             f"data_offsets [{begin}, {end}] end before they begin", path=path, tensor=name
         )
-    numel = math.prod(shape)
-    nbytes = dtype.nbytes(numel)
+    nbytes = _checked_nbytes(dtype, shape, path, name)
     if nbytes != end - begin:
         raise SizeMismatchError(
             f"shape {shape} of {dtype} needs {nbytes if nbytes is not None else 'a fractional number of'} bytes, "
@@ -377,3 +515,136 @@ def _decode_entry(name: str, entry, path) -> TensorInfo:
             tensor=name,
         )
     return TensorInfo(name, dtype, tuple(shape), begin, end)
+
+
+def _clip(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+# --------------------------------------------------------------------------- fast path
+#
+# A compact header (no whitespace, no escapes in names, entries of exactly the form
+# "name":{"dtype":"..","shape":[..],"data_offsets":[b,e]}) splits on '"' into ten pieces
+# per tensor at fixed positions; everything is then checked per column with list.count,
+# regular expressions over joined strings and numpy, with no Python object per tensor
+# but its TensorInfo. Whatever is not exactly that, or not valid, returns None and takes
+# the general path, so errors and unusual headers are always the general path's.
+
+_COMPACT_SHAPE = re.compile(r":\[(?:(?:0|[1-9][0-9]{0,19})(?:,(?:0|[1-9][0-9]{0,19}))*)?\],")
+_COMPACT_OFFSETS = re.compile(r"(?::\[(?:0|[1-9][0-9]{0,17}),(?:0|[1-9][0-9]{0,17})\]\},)*")
+_NEEDS_GENERAL = re.compile(r"[\\\x00-\x1f]")  # escapes and control characters
+_FIXED = ((2, ":{"), (3, "dtype"), (4, ":"), (6, ","), (7, "shape"), (9, "data_offsets"))
+_METADATA_PREFIX = '{"' + METADATA_KEY + '":'
+_FAST_NUMEL_LIMIT = 2**56  # numel x bits stays inside int64 below this
+
+
+@contextmanager
+def _gc_paused():
+    """Building 10^5 tuples would otherwise trigger repeated generational collections
+    that scan every earlier one; nothing here makes reference cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header | None:
+    body = text.rstrip(" \t\n\r")
+    if not body.endswith("}"):
+        return None
+    metadata, pos = None, 1
+    if body.startswith(_METADATA_PREFIX):
+        try:
+            metadata, pos = _strict_json(path).raw_decode(body, len(_METADATA_PREFIX))
+            _check_json_values(metadata, path, depth=2)
+            _check_metadata(metadata, path)
+        except (ValueError, RecursionError):
+            return None
+        if body[pos : pos + 1] != ",":
+            return None
+        pos += 1
+    region = body[pos:-1] + ","
+    if _NEEDS_GENERAL.search(region):
+        return None
+    parts = region.split('"')
+    n = len(parts) // 10
+    if n == 0 or len(parts) != 10 * n + 1 or parts[0]:
+        return None
+    if any(parts[k::10].count(piece) != n for k, piece in _FIXED):
+        return None
+    names, dtype_names, shape_texts, offset_texts = (
+        parts[1::10],
+        parts[5::10],
+        parts[8::10],
+        parts[10::10],
+    )
+    dtypes = [DTYPES.get(d) for d in dict.fromkeys(dtype_names)]
+    if None in dtypes:
+        return None
+    dtype_ids = {d.name: i for i, d in enumerate(dtypes)}
+    shapes_by_text = {}
+    for s in dict.fromkeys(shape_texts):
+        if not _COMPACT_SHAPE.fullmatch(s):
+            return None
+        shape = tuple(map(int, s[2:-2].split(","))) if len(s) > 4 else ()
+        if any(d > U64_MAX for d in shape):
+            return None
+        shapes_by_text[s] = shape
+    shapes = list(shapes_by_text.values())
+    shape_ids = {s: i for i, s in enumerate(shapes_by_text)}
+    try:
+        numel = [_checked_numel(s) for s in shapes]
+    except ShapeError:
+        return None  # the general path names the tensor
+    if max(numel) >= _FAST_NUMEL_LIMIT:
+        return None
+    offsets_text = "".join(offset_texts)
+    if not _COMPACT_OFFSETS.fullmatch(offsets_text):
+        return None
+    # np.fromstring's text mode (sep), not its removed binary mode; the text was checked above.
+    numbers = np.fromstring(
+        offsets_text.replace(":[", "").replace("]},", ","), dtype=np.int64, sep=","
+    )
+    begins, ends = numbers[0::2], numbers[1::2]
+    dtype_of = np.fromiter(map(dtype_ids.__getitem__, dtype_names), np.int64, n)
+    shape_of = np.fromiter(map(shape_ids.__getitem__, shape_texts), np.int64, n)
+    bits = (
+        np.array([d.bits for d in dtypes], dtype=np.int64)[dtype_of]
+        * np.array(numel, dtype=np.int64)[shape_of]
+    )
+    if (bits % 8).any() or ((ends - begins) * 8 != bits).any():
+        return None
+    in_order = (begins[1:] > begins[:-1]) | ((begins[1:] == begins[:-1]) & (ends[1:] >= ends[:-1]))
+    order = None if in_order.all() else np.lexsort((ends, begins))
+    if order is not None:
+        begins, ends, dtype_of, shape_of = (
+            begins[order],
+            ends[order],
+            dtype_of[order],
+            shape_of[order],
+        )
+        names = [names[i] for i in order.tolist()]
+    if begins[0] != 0 or (begins[1:] != ends[:-1]).any() or data_start + int(ends[-1]) != file_size:
+        return None
+    with _gc_paused():
+        infos = tuple(
+            map(
+                functools.partial(tuple.__new__, TensorInfo),
+                zip(
+                    names,
+                    map(dtypes.__getitem__, dtype_of.tolist()),
+                    map(shapes.__getitem__, shape_of.tolist()),
+                    begins.tolist(),
+                    ends.tolist(),
+                    strict=True,
+                ),
+            )
+        )
+        header = Header(infos, metadata, data_start)
+    if len(header._by_name) != n or METADATA_KEY in header:
+        return None  # a repeated key, or __metadata__ used as a tensor: the general path says so
+    return header
