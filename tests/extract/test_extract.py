@@ -177,3 +177,41 @@ def test_parquet_corpus_with_truncation(spark, tmp_path):
     info = pq.read_table(tmp_path / "out" / "samples.parquet").to_pylist()
     assert sorted(r["seq_len"] for r in info) == [4, 32]
     assert not (tmp_path / "out" / "samples").exists()
+
+
+def test_zarr_run_from_two_tasks_matches_the_kv_dataset(spark, tmp_path):
+    pytest.importorskip("zarr")
+    import dataclasses
+    import hashlib
+
+    from pyspark_safetensors.interop.zarr import ActivationRun
+
+    config = dataclasses.replace(CONFIG, max_texts=6, partitions=2, zarr_run=True)
+    summary = run_extraction(spark, config, tmp_path / "out")
+    out = tmp_path / "out"
+    assert summary.config_hash == config_hash(dataclasses.replace(config, zarr_run=False),
+                                              weights_hash(default_model_dir()))  # fmt: skip
+    doc = json.loads((out / "samples_zarr" / "manifest.json").read_text())
+    assert doc["num_shards"] == 2 == len(list((out / "samples_zarr" / "shards").iterdir()))
+    assert doc["total_samples"] == summary.samples and doc["T_max"] == 48
+    assert sum(s["num_samples"] for s in doc["shards"]) == summary.samples
+    run = ActivationRun(out / "samples_zarr")
+    columns = [
+        h["kv_column"] for h in json.loads((out / "extraction.json").read_text())["hooks"].values()
+    ]
+    assert run.num_layers == len(columns) == 2
+    assert run.attrs["hook_points"] == [QUERY_IN, LAYER1_OUT]
+    info = sorted(pq.read_table(out / "samples.parquet").to_pylist(),
+                  key=lambda r: (r["sample_id"], r["window"]))  # fmt: skip
+    kv = open_dataset(out / "samples")
+    for g, row in enumerate(info):  # global order = (sample_id, window)
+        store, local = run.locate(g)
+        extra = store.text("extra_metadata.jsonl")[local]
+        assert (extra["key"], extra["sample_id"], extra["window"]) == (
+            row["key"], row["sample_id"], row["window"])  # fmt: skip
+        short = (
+            row["key"] if len(row["key"]) <= 64 else hashlib.sha256(row["key"].encode()).hexdigest()
+        )
+        assert run.sample_key(g) == short and run.seq_len[g] == row["seq_len"]
+        for layer, column in enumerate(columns):
+            np.testing.assert_array_equal(run.read(g, layer), kv.get(row["key"], column).numpy())

@@ -6,6 +6,8 @@ Output directory (published whole: everything is written under a staging name fi
     activations/{hook}/   token-level batch datasets: activation [B, H], sample_id,
                           token_pos, window
     samples/              sample-level KV dataset: key -> one [seq_len, H] per hook
+    samples_zarr/         (zarr_run=True) the same samples as a Zarr sharded run: one
+                          shard per Spark task, manifest.json written last by the driver
     samples.parquet       one row per model input: sample_id, window, key, seq_len,
                           text_chars, source
     texts.jsonl           sample_id, key, source, text
@@ -61,6 +63,10 @@ class ExtractConfig:
     max_texts: int = 0
     """Use only the first N texts (by key); 0 = all."""
     kv_dataset: bool = True
+    zarr_run: bool = False
+    """Also write the samples as a Zarr sharded run (``samples_zarr/``: each Spark task
+    one writer of ``shards/shard-XXXX.zarr``, layers = hook points in order, T_max =
+    ``max_length``); needs the ``interop`` extra (zarr) and hook points of one width."""
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "hooks": list(self.hooks)}
@@ -93,6 +99,7 @@ def config_hash(config: ExtractConfig, model_hash: str) -> str:
     """sha256 of the canonical JSON of everything that determines the activations."""
     body = {**config.to_dict(), "model_weights_sha256": model_hash}
     body.pop("partitions")  # the layout of the work does not change the data
+    body.pop("zarr_run")  # nor does a second copy of the samples
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -220,6 +227,93 @@ def _explode_fn(column: str, width: int, dtype: str):
     return explode
 
 
+def _zarr_shard_fn(run_dir: str, hooks, width: int, config: ExtractConfig, attrs: dict):
+    """The function each Spark task runs: its sample rows -> one Zarr shard written by one
+    writer (published whole under the partition's name), one row per sample out."""
+
+    def write(batches):
+        from pyspark import TaskContext
+
+        from ..interop.zarr import StoreWriter, shard_path
+
+        shard_id = TaskContext.get().partitionId()
+        writer, ids, windows = None, [], []
+        try:
+            for batch in batches:
+                if writer is None and batch.num_rows:
+                    writer = StoreWriter(
+                        Path(run_dir) / shard_path(shard_id), num_layers=len(hooks),
+                        hidden_size=width, t_max=config.max_length,
+                        model_id=attrs["model"], attrs=attrs,
+                    )  # fmt: skip
+                seq_lens = batch.column("seq_len").to_pylist()
+                keys, sources = batch.column("key").to_pylist(), batch.column("source").to_pylist()
+                sids, wins = (
+                    batch.column("sample_id").to_pylist(),
+                    batch.column("window").to_pylist(),
+                )
+                for row, n in enumerate(seq_lens):
+                    acts = np.stack([_tensor(batch, h.column, row, n, width, config.dtype)
+                                     for h in hooks])  # fmt: skip
+                    key = keys[row]
+                    writer.add(
+                        acts,
+                        sample_key=key if len(key) <= 64 else hashlib.sha256(key.encode()).hexdigest(),
+                        extra={"key": key, "sample_id": sids[row], "window": wins[row],
+                               "source": sources[row]},
+                    )  # fmt: skip
+                ids += sids
+                windows += wins
+            if writer is not None:
+                writer.close()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        yield pa.RecordBatch.from_pydict({
+            "shard_id": pa.array([shard_id] * len(ids), pa.int32()),
+            "local_index": pa.array(range(len(ids)), pa.int32()),
+            "sample_id": pa.array(ids, pa.int64()),
+            "window": pa.array(windows, pa.int32()),
+        })  # fmt: skip
+
+    return write
+
+
+def _tensor(batch, column, row, n, width, dtype) -> np.ndarray:
+    """One sample's ``[n, width]`` activations of one hook point, as stored in the row."""
+    data = batch.column(column).field("data")[row].as_buffer()
+    if dtype == "BF16":  # widen exactly; the store rounds to float16 (nearest even)
+        bits = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(n, width)
+    return np.frombuffer(data, np.float16 if dtype == "F16" else np.float32).reshape(n, width)
+
+
+def write_zarr_run(samples, hooks, widths: dict, config: ExtractConfig, run_dir: Path, attrs):
+    """The sample rows as a Zarr sharded run at ``run_dir``: each Spark task writes its
+    partition as one shard; the driver then numbers the samples by (sample_id, window)
+    and writes ``manifest.json`` last."""
+    from ..interop.zarr import write_run_manifest
+
+    width = next(iter(widths.values()))
+    placed = (
+        samples.select(
+            "sample_id", "window", "key", "seq_len", "source", *[h.column for h in hooks]
+        )
+        .mapInArrow(
+            _zarr_shard_fn(str(run_dir), hooks, width, config, attrs),
+            "shard_id int, local_index int, sample_id long, window int",
+        )
+        .toArrow()
+        .sort_by([("sample_id", "ascending"), ("window", "ascending")])
+    )
+    placement = list(
+        zip(placed.column("shard_id").to_pylist(), placed.column("local_index").to_pylist(),
+            strict=True)
+    )  # fmt: skip
+    write_run_manifest(run_dir, placement)
+
+
 def load_corpus(spark, config: ExtractConfig):
     """The corpus as a DataFrame ``(key, text, source)``: key = sha256 of the text,
     duplicates and empty texts dropped."""
@@ -285,6 +379,10 @@ def run_extraction(
     probe = _extractor(model_dir, config)
     widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
     hooks = probe.hooks
+    if config.zarr_run and len(set(widths.values())) != 1:
+        raise ExtractionError(
+            f"zarr_run needs hook points of one width (a store is (N, L, T_max, H)); got {widths}"
+        )
     model_hash = weights_hash(model_dir)
     chash = config_hash(config, model_hash)
     del probe
@@ -354,6 +452,9 @@ def run_extraction(
                 .mode("overwrite")
                 .save(str(staging / "samples"))
             )
+        if config.zarr_run:
+            zarr_meta = {**base_meta, "hook_points": [h.name for h in hooks]}
+            write_zarr_run(samples, hooks, widths, config, staging / "samples_zarr", zarr_meta)
         import pyarrow.parquet as pq
 
         pq.write_table(info.sort_by("sample_id"), staging / "samples.parquet")
