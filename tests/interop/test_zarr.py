@@ -422,3 +422,28 @@ def test_cli_converts_and_verifies(seed_store, tmp_path, capsys):
         ActivationStore(tmp_path / "z.zarr")  # our output warns about nothing
     with pytest.raises(ConversionError):
         convert(path, tmp_path / "nope", to="zarr")  # no zarr -> zarr converter
+
+
+def test_saev_dump_to_store_rounds_to_nearest_even(tmp_path):
+    from pyspark_safetensors.interop.saev import write_dump
+
+    rng = np.random.default_rng(10)
+    acts = rng.standard_normal((5, 2, 4, 6)).astype(np.float32)  # 5 images, L=2, T=3+CLS
+    acts[0, 0, 0, :3] = [1 + 2**-11, 1 + 3 * 2**-11, 70000.0]  # ties to even; overflow to inf
+    dump = write_dump(tmp_path / "dumps", acts, vit_family="clip", vit_ckpt="tiny",
+                      layers=[3, 5], n_patches_per_img=3, cls_token=True, seed=0,
+                      max_patches_per_shard=2 * 2 * 4, data="unit")  # fmt: skip
+    assert detect_source(tmp_path / "dumps") == "saev"
+    assert cli(["convert", str(tmp_path / "dumps"), str(tmp_path / "s.zarr"), "--to", "zarr",
+                "--workers", "2"]) == 0  # fmt: skip
+    store = ActivationStore(tmp_path / "s.zarr")
+    assert (len(store), store.num_layers, store.t_max, store.hidden_size) == (5, 2, 4, 6)
+    np.testing.assert_array_equal(store.seq_len, [4] * 5)
+    assert store.attrs["layers"] == [3, 5] and store.attrs["saev_hash"] == dump.name
+    assert store.attrs["saev_metadata"]["vit_ckpt"] == "tiny"
+    for i in range(5):
+        for layer in range(2):
+            with np.errstate(over="ignore"):  # 70000 -> inf is the point
+                expected = acts[i, layer].astype(np.float16)  # numpy rounds to nearest even
+            assert store.read(i, layer).tobytes() == expected.tobytes()
+    assert store.read(0, 0)[0, :3].tolist() == [1.0, 1 + 2 * 2**-10, float("inf")]

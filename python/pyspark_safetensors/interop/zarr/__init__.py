@@ -10,7 +10,7 @@ The torch loader (``PairDataset``, ``RandomPairs``, ``collate_pairs``) is import
 first use, so this package does not import torch.
 """
 
-from .convert import dataset_to_zarr, layer_column, verify_store, zarr_to_dataset
+from .convert import dataset_to_zarr, layer_column, saev_to_zarr, verify_store, zarr_to_dataset
 from .store import (
     ActivationRun,
     ActivationStore,
@@ -45,6 +45,7 @@ __all__ = [
     "layer_column",
     "merge_run",
     "open_activations",
+    "saev_to_zarr",
     "shard_path",
     "token_chunk",
     "verify_store",

@@ -304,4 +304,46 @@ def _check_chunk_files(store: ActivationStore) -> None:
                     )
 
 
-__all__ = ["dataset_to_zarr", "layer_column", "verify_store", "zarr_to_dataset"]
+def saev_to_zarr(
+    src: Path, dst: Path, *, dtype: str | None = None, workers: int = 1, progress: bool = True
+) -> Path:
+    """A saev dump -> a store: image ``i`` is sample ``i``, its ``(L, T, d_vit)`` float32
+    activations rounded to float16 (nearest even), ``seq_len`` = tokens per image (CLS
+    included when the dump has it); the dump's ``metadata.json`` is kept in the
+    attributes (``saev_metadata``) with its layers and hash."""
+    from tqdm.auto import tqdm
+
+    from ..saev import SaevDump
+
+    if dtype not in (None, "F16", "float16"):
+        raise ZarrStoreError(f"--dtype {dtype}: a Zarr activation store is float16 only")
+    dump = SaevDump(src)
+    meta = dump.meta
+    writer = StoreWriter(
+        dst, num_layers=meta.n_layers, hidden_size=meta.d_vit, t_max=meta.n_tokens_per_img,
+        model_id=f"{meta.vit_family}/{meta.vit_ckpt}", num_samples=meta.n_imgs,
+        attrs={"source_format": "saev", "saev_metadata": meta.doc, "saev_hash": dump.path.name,
+               "layers": list(meta.layers), "cls_token": meta.cls_token},
+    )  # fmt: skip
+
+    def copy(shard: int) -> int:
+        first = shard * meta.n_imgs_per_shard
+        images = dump.shard(shard)
+        for j in range(len(images)):
+            writer.put(first + j, images[j])
+        return len(images)
+
+    try:
+        with (
+            ThreadPoolExecutor(max(1, workers)) as pool,
+            tqdm(total=meta.n_imgs, desc="saev -> zarr", unit="image", disable=not progress) as bar,
+        ):
+            for count in pool.map(copy, range(meta.n_shards)):
+                bar.update(count)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+__all__ = ["dataset_to_zarr", "layer_column", "saev_to_zarr", "verify_store", "zarr_to_dataset"]
