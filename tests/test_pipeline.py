@@ -56,6 +56,8 @@ def test_every_artifact_exists_and_validates(run):
     assert set(stages) == {"extract", "lut", "evaluation"} | {
         f"sae-{h.replace(':', '.').replace('.', '_')}" for h in HOOKS
     }
+    for name, stage in stages.items():  # stable names point at the current outputs
+        assert (run / "run" / name).resolve() == (run / "run" / stage["dir"]).resolve()
     extract = run / "run" / stages["extract"]["dir"] / "data"
     for hook in HOOKS:
         m = verify_dataset(extract / "activations" / hook.replace(":", ".").replace(".", "_"))

@@ -156,6 +156,15 @@ def prepare_out_dir(out: Path, *, force: bool) -> None:
     )
 
 
+def link_latest(link: Path, target: str) -> None:
+    """Point ``out/{stage}`` at the stage's current output (replaced atomically), so
+    configs can name a stable path such as ``runs/pipeline/extract/data/...``."""
+    tmp = link.with_name(f".{link.name}.link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, link)
+
+
 class Pipeline:
     """The stages over one ``PipelineConfig``; ``run()`` returns the summary."""
 
@@ -170,14 +179,14 @@ class Pipeline:
         """``out/{name}-{key}``: reused when complete (unless ``force``), else built by
         ``build(tmp_dir)`` under a staging name and published whole."""
         path = self.out / f"{name}-{key}"
-        self.summary["stages"][name] = {"dir": path.name, "hash": key}
-        if path.is_dir() and not self.force:
+        reused = path.is_dir() and not self.force
+        if reused:
             self.log(f"      reusing {path}")
-            self.summary["stages"][name]["reused"] = True
-            return path
-        with publishing(path) as tmp:
-            build(tmp)
-        self.summary["stages"][name]["reused"] = False
+        else:
+            with publishing(path) as tmp:
+                build(tmp)
+        self.summary["stages"][name] = {"dir": path.name, "hash": key, "reused": reused}
+        link_latest(self.out / name, path.name)
         return path
 
     # -- the stages ---------------------------------------------------------------------
