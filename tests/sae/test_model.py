@@ -64,7 +64,7 @@ def test_aux_latents_come_from_the_dead_set_with_exact_gradients():
     pre = torch.relu((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias)
     vals, idx = (pre * dead).topk(5, dim=1)
     dense_e = torch.zeros_like(pre).scatter(1, idx, vals) @ sae.decoder_weight
-    sparse_e = sae.decode(out.aux_values, out.aux_indices)
+    sparse_e = sae.decode_latents(out.aux_values, out.aux_indices)
     torch.testing.assert_close(sparse_e, dense_e, rtol=1e-5, atol=1e-5)
     sparse = _grads(sae, sparse_e.pow(2).sum())
     pre = torch.relu((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias)

@@ -26,7 +26,8 @@ import torch
 
 from ..dataset.publish import publish
 from ..format import SafetensorsFile, write_shard
-from ..sae.checkpoint import load_sae
+from ..sae.checkpoint import CheckpointError
+from ..sae.ecosystem import read_sae
 from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
 
 STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -118,17 +119,18 @@ class SAEInfo:
     k: int | None
 
 
-def _sae_info(path: str | os.PathLike) -> SAEInfo:
+def _sae_info(path: str | os.PathLike) -> tuple[SAEInfo, dict[str, torch.Tensor]]:
+    """The SAE's shape and ``k`` and its tensors in the trainer's convention, from any
+    layout ``read_sae`` knows (ours, SAELens, sparsify)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise LUTError(f"SAE checkpoint {path} does not exist")
-    with SafetensorsFile(path) as f:
-        names = {i.name: i for i in f.header.tensors}
-        if "decoder_weight" not in names or "decoder_bias" not in names:
-            raise LUTError(f"{path}: not an SAE checkpoint (no decoder_weight/decoder_bias)")
-        n, d = names["decoder_weight"].shape
-        k = (f.metadata or {}).get("k")
-    return SAEInfo(path, n, d, int(k) if k else None)
+    try:
+        tensors, info = read_sae(path)
+    except CheckpointError as e:
+        raise LUTError(f"{path}: not a usable SAE ({e})") from e
+    n, d = tensors["decoder_weight"].shape
+    return SAEInfo(path, n, d, info["k"]), tensors
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -220,7 +222,10 @@ def precompute_lut(
     if out_dir.exists() and not overwrite:
         raise LUTError(f"{out_dir} already exists; pass overwrite=True to replace it")
     files = {layer: layer_file(layer) for layer in saes}
-    infos = {layer: _sae_info(path) for layer, path in saes.items()}
+    loaded = {}  # one read per SAE, however many layers share it
+    for path in dict.fromkeys(map(str, saes.values())):
+        loaded[path] = _sae_info(path)
+    infos = {layer: loaded[str(path)][0] for layer, path in saes.items()}
     layers = {}
     for layer, info in infos.items():
         input_dim, output_dim = model.dims(layer)
@@ -254,14 +259,10 @@ def precompute_lut(
 
         bar = tqdm(total=len(mine), desc="LUT layers", unit="layer")
     try:
-        cache: tuple[Path, dict] | None = None
         for layer in mine:
-            sae_path = infos[layer].path
-            if cache is None or cache[0] != sae_path:
-                cache = (sae_path, load_sae(sae_path)[0])
             tensors = precompute_layer(
                 model.weight(layer),
-                cache[1],
+                loaded[str(saes[layer])][1],
                 store_dtype=STORE_DTYPES[dtype],
                 compute_dtype=compute_dtype,
                 device=device,

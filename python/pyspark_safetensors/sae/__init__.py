@@ -3,6 +3,7 @@
 
 from .checkpoint import CheckpointError, load_sae, save_sae
 from .config import SAEConfig
+from .ecosystem import export_sae, load_sae_model, read_sae
 from .mesh import DimMap, make_mesh, mesh_dim_size, mesh_rank
 from .model import TopKSAE, dense_reference
 
@@ -12,9 +13,12 @@ __all__ = [
     "SAEConfig",
     "TopKSAE",
     "dense_reference",
+    "export_sae",
     "load_sae",
+    "load_sae_model",
     "make_mesh",
     "mesh_dim_size",
     "mesh_rank",
+    "read_sae",
     "save_sae",
 ]

@@ -18,10 +18,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 #: Adam's learning rate at 16384 latents. Gao et al.'s 2e-4 was fitted to runs of billions
-#: of tokens; on the MiniLM activations of ``benchmarks/bench_sae_quality.py`` (10^5 to
-#: 10^6 tokens, 768 to 12288 latents) the held-out FVU keeps improving up to about 15x
-#: that, consistently across dictionary sizes once scaled by 1/sqrt(n).
-LR_BASE = 3e-3
+#: of tokens; on MiniLM activations (10^5 to 10^6 tokens, 768 to 12288 latents, batch
+#: 4096) the held-out FVU was best for bases of 3.5e-3 to 7e-3 at every dictionary size
+#: once scaled by 1/sqrt(n), and 2e-4 left it 3 to 8x worse (``docs/sae.md``).
+LR_BASE = 4e-3
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class SAEConfig:
     """A latent that has not fired for this many tokens is dead (and AuxK trains it);
     0 = a tenth of the training tokens, at least one batch and at most 10M (the window
     of Gao et al.), so that short runs see their dead latents too."""
+    init_from: str = ""
+    """An SAE to fine-tune instead of a fresh one: our file, run or checkpoint directory,
+    or a SAELens / sparsify directory (its shape must match ``d`` and ``n_latents``)."""
     b_dec_init: Literal["geometric_median", "mean", "zeros"] = "geometric_median"
     init_samples: int = 16384
     """Activations used to initialise ``decoder_bias``."""

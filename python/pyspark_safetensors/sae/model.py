@@ -156,7 +156,7 @@ class TopKSAE(nn.Module):
         mine = win[:, rank * vals.shape[1] : (rank + 1) * vals.shape[1]]
         return vals * mine
 
-    def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def decode_latents(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``sum_j values[:, j] * decoder_weight[indices[:, j]]`` over every model rank,
         without ``decoder_bias``; ``indices`` are global."""
         part = F.embedding_bag(
@@ -166,6 +166,16 @@ class TopKSAE(nn.Module):
             mode="sum",
         )
         return reduce_from_model(part, self.mesh)
+
+    def encode(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code of ``x [B, d]``: ``(values, indices)`` of its top-k latents, each
+        ``[B, k]`` on one process (this rank's winners, zeros elsewhere, on a mesh)."""
+        out = self(x, k=k)
+        return out.values, out.indices
+
+    def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The reconstruction ``sum_j values_j W_dec[indices_j] + b_dec`` of a code."""
+        return self.decode_latents(values, indices) + self.decoder_bias
 
     def forward(
         self,
@@ -189,7 +199,7 @@ class TopKSAE(nn.Module):
         idx = idx + self.offset
         if use_aux:
             aux_vals, aux_idx = self._select(aux_vals, k_aux), aux_idx + self.offset
-        x_hat = self.decode(vals, idx) + self.decoder_bias
+        x_hat = self.decode(vals, idx)
         return SAEOutput(x_hat, vals, idx, aux_vals, aux_idx)
 
     # --- constraints and state -----------------------------------------------------------

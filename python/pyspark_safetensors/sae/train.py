@@ -34,6 +34,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import SAEConfig
+from .ecosystem import read_sae
 from .evaluate import evaluate_sae, held_out_batches
 from .mesh import (
     DATA,
@@ -121,6 +122,15 @@ class Trainer:
         self.sae = TopKSAE(
             config.d, config.latents, config.k, mesh=mesh, seed=config.seed, device=self.device
         )
+        if config.init_from:
+            tensors, _ = read_sae(config.init_from)
+            got = tuple(tensors["encoder_weight"].shape)
+            if got != (config.latents, config.d):
+                raise ValueError(
+                    f"init_from {config.init_from}: an SAE of {got[0]} latents x {got[1]} inputs; "
+                    f"this run has n_latents={config.latents}, d={config.d}"
+                )
+            self.sae.load_full_state(tensors)
         self.optimizer = torch.optim.Adam(
             self.sae.parameters(),
             lr=config.learning_rate,
@@ -227,7 +237,7 @@ class Trainer:
             err = out.x_hat.float() - x
             residual = -err.detach()  # what the dead latents are asked to explain
             if use_aux:
-                aux_err = sae.decode(out.aux_values, out.aux_indices).float() - residual
+                aux_err = sae.decode_latents(out.aux_values, out.aux_indices).float() - residual
         e = residual
         # One collective for everything the global-batch normalisers need.
         stats = torch.cat([x.sum(0), (x * x).sum()[None], e.sum(0), (e * e).sum()[None]]).double()
@@ -450,7 +460,7 @@ class Trainer:
             (self.out_dir / "config.json").write_text(
                 json.dumps(c.to_dict(), indent=2, sort_keys=True) + "\n"
             )
-        if self.step == 0:
+        if self.step == 0 and not c.init_from:
             self.init_decoder_bias()
         bar = _progress(self.total_steps, self.step, enabled=main and c.progress)
         ckpt_steps = self.checkpoint_steps()

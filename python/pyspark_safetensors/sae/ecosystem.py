@@ -1,0 +1,222 @@
+"""SAE files of other trainers, read into our convention and written in theirs.
+
+Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))``,
+``x_hat = z W_dec + b_dec`` with ``encoder_weight [n, d]``, ``encoder_bias [n]``,
+``decoder_weight [n, d]``, ``decoder_bias [d]``. Recognised layouts:
+
+- ours: a ``.safetensors`` file, or a run / checkpoint directory holding ``sae.safetensors``
+  with our tensor names (``k`` from the metadata);
+- SAELens: ``cfg.json`` + ``sae_weights.safetensors`` with ``W_enc [d, n]``, ``b_enc``,
+  ``W_dec [n, d]``, ``b_dec``; architecture "topk" (``k`` from the config). Without
+  ``apply_b_dec_to_input`` the encoder bias is folded (``b_enc + W_enc b_dec``); with
+  ``rescale_acts_by_decoder_norm`` the decoder norms are folded into the encoder, both
+  exactly (the same latents, the same reconstruction);
+- sparsify: ``cfg.json`` + ``sae.safetensors`` with ``encoder.weight [n, d]``,
+  ``encoder.bias``, ``W_dec [n, d]``, ``b_dec`` (``activation`` "topk", no skip
+  connection, not a transcoder) -- the same encoding as ours.
+
+``load_sae_model`` gives any of them as a ``TopKSAE`` module; ``export_sae`` writes ours
+in the SAELens or sparsify layout so that those libraries load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ..dataset.publish import publishing
+from ..format import SafetensorsFile, write_shard
+from .checkpoint import SAE_FILE, SAE_TENSORS, CheckpointError, load_sae
+
+SAELENS_WEIGHTS, SPARSIFY_WEIGHTS, FOREIGN_CONFIG = (
+    "sae_weights.safetensors",
+    "sae.safetensors",
+    "cfg.json",
+)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with SafetensorsFile(path) as f:
+        names = f.keys()
+        return {n: torch.from_numpy(np.array(f.tensor(n), dtype=np.float32)) for n in names}
+
+
+def _config(directory: Path) -> dict:
+    try:
+        cfg = json.loads((directory / FOREIGN_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{directory / FOREIGN_CONFIG}: unreadable ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{directory / FOREIGN_CONFIG}: not a JSON object")
+    return cfg
+
+
+def _shapes_fit(path, t: dict[str, torch.Tensor]) -> None:
+    n, d = t["encoder_weight"].shape
+    want = {"encoder_bias": (n,), "decoder_weight": (n, d), "decoder_bias": (d,)}
+    for name, shape in want.items():
+        if tuple(t[name].shape) != shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {list(t[name].shape)}, expected {list(shape)}"
+            )
+
+
+def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors in our convention, float32; info)`` of an SAE in any recognised
+    layout; ``info``: ``layout`` ("ours", "saelens", "sparsify"), ``k`` (or None) and
+    the source's ``metadata`` / ``config``."""
+    path = Path(path)
+    if path.is_file():
+        tensors, meta = load_sae(path)
+        return tensors, {"layout": "ours", "k": _int_or_none(meta.get("k")), "metadata": meta}
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no SAE file or directory")
+    if (path / SAELENS_WEIGHTS).is_file() and (path / FOREIGN_CONFIG).is_file():
+        return _read_saelens(path)
+    if (path / SPARSIFY_WEIGHTS).is_file():
+        with SafetensorsFile(path / SPARSIFY_WEIGHTS) as f:
+            names = set(f.keys())
+        if "encoder.weight" in names:
+            return _read_sparsify(path)
+        return read_sae(path / SAE_FILE)
+    raise CheckpointError(
+        f"{path}: not an SAE directory: expected our {SAE_FILE}, SAELens' {FOREIGN_CONFIG} + "
+        f"{SAELENS_WEIGHTS}, or sparsify's {FOREIGN_CONFIG} + {SPARSIFY_WEIGHTS}"
+    )
+
+
+def _int_or_none(value) -> int | None:
+    return int(value) if value not in (None, "") else None
+
+
+def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    cfg = _config(directory)
+    arch = cfg.get("architecture", "standard")
+    k = cfg.get("k")
+    if arch != "topk" and cfg.get("activation_fn_str") == "topk":  # SAELens < 6
+        k = (cfg.get("activation_fn_kwargs") or {}).get("k")
+    elif arch != "topk":
+        raise CheckpointError(
+            f"{directory}: a SAELens {arch!r} SAE; only TopK SAEs encode the way this trainer "
+            "and the LUT do"
+        )
+    if not isinstance(k, int) or k < 1:
+        raise CheckpointError(f"{directory / FOREIGN_CONFIG}: no positive integer 'k'")
+    if cfg.get("normalize_activations", "none") != "none":
+        raise CheckpointError(
+            f"{directory}: normalize_activations={cfg['normalize_activations']!r} rescales "
+            "inputs outside the SAE's weights; fold it first (SAELens: "
+            "fold_activation_norm_scaling_factor) or save with 'none'"
+        )
+    raw = _read_tensors(directory / SAELENS_WEIGHTS)
+    missing = sorted({"W_enc", "b_enc", "W_dec", "b_dec"} - set(raw))
+    if missing:
+        raise CheckpointError(f"{directory / SAELENS_WEIGHTS}: missing tensor(s) {missing}")
+    w_enc, b_enc = raw["W_enc"].T.contiguous(), raw["b_enc"].clone()
+    w_dec, b_dec = raw["W_dec"].clone(), raw["b_dec"].clone()
+    if not cfg.get("apply_b_dec_to_input", True):
+        # ReLU(W x + b) = ReLU(W (x - b_dec) + (b + W b_dec))
+        b_enc = (b_enc.double() + w_enc.double() @ b_dec.double()).float()
+    if cfg.get("rescale_acts_by_decoder_norm", False):
+        # top-k of (pre * |W_dec_i|), decoded by W_dec_i / |W_dec_i|: fold the norms
+        norm = w_dec.norm(dim=1)
+        w_enc, b_enc, w_dec = w_enc * norm[:, None], b_enc * norm, w_dec / norm[:, None]
+    tensors = dict(zip(SAE_TENSORS, (w_enc, b_enc, w_dec, b_dec), strict=True))
+    _shapes_fit(directory, tensors)
+    return tensors, {"layout": "saelens", "k": k, "config": cfg}
+
+
+def _read_sparsify(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    cfg = _config(directory)
+    if cfg.get("activation", "topk") != "topk":
+        raise CheckpointError(f"{directory}: sparsify activation {cfg['activation']!r}, not topk")
+    if cfg.get("transcode") or cfg.get("skip_connection"):
+        raise CheckpointError(
+            f"{directory}: a sparsify transcoder or skip connection is not an autoencoder of "
+            "its input"
+        )
+    k = cfg.get("k")
+    if not isinstance(k, int) or k < 1:
+        raise CheckpointError(f"{directory / FOREIGN_CONFIG}: no positive integer 'k'")
+    raw = _read_tensors(directory / SPARSIFY_WEIGHTS)
+    missing = sorted({"encoder.weight", "encoder.bias", "W_dec", "b_dec"} - set(raw))
+    if missing:
+        raise CheckpointError(f"{directory / SPARSIFY_WEIGHTS}: missing tensor(s) {missing}")
+    names = ("encoder.weight", "encoder.bias", "W_dec", "b_dec")
+    tensors = {ours: raw[theirs] for ours, theirs in zip(SAE_TENSORS, names, strict=True)}
+    _shapes_fit(directory, tensors)
+    return tensors, {"layout": "sparsify", "k": k, "config": cfg}
+
+
+def load_sae_model(
+    path: str | os.PathLike, *, k: int | None = None, device: str | torch.device | None = None
+):
+    """An SAE file or directory (ours, SAELens, sparsify) as a ``TopKSAE`` module with
+    ``encode``, ``decode`` and ``forward``: the trainer's exact encoding, on any device,
+    without the trainer.
+
+        sae = load_sae_model("runs/sae")            # or a checkpoint, a SAELens dir ...
+        values, indices = sae.encode(x)             # [B, k] each
+        x_hat = sae.decode(values, indices)
+    """
+    from .model import TopKSAE
+
+    tensors, info = read_sae(path)
+    k = k or info["k"]
+    if k is None:
+        raise CheckpointError(f"{path}: the file records no k; pass k=")
+    n, d = tensors["encoder_weight"].shape
+    sae = TopKSAE(d, n, k, device=device)
+    sae.load_full_state(tensors)
+    return sae
+
+
+def export_sae(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    layout: Literal["saelens", "sparsify"],
+    *,
+    k: int | None = None,
+) -> Path:
+    """Write the SAE at ``path`` (any recognised layout) as a directory that SAELens
+    (``SAE.load_from_disk``) or sparsify (``SparseCoder.load_from_disk``) loads and that
+    encodes exactly as ours; written whole or not at all."""
+    tensors, info = read_sae(path)
+    k = k or info["k"]
+    if k is None:
+        raise CheckpointError(f"{path}: the file records no k; pass k=")
+    n, d = tensors["encoder_weight"].shape
+    meta = info.get("metadata", {})
+    hook = meta.get("hook_point", "") if isinstance(meta, dict) else ""
+    t = {name: v.contiguous().numpy() for name, v in tensors.items()}
+    if layout == "saelens":
+        weights = {"W_enc": np.ascontiguousarray(t["encoder_weight"].T), "b_enc": t["encoder_bias"],
+                   "W_dec": t["decoder_weight"], "b_dec": t["decoder_bias"]}  # fmt: skip
+        cfg = {
+            "architecture": "topk", "d_in": d, "d_sae": n, "k": k, "dtype": "float32",
+            "device": "cpu", "apply_b_dec_to_input": True, "normalize_activations": "none",
+            "reshape_activations": "none", "rescale_acts_by_decoder_norm": False,
+            "metadata": {"hook_name": hook},
+        }  # fmt: skip
+        weights_file = SAELENS_WEIGHTS
+    elif layout == "sparsify":
+        weights = {"encoder.weight": t["encoder_weight"], "encoder.bias": t["encoder_bias"],
+                   "W_dec": t["decoder_weight"], "b_dec": t["decoder_bias"]}  # fmt: skip
+        cfg = {
+            "activation": "topk", "expansion_factor": max(1, n // d), "normalize_decoder": True,
+            "num_latents": n, "k": k, "multi_topk": False, "skip_connection": False,
+            "transcode": False, "d_in": d,
+        }  # fmt: skip
+        weights_file = SPARSIFY_WEIGHTS
+    else:
+        raise ValueError(f"layout must be 'saelens' or 'sparsify', got {layout!r}")
+    out = Path(out_dir)
+    with publishing(out) as tmp:
+        write_shard(tmp / weights_file, weights, {"format": "pt"})
+        (tmp / FOREIGN_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

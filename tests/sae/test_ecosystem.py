@@ -1,0 +1,169 @@
+"""SAEs of other trainers: tiny SAELens and sparsify directories built the way those
+libraries lay them out, read into our convention with the same encoding; ours exported
+to both layouts and read back; a foreign SAE fine-tuned, turned into a LUT, evaluated."""
+
+import json
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from pyspark_safetensors.sae import (
+    CheckpointError,
+    SAEConfig,
+    export_sae,
+    load_sae_model,
+    read_sae,
+    save_sae,
+)
+from pyspark_safetensors.sae.train import Trainer
+
+D, N, K = 8, 32, 4
+
+
+def _random(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "W_enc": torch.randn(D, N, generator=g),
+        "b_enc": 0.1 * torch.randn(N, generator=g),
+        "W_dec": torch.randn(N, D, generator=g) * torch.rand(N, 1, generator=g).add(0.5),
+        "b_dec": torch.randn(D, generator=g),
+    }
+
+
+def saelens_dir(root, w, *, apply_b_dec_to_input=True, rescale=False):
+    """SAELens' on-disk layout: cfg.json + sae_weights.safetensors (W_enc is [d_in, d_sae])."""
+    root.mkdir(parents=True)
+    safetensors.torch.save_file(w, root / "sae_weights.safetensors")
+    cfg = {"architecture": "topk", "d_in": D, "d_sae": N, "k": K, "dtype": "float32",
+           "device": "cpu", "apply_b_dec_to_input": apply_b_dec_to_input,
+           "normalize_activations": "none", "rescale_acts_by_decoder_norm": rescale,
+           "metadata": {"hook_name": "blocks.0.hook_resid_pre"}}  # fmt: skip
+    (root / "cfg.json").write_text(json.dumps(cfg))
+    return root
+
+
+def saelens_forward(w, x, *, apply_b_dec_to_input, rescale):
+    """SAELens' TopK SAE as its code computes it (encode, top-k, decode)."""
+    sae_in = x - w["b_dec"] if apply_b_dec_to_input else x
+    pre = sae_in @ w["W_enc"] + w["b_enc"]
+    norm = w["W_dec"].norm(dim=-1)
+    if rescale:
+        pre = pre * norm
+    v, i = pre.topk(K, dim=-1)
+    acts = torch.zeros_like(pre).scatter(-1, i, v.relu())
+    if rescale:
+        acts = acts / norm
+    return acts @ w["W_dec"] + w["b_dec"]
+
+
+def sparsify_dir(root, w):
+    """sparsify's layout: cfg.json (with d_in) + sae.safetensors (nn.Linear encoder)."""
+    root.mkdir(parents=True)
+    tensors = {"encoder.weight": w["W_enc"].T.contiguous(), "encoder.bias": w["b_enc"],
+               "W_dec": w["W_dec"], "b_dec": w["b_dec"]}  # fmt: skip
+    safetensors.torch.save_file(tensors, root / "sae.safetensors")
+    d, n = w["W_enc"].shape
+    cfg = {"activation": "topk", "expansion_factor": n // d, "normalize_decoder": True,
+           "num_latents": n, "k": K, "multi_topk": False, "skip_connection": False,
+           "transcode": False, "d_in": d}  # fmt: skip
+    (root / "cfg.json").write_text(json.dumps(cfg))
+    return root
+
+
+@pytest.mark.parametrize("apply_b_dec_to_input", [True, False])
+@pytest.mark.parametrize("rescale", [False, True])
+def test_saelens_topk_sae_encodes_the_same(tmp_path, apply_b_dec_to_input, rescale):
+    w = _random()
+    path = saelens_dir(tmp_path / "sl", w, apply_b_dec_to_input=apply_b_dec_to_input,
+                       rescale=rescale)  # fmt: skip
+    sae = load_sae_model(path)
+    assert (sae.d, sae.n_latents, sae.k) == (D, N, K)
+    x = torch.randn(64, D)
+    want = saelens_forward(w, x, apply_b_dec_to_input=apply_b_dec_to_input, rescale=rescale)
+    with torch.no_grad():
+        torch.testing.assert_close(sae(x).x_hat, want, rtol=1e-4, atol=1e-4)
+    if rescale:  # the norms were folded into the encoder: unit decoder rows
+        torch.testing.assert_close(sae.decoder_weight.norm(dim=1), torch.ones(N))
+
+
+def test_sparsify_sae_encodes_the_same_and_round_trips(tmp_path):
+    w = _random(1)
+    sae = load_sae_model(sparsify_dir(tmp_path / "sp", w))
+    x = torch.randn(64, D)
+    want = saelens_forward(w, x, apply_b_dec_to_input=True, rescale=False)  # same formula
+    with torch.no_grad():
+        torch.testing.assert_close(sae(x).x_hat, want, rtol=1e-4, atol=1e-4)
+        values, indices = sae.encode(x)
+        torch.testing.assert_close(sae.decode(values, indices), want, rtol=1e-4, atol=1e-4)
+    # ours -> both layouts -> ours: the same tensors and k
+    ours = {"encoder_weight": w["W_enc"].T.contiguous(), "encoder_bias": w["b_enc"],
+            "decoder_weight": w["W_dec"], "decoder_bias": w["b_dec"]}  # fmt: skip
+    save_sae(tmp_path / "ours.safetensors", ours, {"k": str(K), "hook_point": "h"})
+    for layout, weights in (
+        ("saelens", "sae_weights.safetensors"),
+        ("sparsify", "sae.safetensors"),
+    ):
+        out = export_sae(tmp_path / "ours.safetensors", tmp_path / layout, layout)
+        assert sorted(p.name for p in out.iterdir()) == sorted(["cfg.json", weights])
+        tensors, info = read_sae(out)
+        assert info["layout"] == layout and info["k"] == K
+        for name, t in ours.items():
+            assert torch.equal(tensors[name], t), (layout, name)
+    cfg = json.loads((tmp_path / "saelens" / "cfg.json").read_text())
+    assert (
+        cfg["architecture"] == "topk" and cfg["d_sae"] == N and cfg["metadata"]["hook_name"] == "h"
+    )
+    assert safetensors.torch.load_file(tmp_path / "saelens" / "sae_weights.safetensors")[
+        "W_enc"
+    ].shape == (D, N)
+
+
+def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
+    w = _random()
+    path = saelens_dir(tmp_path / "sl", w)
+    cfg = json.loads((path / "cfg.json").read_text())
+    (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "jumprelu"}))
+    with pytest.raises(CheckpointError, match="SAELens 'jumprelu' SAE"):
+        read_sae(path)
+    (path / "cfg.json").write_text(json.dumps({**cfg, "normalize_activations": "layer_norm"}))
+    with pytest.raises(CheckpointError, match="normalize_activations='layer_norm'"):
+        read_sae(path)
+    sp = sparsify_dir(tmp_path / "sp", w)
+    cfg = json.loads((sp / "cfg.json").read_text())
+    (sp / "cfg.json").write_text(json.dumps({**cfg, "transcode": True}))
+    with pytest.raises(CheckpointError, match="transcoder"):
+        read_sae(sp)
+    with pytest.raises(CheckpointError, match="not an SAE directory"):
+        read_sae(tmp_path)
+
+
+def test_a_sparsify_sae_fine_tunes_and_builds_a_lut(tmp_path, activations):
+    from pyspark_safetensors.lut import load_layer_file, precompute_lut
+
+    g = torch.Generator().manual_seed(3)
+    w = {"W_enc": torch.randn(32, 64, generator=g) / 6, "b_enc": torch.zeros(64),
+         "W_dec": torch.nn.functional.normalize(torch.randn(64, 32, generator=g), dim=1),
+         "b_dec": torch.zeros(32)}  # fmt: skip
+    src = sparsify_dir(tmp_path / "sp", w)
+    config = SAEConfig(dataset=str(activations), init_from=str(src), n_latents=64, k=4,
+                       batch_size=256, tokens=256 * 8, out_dir=str(tmp_path / "run"),
+                       checkpoints=0, progress=False)  # fmt: skip
+    trainer = Trainer(config)
+    assert torch.equal(trainer.sae.decoder_weight.detach(), w["W_dec"])  # starts from it
+    first = trainer.train_step(trainer.loader.batches.read_batch(np.arange(256))["activation"])
+    trainer.fit()
+    assert trainer.history[-1]["fvu"] < first["fvu"]
+    with pytest.raises(ValueError, match="an SAE of 64 latents x 32 inputs; this run has"):
+        Trainer(SAEConfig(**{**config.to_dict(), "n_latents": 128, "adam_betas": (0.9, 0.999)}))
+
+    # a LUT straight from a foreign directory folds its b_dec like ours
+    root, layer = tmp_path / "model", "encoder.layer.0.attention.self.query"
+    root.mkdir()
+    safetensors.torch.save_file({f"{layer}.weight": torch.randn(12, D)}, root / "model.safetensors")
+    d8 = _random()
+    precompute_lut(root, {layer: saelens_dir(tmp_path / "sl8", d8)}, progress=False)
+    stored = load_layer_file(root / "lut" / f"{layer}.lut.safetensors")
+    folded = d8["b_enc"] - d8["W_enc"].T @ d8["b_dec"]
+    torch.testing.assert_close(stored["encoder_bias"], folded, rtol=2e-3, atol=2e-3)
