@@ -447,3 +447,24 @@ def test_saev_dump_to_store_rounds_to_nearest_even(tmp_path):
                 expected = acts[i, layer].astype(np.float16)  # numpy rounds to nearest even
             assert store.read(i, layer).tobytes() == expected.tobytes()
     assert store.read(0, 0)[0, :3].tolist() == [1.0, 1 + 2 * 2**-10, float("inf")]
+
+
+def test_direct_chunk_writes_equal_zarrs_own(tmp_path):
+    """The writer's direct chunk files and zarr-python's writes are byte-identical,
+    including an edge chunk past T_max (T_max 7, T_chunk 4)."""
+    rng = np.random.default_rng(11)
+    acts = [rng.standard_normal((2, n, 4)).astype(np.float16) for n in (7, 3, 5, 0)]
+    for direct in (True, False):
+        with StoreWriter(tmp_path / f"{direct}.zarr", num_layers=2, hidden_size=4, t_max=7,
+                         t_chunk=4, direct=direct) as w:  # fmt: skip
+            for x in acts:
+                w.add(x)
+    ours, theirs = (tmp_path / f"{d}.zarr/arrays/activations" for d in (True, False))
+    names = sorted(p.name for p in theirs.iterdir() if not p.name.startswith("."))
+    assert names == sorted(p.name for p in ours.iterdir() if not p.name.startswith("."))
+    assert "0.1.1.0" in names and not any(n.startswith("3.") for n in names)
+    for name in names:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    store = ActivationStore(tmp_path / "True.zarr", fast=False)
+    for i, x in enumerate(acts):
+        np.testing.assert_array_equal(store.read(i, 1), x[1])

@@ -64,8 +64,11 @@ class StoreWriter:
 
     ``acts`` is ``(L, seq_len, H)``: float16 is stored as is, other floats rounded to
     nearest even. Each layer is written as whole chunks (padded with the fill value to
-    the chunk boundary), so no chunk is read back and rewritten. ``num_samples`` known
-    up front pre-allocates the arrays; otherwise they grow and are trimmed at close.
+    the chunk boundary), so no chunk is read back and rewritten: by default straight into
+    the chunk files (the array is uncompressed, C order, little-endian, so a chunk file
+    is the chunk's bytes), or with ``direct=False`` through zarr-python (its twin; the
+    tests check both write the same files). ``num_samples`` known up front pre-allocates
+    the arrays; otherwise they grow and are trimmed at close.
     Per-sample values (``sample_key``, ``prompt_len``, ``response_len``, ``hallu_label``,
     ``split``) are stored as arrays when given for every sample; text goes to
     ``text/*.jsonl``; ``attrs`` joins the global metadata (never per-sample data).
@@ -82,6 +85,7 @@ class StoreWriter:
         num_samples: int | None = None,
         t_chunk: int | None = None,
         attrs: dict | None = None,
+        direct: bool = True,
     ):
         import zarr
 
@@ -128,6 +132,8 @@ class StoreWriter:
             "chunk_bytes": self.t_chunk * hidden_size * 2,
         }
         self.closed = False
+        self.direct = direct
+        self.chunk_dir = self.staging / ACTIVATIONS
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -177,13 +183,16 @@ class StoreWriter:
                 f"{self.path}: unknown per-sample value(s) {sorted(unknown)}; arrays are "
                 f"{sorted(PER_SAMPLE_DTYPES)} (put anything else in extra=)"
             )
-        padded = min(math.ceil(n / self.t_chunk) * self.t_chunk, self.t_max)
+        whole = math.ceil(n / self.t_chunk) * self.t_chunk  # rows of the chunks touched
         if n:
-            if padded != n:
-                block = np.zeros((self.num_layers, padded, self.hidden_size), np.float16)
+            if whole != n:
+                block = np.zeros((self.num_layers, whole, self.hidden_size), np.float16)
                 block[:, :n] = acts
                 acts = block
-            self.acts[i, :, :padded, :] = acts
+            if self.direct:
+                self._write_chunks(i, acts)
+            else:
+                self.acts[i, :, : min(whole, self.t_max), :] = acts[:, : self.t_max]
         self.seq_len[i] = n
         key = sample_key.encode() if isinstance(sample_key, str) else sample_key
         if key is not None:
@@ -204,6 +213,16 @@ class StoreWriter:
         if extra:
             self.texts["extra_metadata.jsonl"][i] = {"i": i, "sample_key": key_text, **extra}
         self.count = max(self.count, i + 1)
+
+    def _write_chunks(self, i: int, acts: np.ndarray) -> None:
+        """Each ``(1, 1, T_chunk, H)`` chunk of sample ``i`` as its v2 chunk file
+        ``{i}.{l}.{c}.0`` (an edge chunk is stored whole, padded, as zarr stores it)."""
+        step = self.t_chunk
+        for layer in range(self.num_layers):
+            for c in range(acts.shape[1] // step):
+                chunk = np.ascontiguousarray(acts[layer, c * step : (c + 1) * step])
+                with open(self.chunk_dir / f"{i}.{layer}.{c}.0", "wb") as f:
+                    f.write(memoryview(chunk).cast("B"))
 
     def _value(self, name: str, dtype) -> np.ndarray:
         if name not in self.values:
