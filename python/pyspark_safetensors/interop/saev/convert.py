@@ -11,6 +11,9 @@ rows are ``[img * L * T, (img + 1) * L * T)``. The manifest's metadata carries t
 
 safetensors → saev: a dataset carrying that metadata (made by ``saev_to_dataset``, or
 rewritten by Spark with the same rows in the same order) back to ``dump_to/<HASH>/``.
+
+``workers > 1`` runs a pool of spawned processes: from a script, call the converters under
+``if __name__ == "__main__":`` (Python's rule for process pools).
 """
 
 from __future__ import annotations
