@@ -63,15 +63,31 @@ def _check_dst(dst: Path) -> None:
         raise ConversionError(f"{dst} already exists and is not empty; remove it or pick another")
 
 
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm byte bar (tqdm comes with the torch extra; without it, no bar)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not enabled, leave=False)
+
+
 def _run(tasks: list[tuple], fn: Callable, workers: int, progress: bool, desc: str, total: int):
     """``fn(*task)`` for every task (each returns ``(result, bytes done)``), in a pool of
     ``workers`` processes (inline for 1), with a byte progress bar; results in task order."""
-    from tqdm.auto import tqdm
-
     results: list = [None] * len(tasks)
-    with tqdm(
-        total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False
-    ) as bar:
+    with _progress_bar(total, desc, progress) as bar:
         if workers == 1 or len(tasks) <= 1:
             for i, task in enumerate(tasks):
                 results[i], done = fn(*task)
