@@ -47,7 +47,7 @@ from .dump import (
     staged_dump,
     write_metadata,
 )
-from .protocol import Metadata, parse_metadata, shard_file
+from .protocol import Metadata, View, parse_metadata, shard_file
 
 PART_BYTES = 256 << 20
 """Activation bytes per dataset shard (and per worker task): bounds each worker's memory."""
@@ -111,15 +111,10 @@ def _run(tasks: list[tuple], fn: Callable, workers: int, progress: bool, desc: s
 
 
 def _coordinates(meta: Metadata, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """``image``, ``layer``, ``token`` of global dataset rows (order img >> layer >> token)."""
-    T = meta.n_tokens_per_img
-    img, rest = np.divmod(rows, meta.n_layers * T)
-    layer_pos, token = np.divmod(rest, T)
-    return {
-        "image": img,
-        "layer": np.asarray(meta.layers, np.int64)[layer_pos],
-        "token": token,
-    }
+    """``image``, ``layer``, ``token`` of dataset rows: the dump's own order, which is
+    the ("all", "all") view of protocol §5.1."""
+    coords = View(meta, "all", "all").coordinates(rows)
+    return {c: coords[c] for c in COORDINATES}
 
 
 def _dataset_part(
