@@ -135,3 +135,21 @@ def test_mesh_must_match_the_world(monkeypatch):
     assert make_mesh(1, 1) is None
     with pytest.raises(ValueError, match=r"2 x model_parallel_size 2 = 4, but the world has 1"):
         make_mesh(2, 2)
+
+
+def test_batch_topk_keeps_k_times_batch_latents_and_a_threshold_at_inference():
+    sae = TopKSAE(16, 64, 4, seed=2, activation="batchtopk")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 16, generator=gen) * torch.linspace(0.5, 2, 32)[:, None]  # unequal rows
+    out = sae(x)
+    per_row = (out.values > 0).sum(1)
+    assert int(per_row.sum()) == 4 * 32 and per_row.min() < 4 < per_row.max()
+    pre = torch.relu((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias)
+    cut = pre.flatten().topk(4 * 32).values.min()
+    assert float(sae.last_threshold) == pytest.approx(float(cut))
+    kept = torch.zeros_like(pre).scatter(1, out.indices, out.values)
+    torch.testing.assert_close(kept, pre * (pre >= cut))  # the batch's top 4 x 32, exactly
+    sae.threshold.fill_(float(cut))
+    sae.eval()  # inference: the threshold alone decides, row by row
+    single = sae(x[:1])
+    assert torch.equal((single.values > 0).sum(), (pre[0] > cut).sum())

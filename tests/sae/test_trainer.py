@@ -293,3 +293,23 @@ def open_dataset_ids(path):
 
     ds = open_dataset(path)
     return np.concatenate([ds.shard_view(i, "sample_id") for i in range(len(ds.counts))]).tolist()
+
+
+def test_batch_topk_training_records_its_threshold(tmp_path, activations):
+    from pyspark_safetensors.sae import export_sae, load_sae_model
+
+    trainer = Trainer(_config(activations, tmp_path / "run", activation="batchtopk",
+                              tokens=256 * 40, lr=5e-3))  # fmt: skip
+    metrics = trainer.fit()
+    assert metrics["l0"] == pytest.approx(6, abs=0.01)  # k x batch per batch
+    assert metrics["fvu"] < 0.5
+    sae = load_sae_model(tmp_path / "run")
+    assert sae.activation == "batchtopk" and not sae.training
+    assert float(trainer.sae.threshold) > 0
+    assert float(sae.threshold) == pytest.approx(float(trainer.sae.threshold))
+    x = trainer.loader.batches.read_batch(np.arange(512))["activation"]
+    with torch.no_grad():
+        l0 = float((sae(x).values > 0).sum(1).float().mean())
+    assert 3 < l0 < 12  # the threshold keeps about k per row on average
+    with pytest.raises(CheckpointError, match="batchtopk SAE"):
+        export_sae(tmp_path / "run", tmp_path / "x", "saelens")

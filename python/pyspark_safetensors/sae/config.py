@@ -47,6 +47,10 @@ class SAEConfig:
     """Dictionary size; 0 = ``expansion_factor * d``."""
     k: int = 32
     """Active latents per token."""
+    activation: Literal["topk", "batchtopk"] = "topk"
+    """"topk": k latents per row; "batchtopk": k x batch latents per batch in training
+    and a learned threshold at inference (``docs/sae.md`` says how each maps onto the
+    LUT's per-row top-k)."""
     k_start: int = 0
     """k at step 0, annealed linearly to ``k`` over ``k_anneal_fraction`` of training; 0 = no annealing."""
     k_anneal_fraction: float = 0.1
@@ -124,6 +128,7 @@ class SAEConfig:
         for name, choices in [
             ("b_dec_init", ("geometric_median", "mean", "zeros")),
             ("device", ("auto", "cpu", "cuda")),
+            ("activation", ("topk", "batchtopk")),
         ]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")

@@ -171,9 +171,11 @@ def load_sae_model(
     if k is None:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
-    sae = TopKSAE(d, n, k, device=device)
+    meta = info.get("metadata") or {}
+    sae = TopKSAE(d, n, k, device=device, activation=meta.get("activation", "topk"))
     sae.load_full_state(tensors)
-    return sae
+    sae.threshold.fill_(float(meta.get("threshold", 0)))
+    return sae.eval()
 
 
 def export_sae(
@@ -192,6 +194,11 @@ def export_sae(
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
     meta = info.get("metadata", {})
+    if isinstance(meta, dict) and meta.get("activation", "topk") != "topk":
+        raise CheckpointError(
+            f"{path}: a {meta['activation']} SAE; SAELens and sparsify TopK SAEs encode per "
+            "row, so the export would change which latents fire"
+        )
     hook = meta.get("hook_point", "") if isinstance(meta, dict) else ""
     t = {name: v.contiguous().numpy() for name, v in tensors.items()}
     if layout == "saelens":

@@ -39,6 +39,15 @@ def evaluate_sae(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh=None) -> di
     ``batches`` (``frequency``: per-latent firing rate, a float64 numpy array over every
     latent). A collective over "model" when the SAE is sharded; every rank passes the
     same batches."""
+    was_training = sae.training
+    sae.eval()  # BatchTopK encodes by its threshold, as in use
+    try:
+        return _evaluate(sae, batches, mesh)
+    finally:
+        sae.train(was_training)
+
+
+def _evaluate(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh) -> dict:
     device = sae.encoder_weight.device
     d = sae.d
     # sum of x [d], then sum of x^2, squared error, active latents, tokens

@@ -32,6 +32,9 @@ from .mesh import (
     reduce_from_model,
 )
 
+#: BatchTopK keeps at most this many times k latents in one row (its per-row candidates).
+BATCH_TOPK_ROW_CAP = 4
+
 #: Where each parameter lives on a mesh: latents split along "model", replicated on "data".
 PLACEMENT = {
     "encoder_weight": DimMap({MODEL: 0}),
@@ -108,6 +111,12 @@ class TopKSAE(nn.Module):
     size); ``k``: active latents per input. Weights are initialised identically on every
     rank from ``seed`` (the decoder with unit-norm rows, the encoder as its transpose)
     and each rank keeps its shard, so any mesh starts from the same SAE.
+
+    ``activation="batchtopk"`` (BatchTopK, Bussmann et al.): in training the batch's
+    ``k * B`` largest pre-activations are kept, however they fall over its rows (at most
+    ``BATCH_TOPK_ROW_CAP * k`` per row); in eval mode every pre-activation above
+    ``threshold`` (the running mean of the smallest kept value, updated by the trainer)
+    is kept, so a row's code no longer depends on its batch.
     """
 
     def __init__(
@@ -120,8 +129,14 @@ class TopKSAE(nn.Module):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        activation: str = "topk",
     ):
         super().__init__()
+        if activation not in ("topk", "batchtopk"):
+            raise ValueError(f"activation must be 'topk' or 'batchtopk', got {activation!r}")
+        self.activation = activation
+        self.register_buffer("threshold", torch.zeros((), device=device))
+        self.last_threshold: torch.Tensor | None = None
         if not 0 < k <= n_latents:
             raise ValueError(f"k must be in 1..n_latents ({n_latents}), got {k}")
         tp = mesh_dim_size(mesh, MODEL)
@@ -156,6 +171,17 @@ class TopKSAE(nn.Module):
         mine = win[:, rank * vals.shape[1] : (rank + 1) * vals.shape[1]]
         return vals * mine
 
+    def _select_batch(self, vals: torch.Tensor, k: int) -> torch.Tensor:
+        """BatchTopK: keep the ``k * B`` largest candidates of the whole batch (training)
+        or those above ``threshold`` (eval); records the smallest kept value."""
+        if not self.training:
+            return vals * (vals > self.threshold)
+        cand = all_gather_cat(vals.detach(), self.mesh, MODEL, dim=1).flatten()
+        cut = cand.topk(min(k * vals.shape[0], cand.numel()), sorted=False).values.min()
+        kept = vals * (vals >= cut)
+        self.last_threshold = cut.clamp_min(0)
+        return kept
+
     def decode_latents(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``sum_j values[:, j] * decoder_weight[indices[:, j]]`` over every model rank,
         without ``decoder_bias``; ``indices`` are global."""
@@ -189,13 +215,14 @@ class TopKSAE(nn.Module):
         also selects the AuxK latents among the dead ones."""
         k = k or self.k
         xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
-        k_local = min(k, self.n_local)
+        batch = self.activation == "batchtopk"
+        k_local = min(BATCH_TOPK_ROW_CAP * k if batch else k, self.n_local)
         use_aux = dead is not None and k_aux > 0
         k_aux = min(k_aux, self.n_local) if use_aux else 0
         vals, idx, aux_vals, aux_idx = _TopKEncode.apply(
             xc, self.encoder_weight, self.encoder_bias, k_local, dead if use_aux else None, k_aux
         )
-        vals = self._select(vals, k)
+        vals = self._select_batch(vals, k) if batch else self._select(vals, k)
         idx = idx + self.offset
         if use_aux:
             aux_vals, aux_idx = self._select(aux_vals, k_aux), aux_idx + self.offset

@@ -120,7 +120,13 @@ class Trainer:
         self.device = _device(config.device)
         self.dp = config.data_parallel_size
         self.sae = TopKSAE(
-            config.d, config.latents, config.k, mesh=mesh, seed=config.seed, device=self.device
+            config.d,
+            config.latents,
+            config.k,
+            mesh=mesh,
+            seed=config.seed,
+            device=self.device,
+            activation=config.activation,
         )
         if config.init_from:
             tensors, _ = read_sae(config.init_from)
@@ -255,6 +261,14 @@ class Trainer:
         if use_aux:
             aux_sq = aux_err.pow(2).sum()
             loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(1e-12).float())
+        if sae.last_threshold is not None:  # BatchTopK: inference threshold, a 10-step EMA
+            cut = all_reduce(
+                sae.last_threshold.detach().float().reshape(1), self.mesh, DATA, op="mean"
+            )
+            with torch.no_grad():
+                first = self.step == 0 or not float(sae.threshold)
+                sae.threshold.copy_(cut[0] if first else 0.9 * sae.threshold + 0.1 * cut[0])
+            sae.last_threshold = None
         l0 = (out.values > 0).sum()
         totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double()])
         all_reduce(totals, self.mesh, DATA)
@@ -358,6 +372,7 @@ class Trainer:
             "since_fired": LATENTS.gather(self.since_fired, self.mesh).cpu(),
             "fire_count": LATENTS.gather(self.fire_count, self.mesh).cpu(),
             "rng": torch.get_rng_state(),
+            "threshold": self.sae.threshold.detach().cpu().clone(),
             "config_hash": self.config.config_hash(),
         }
 
@@ -388,6 +403,8 @@ class Trainer:
             LATENTS.distribute(state["since_fired"], self.mesh).to(self.device).clone()
         )
         self.fire_count = LATENTS.distribute(state["fire_count"], self.mesh).to(self.device).clone()
+        if "threshold" in state:
+            self.sae.threshold.copy_(state["threshold"])
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         torch.set_rng_state(state["rng"])
@@ -423,6 +440,8 @@ class Trainer:
             "d": str(c.d),
             "n_latents": str(c.latents),
             "k": str(c.k),
+            "activation": c.activation,
+            "threshold": repr(float(self.sae.threshold)),
             "step": str(self.step),
             "tokens": str(self.tokens_seen),
             "dataset_metadata": dict(self.dataset.metadata),
