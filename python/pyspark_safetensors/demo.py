@@ -76,7 +76,7 @@ def run_demo(
     )
     config = SAEConfig(
         dataset=str(dataset), expansion_factor=expansion, k=k, batch_size=1024,
-        tokens=summary.tokens * epochs, warmup_steps=20, dead_tokens=200_000,
+        tokens=summary.tokens * epochs,
         out_dir=str(out / "sae"), log_every=10, checkpoints=3,
     )  # fmt: skip
     metrics = Trainer(config).fit()
