@@ -82,7 +82,7 @@ def test_report_and_summary_hold_every_figure(run):
         train, held = summary["training"][hook], ev["sae"][hook]
         assert 0 < train["fvu"] < 1.5 and 0 < held["fvu"] < 1.5
         assert held["l0"] == pytest.approx(8, abs=1e-6)
-        assert 0 <= held["never_fired_fraction"] <= 1
+        assert 0 <= held["dead_fraction"] <= 1 and held["tokens"] == ev["held_out_tokens"][hook]
     assert {r["layer"] for r in ev["lut"]} == {
         f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")
     } | {"encoder.layer.0.intermediate.dense"}

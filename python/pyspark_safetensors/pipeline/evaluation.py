@@ -12,41 +12,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DEAD_THRESHOLD = 1e-4
-"""A latent firing on fewer than this fraction of held-out tokens is reported as rare."""
+RARE_FREQUENCY = 1e-4
+"""Marked on the frequency plot: latents firing less often than this are nearly dead."""
 
 
-@torch.no_grad()
 def sae_figures(sae_path: Path, x: torch.Tensor) -> tuple[dict, np.ndarray]:
-    """Held-out FVU, L0, never-firing and dense latents of the SAE at ``sae_path`` on
-    ``x [N, d]`` (the trainer's encoding), and each latent's firing frequency."""
-    from ..sae.checkpoint import load_sae
+    """Held-out FVU, L0, dead (never firing) and dense latents of the SAE at ``sae_path``
+    on ``x [N, d]`` with the trainer's encoding, and each latent's firing frequency."""
+    from ..sae import load_sae_model
+    from ..sae.evaluate import evaluate_sae
 
-    tensors, meta = load_sae(sae_path)
-    w_enc, b_enc = tensors["encoder_weight"].float(), tensors["encoder_bias"].float()
-    w_dec, b_dec = tensors["decoder_weight"].float(), tensors["decoder_bias"].float()
-    k = int(meta.get("k") or meta["config"]["k"])
-    x = x.float()
-    pre = torch.relu((x - b_dec) @ w_enc.T + b_enc)
-    values, indices = pre.topk(k, dim=-1)
-    recon = (
-        torch.nn.functional.embedding_bag(indices, w_dec, per_sample_weights=values, mode="sum")
-        + b_dec
-    )
-    fired = values > 0
-    counts = torch.bincount(indices[fired], minlength=w_enc.shape[0]).numpy()
-    freq = counts / len(x)
-    total = ((x - x.mean(0)) ** 2).sum()
-    figures = {
-        "tokens": len(x),
-        "fvu": float(((x - recon) ** 2).sum() / total),
-        "l0": float(fired.sum(1).float().mean()),
-        "never_fired_fraction": float((counts == 0).mean()),
-        "dense_fraction": float((freq > 0.1).mean()),
-        "k": k,
-        "num_latents": int(w_enc.shape[0]),
-    }
-    return figures, freq
+    sae = load_sae_model(sae_path)
+    figures = evaluate_sae(sae, x.float().split(4096))
+    freq = figures.pop("frequency")
+    return {**figures, "k": sae.k, "num_latents": sae.n_latents}, freq
 
 
 def lut_latency(
@@ -88,13 +67,13 @@ def plot_frequencies(freqs: Mapping[str, np.ndarray], tokens: int, out: Path) ->
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     # one firing in the whole held-out set is the smallest frequency that can show
-    lowest = min(np.log10(DEAD_THRESHOLD), -np.log10(max(tokens, 1))) - 0.5
+    lowest = min(np.log10(RARE_FREQUENCY), -np.log10(max(tokens, 1))) - 0.5
     bins = np.linspace(np.floor(lowest * 2) / 2, 0, 50)
     for hook, freq in freqs.items():
         never = int((freq == 0).sum())
         ax.hist(np.log10(freq[freq > 0]), bins=bins, histtype="step", linewidth=1.5,
                 label=f"{hook} ({never} never fired)")  # fmt: skip
-    ax.axvline(np.log10(DEAD_THRESHOLD), color="grey", linestyle="--", label="rare threshold 1e-4")
+    ax.axvline(np.log10(RARE_FREQUENCY), color="grey", linestyle="--", label="rare threshold 1e-4")
     ax.set_xlabel("log10 firing frequency on held-out tokens")
     ax.set_ylabel("latents")
     ax.grid(alpha=0.3)

@@ -51,7 +51,7 @@ def render_report(summary: dict) -> str:
         rows.append([
             f"`{hook}`", f"{h['num_latents']} / k={h['k']}", f"{t['fvu']:.4f}", f"{h['fvu']:.4f}",
             f"{t['l0']:.1f}", f"{h['l0']:.1f}", f"{t['dead_fraction']:.1%}",
-            f"{h['never_fired_fraction']:.1%}", f"{h['dense_fraction']:.1%}",
+            f"{h['dead_fraction']:.1%}", f"{h['dense_fraction']:.1%}",
             f"{t.get('tokens_per_s', 0):,.0f}",
         ])  # fmt: skip
     lines += _table(
