@@ -314,28 +314,29 @@ def inspect(argv: list[str]) -> int:
 
 
 def _inspect(path: str, limit: int) -> int:
-    from .dataset import MANIFEST, load_manifest
-    from .format import read_header
+    from .dataset import MANIFEST, DatasetLocation
 
-    p = Path(path)
-    if p.is_dir() and not (p / MANIFEST).exists():
+    location = DatasetLocation.of(path)  # a local path or any URI (s3://, gs://, ...)
+    has_manifest = location.has(MANIFEST)
+    if not has_manifest and Path(path).is_dir():
         from .interop import detect_source
 
-        kind = detect_source(p)  # refuses what is none of the formats
+        kind = detect_source(Path(path))  # refuses what is none of the formats
         if kind != "safetensors":
             return _verify(path, checksums=False)
-    if (p / MANIFEST).exists():
-        m = load_manifest(p)
+    if has_manifest:
+        m = location.load_manifest()
         print(
-            f"{p}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
+            f"{location}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
         )
         for name, col in m.schema.items():
             print(f"  {name}: {col.dtype} sample shape {list(col.sample_shape)}")
         for k, v in m.metadata.items():
             print(f"  metadata {k} = {v}")
         return 0
-    header = read_header(p)
-    print(f"{p}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
+    parent, name = location.parent()
+    header = parent.read_header(name)
+    print(f"{location}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
     for t in header.tensors[:limit]:
         print(f"  {t.name}: {t.dtype} {list(t.shape)}")
     if len(header.tensors) > limit:

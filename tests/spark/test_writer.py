@@ -1,6 +1,7 @@
 """The Spark writer on a real local Spark: modes, dtypes, manifest, index, commit."""
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -236,7 +237,8 @@ def test_kv_mode_names_separator_index(spark, tmp_path):
         and m["kv_separator"] == "::"
         and m["total_samples"] == 6
     )
-    idx = pq.read_table(out / "_tensor_index.parquet").to_pylist()
+    assert re.fullmatch(r"_tensor_index-[0-9a-f]{32}\.parquet", m["index_file"])
+    idx = pq.read_table(out / m["index_file"]).to_pylist()
     assert {r["tensor_key"] for r in idx} == {f"{i}::{c}" for i in range(6) for c in ("vec", "id")}
     for r in idx:  # absolute offsets fetch exactly the tensor
         raw = (out / r["file_name"]).read_bytes()[r["begin"] : r["end"]]
@@ -327,8 +329,9 @@ def test_kv_rows_of_every_shape_over_many_batches(spark, tmp_path):
 
 
 def test_kv_tensor_names_must_not_collide(spark, tmp_path):
+    # 'c' and 'b__c' cannot be told apart after '<key>__': refused before any task runs
     df = spark.createDataFrame([("a__b", 1, 2), ("a", 3, 4)], "k string, c int, `b__c` int")
-    with pytest.raises(Exception, match="two tensors are named 'a__b__c'"):
+    with pytest.raises(Exception, match="KV columns 'c' and 'b__c' cannot be told apart"):
         write(df.coalesce(1), tmp_path / "c", name_col="k")
     assert_nothing_written(tmp_path / "c")
 
@@ -344,16 +347,23 @@ def test_append_then_overwrite(spark, tmp_path):
     write(df, out, mode="append", batch_size=3, generate_index="true")
     m = manifest(out)
     assert m["total_samples"] == 12 and len(m["shards"]) == len(shards(out)) == 2 * len(first)
-    assert pq.read_table(out / "_tensor_index.parquet").num_rows == len(m["shards"])
+    assert pq.read_table(out / m["index_file"]).num_rows == len(m["shards"])
     with pytest.raises(Exception, match="column 'vec' is F32"):
         write(vectors_df(spark, n=3, dim=5).select("vec"), out, mode="append", batch_size=3)
     assert manifest(out)["total_samples"] == 12 and len(shards(out)) == 2 * len(first)
+    appended = manifest(out)
     write(vectors_df(spark, n=2, parts=1).select("vec"), out, batch_size=3)
     m = manifest(out)
-    assert m["total_samples"] == 2 and [f.name for f in shards(out)] == [
-        s["shard_path"] for s in m["shards"]
-    ]
-    assert not (out / "_tensor_index.parquet").exists()
+    assert m["total_samples"] == 2 and "index_file" not in m
+    # the replaced generation stays readable until the next commit, then goes
+    listed = {s["shard_path"] for s in m["shards"]}
+    old = {s["shard_path"] for s in appended["shards"]}
+    assert {f.name for f in shards(out)} == listed | old
+    assert (out / appended["index_file"]).exists()
+    write(vectors_df(spark, n=2, parts=1).select("vec"), out, batch_size=3)
+    m = manifest(out)
+    assert [f.name for f in shards(out)] == sorted({s["shard_path"] for s in m["shards"]} | listed)
+    assert not list(out.glob("_tensor_index*"))
 
 
 def test_append_refuses_missing_or_extra_columns(spark, tmp_path):

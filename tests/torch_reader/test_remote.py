@@ -9,8 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from pyspark_safetensors.dataset import ManifestError
-from pyspark_safetensors.dataset.remote import RemoteDir, is_remote
+from pyspark_safetensors.dataset import DatasetLocation, ManifestError
 from pyspark_safetensors.torch import ActivationLoader, ShuffledBatches, open_dataset
 
 
@@ -39,17 +38,25 @@ def same_batches(a, b):
             assert torch.equal(x[k], y[k])
 
 
-def test_uri_detection():
-    assert is_remote("s3://bucket/acts") and is_remote("memory://x") and is_remote("gs://b/p")
-    assert (
-        not is_remote("/data/acts") and not is_remote("file:///data/acts") and not is_remote("acts")
-    )
+def test_uri_resolution(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    local = pafs.LocalFileSystem
+    for path in ("acts", "file:acts", f"file://{tmp_path}/acts", tmp_path / "acts"):
+        loc = DatasetLocation.of(path)
+        assert isinstance(loc.fs, local) and loc.root == str(tmp_path / "acts")
+    for uri in ("s3://bucket/acts", "s3a://bucket/acts", "s3n://bucket/acts"):
+        loc = DatasetLocation.of(uri, storage_options={"endpoint_url": "http://127.0.0.1:1"})
+        assert isinstance(loc.fs, pafs.S3FileSystem) and loc.root == "bucket/acts"
+    memory = DatasetLocation.of("memory://x/y")
+    assert isinstance(memory.fs, pafs.PyFileSystem) and memory.root.endswith("x/y")
+    with pytest.raises(ValueError, match="relative name inside the dataset"):
+        memory.path("../secret.safetensors")
 
 
 def test_memory_filesystem_reads_equal_local(batch_dataset):
     upload(batch_dataset, "memory://tokens")
     local, remote = open_dataset(batch_dataset), open_dataset("memory://tokens", checksums=True)
-    assert remote.remote and len(remote) == len(local) == 3000 and remote.columns == local.columns
+    assert len(remote) == len(local) == 3000 and remote.columns == local.columns
     for i in (0, 999, 1000, 1700, 2999):
         for k, v in local[i].items():
             assert torch.equal(remote[i][k], v)
@@ -67,7 +74,7 @@ def test_memory_filesystem_reads_equal_local(batch_dataset):
 def test_pyarrow_filesystem_with_workers(batch_dataset):
     fs, name = subtree(batch_dataset)
     remote, local = open_dataset(name, filesystem=fs), open_dataset(batch_dataset)
-    assert isinstance(remote.root, RemoteDir)
+    assert not isinstance(remote.location.fs, pafs.LocalFileSystem)
     # spawned workers unpickle the filesystem and open their own files
     loader = ActivationLoader(
         remote, 256, columns=["sample_id"], num_workers=2, multiprocessing_context="spawn"

@@ -1,19 +1,41 @@
-"""The dataset layer: manifest, tensor index, layout and the transactional commit.
+"""The dataset layer: where a dataset lives (``DatasetLocation``), the manifest, the
+tensor index, names and the commit protocol.
 
 Knows files and the format; knows neither Spark nor torch.
 """
 
 from .arrays import write_batch_dataset
 from .commit import (
+    ConcurrentCommitError,
     StagedShard,
     TaskResult,
     abort_dataset,
-    attempt_dir,
+    begin_job,
     commit_dataset,
     merge_schemas,
+    reclaim,
 )
 from .index import INDEX_SCHEMA, index_rows, index_table, read_index, write_index
-from .layout import INDEX, MANIFEST, STAGING, SUCCESS, local_path, resolve_inside, shard_name
+from .layout import (
+    INDEX,
+    MANIFEST,
+    STAGING,
+    SUCCESS,
+    attempt_uuid,
+    check_kv_columns,
+    kv_tensor_name,
+    local_path,
+    resolve_inside,
+    shard_name,
+    split_kv_name,
+)
+from .location import (
+    DatasetLocation,
+    DatasetReplacedError,
+    SpecialFileError,
+    StorageError,
+    split_storage_options,
+)
 from .manifest import (
     FORMAT_VERSION,
     ColumnSchema,
@@ -23,7 +45,6 @@ from .manifest import (
     load_manifest,
     write_manifest,
 )
-from .remote import RemoteDir, is_remote, open_location
 from .verify import shard_crc32c, verify_dataset
 
 __all__ = [
@@ -34,26 +55,34 @@ __all__ = [
     "STAGING",
     "SUCCESS",
     "ColumnSchema",
+    "ConcurrentCommitError",
+    "DatasetLocation",
+    "DatasetReplacedError",
     "Manifest",
     "ManifestError",
-    "RemoteDir",
     "ShardEntry",
+    "SpecialFileError",
     "StagedShard",
+    "StorageError",
     "TaskResult",
     "abort_dataset",
-    "attempt_dir",
+    "attempt_uuid",
+    "begin_job",
+    "check_kv_columns",
     "commit_dataset",
     "index_rows",
     "index_table",
-    "is_remote",
+    "kv_tensor_name",
     "load_manifest",
     "local_path",
     "merge_schemas",
-    "open_location",
     "read_index",
+    "reclaim",
     "resolve_inside",
     "shard_crc32c",
     "shard_name",
+    "split_kv_name",
+    "split_storage_options",
     "verify_dataset",
     "write_batch_dataset",
     "write_index",

@@ -1,45 +1,69 @@
-"""The transactional commit protocol of a dataset write.
+"""The commit protocol of a dataset write, made for object stores (where a rename is a
+copy of every byte).
 
-Tasks write shards under ``{root}/_temporary/{job_id}/attempt-{attempt}/`` and report
-them in a ``TaskResult``. The driver's ``commit_dataset`` checks everything first, then
-moves exactly the reported files into place, writes the index, writes the manifest last
-(the commit point), removes what an overwrite replaced, and deletes the staging
-directory with whatever failed or losing speculative attempts left there. ``abort_dataset``
-deletes the staging directory. A reader never sees a shard that is not in the manifest.
+1. The driver leases the job (``_temporary/{job}.job``) before any task runs.
+2. Tasks write each shard once, at the dataset root, under a final-style name
+   ``part-{task}-{shard}-{uuid}.safetensors`` whose uuid starts with the job's tag and is
+   new for every attempt. No reader trusts a file the manifest does not list.
+3. ``commit_dataset`` (driver) checks everything first, writes the tensor index under a
+   name of its own, then puts the manifest (one atomic put: the commit point) after
+   checking that no other commit landed since it read the previous one. Nothing is moved
+   or copied.
+4. Then it reclaims what no manifest lists: its own failed and losing attempts, and the
+   leftovers of dead jobs (never a live job's). The generation an overwrite replaced is
+   kept until the next commit, so readers still on the old manifest can finish.
+``abort_dataset`` deletes the job's own files and its lease.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
-import shutil
+import socket
+import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from .index import read_index, write_index
-from .layout import INDEX, MANIFEST, STAGING, SUCCESS
-from .manifest import (
-    ColumnSchema,
-    Manifest,
-    ManifestError,
-    ShardEntry,
-    load_manifest,
-    write_manifest,
+from .index import INDEX_SCHEMA
+from .layout import (
+    INDEX_NAME,
+    JOB_LEASE_SUFFIX,
+    MANIFEST,
+    SHARD_NAME,
+    STAGING,
+    SUCCESS,
+    index_name,
+    job_of,
 )
+from .location import DatasetLocation
+from .manifest import ColumnSchema, Manifest, ManifestError, ShardEntry
+
+STALE_JOB_SECONDS = 24 * 3600
+"""A job lease from another host older than this is taken as dead (its driver cannot be
+asked); on the lease's own host a dead process is detected at once."""
+
+LOCK = "_commit.lock"
+_LOCK_WAIT_SECONDS = 30.0
+
+
+class ConcurrentCommitError(RuntimeError):
+    """Another write committed to the same dataset while this one was committing."""
 
 
 @dataclass(frozen=True)
 class StagedShard:
-    """One shard a task wrote to its staging directory."""
+    """One shard a task attempt wrote, not yet listed by any manifest."""
 
     task_id: int
     shard_index: int
-    staged_path: str
     final_name: str
+    """The shard's name at the dataset root (written there directly)."""
     samples_count: int
     bytes: int
     crc32c: str | None
@@ -55,14 +79,6 @@ class TaskResult:
     attempt_id: int
     shards: tuple[StagedShard, ...]
     schema: dict[str, ColumnSchema]
-
-
-def staging_dir(root: Path, job_id: str) -> Path:
-    return root / STAGING / job_id
-
-
-def attempt_dir(root: Path, job_id: str, attempt_id: int) -> Path:
-    return staging_dir(root, job_id) / f"attempt-{attempt_id}"
 
 
 def merge_schemas(
@@ -106,8 +122,105 @@ def _find_duplicate_keys(index_tables: list[pa.Table]) -> list[str]:
     return [str(v) for v in dup.field("values").to_pylist()[:5]]
 
 
+def _job_tag(job_id: str) -> str:
+    return job_id[:16]
+
+
+def lease_name(job_id: str) -> str:
+    return f"{STAGING}/{job_id}{JOB_LEASE_SUFFIX}"
+
+
+def begin_job(location: DatasetLocation, job_id: str) -> None:
+    """Lease the job before its tasks run, so no other write reclaims its shards."""
+    location.makedirs()
+    location.put_json(
+        lease_name(job_id),
+        {
+            "job_id": job_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+        },
+    )
+
+
+def _live_job_tags(location: DatasetLocation, listing, own: str | None) -> set[str]:
+    tags = set()
+    for name in listing:
+        if not (name.startswith(STAGING + "/") and name.endswith(JOB_LEASE_SUFFIX)):
+            continue
+        job = name[len(STAGING) + 1 : -len(JOB_LEASE_SUFFIX)]
+        if job == own:
+            continue
+        try:
+            lease = json.loads(location.read_bytes(name))
+        except (OSError, ValueError):
+            continue  # half-written or vanished lease: its job is gone
+        if _alive(lease):
+            tags.add(_job_tag(job))
+    return tags
+
+
+def _alive(lease: dict) -> bool:
+    if lease.get("host") == socket.gethostname():
+        try:
+            os.kill(int(lease["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, KeyError, TypeError, ValueError):
+            return True
+        return True
+    started = lease.get("started")
+    return isinstance(started, (int, float)) and time.time() - started < STALE_JOB_SECONDS
+
+
+def reclaim(location: DatasetLocation, keep: set[str], *, own_job: str | None = None) -> list[str]:
+    """Delete what no manifest trusts: unlisted shards and indexes (except ``keep``), and
+    the leases and staging leftovers of dead jobs and of ``own_job``. Files of live jobs
+    are left alone. Returns the names deleted."""
+    listing = location.list(recursive=False)
+    staging = (
+        {f"{STAGING}/{n}": i for n, i in location.list_under(STAGING).items()}
+        if STAGING in listing
+        else {}
+    )
+    live = _live_job_tags(location, staging, own_job)
+    doomed = []
+    for name in listing:
+        if name in keep:
+            continue
+        if SHARD_NAME.match(name):
+            if job_of(name) not in live:
+                doomed.append(name)
+        elif INDEX_NAME.match(name):
+            doomed.append(name)
+    for name in staging:
+        rest = name[len(STAGING) + 1 :]
+        if "/" in rest:
+            continue
+        job = rest[: -len(JOB_LEASE_SUFFIX)] if rest.endswith(JOB_LEASE_SUFFIX) else rest
+        if job == own_job or _job_tag(job) not in live:
+            doomed.append(name)
+    location.delete(doomed)
+    if staging and not set(staging) - set(doomed):
+        location.delete([STAGING])
+    return doomed
+
+
+def _index_bytes(tables: list[pa.Table]) -> bytes:
+    table = (
+        pa.concat_tables([t.cast(INDEX_SCHEMA) for t in tables])
+        if tables
+        else INDEX_SCHEMA.empty_table()
+    )
+    sink = io.BytesIO()
+    # Keys are unique: dictionary-encoding them only costs time.
+    pq.write_table(table, sink, use_dictionary=["file_name", "dtype"])
+    return sink.getvalue()
+
+
 def commit_dataset(
-    root: Path,
+    location: DatasetLocation,
     job_id: str,
     results: list[TaskResult],
     template: Manifest,
@@ -116,14 +229,18 @@ def commit_dataset(
     generate_index: bool,
     unique_keys: bool,
 ) -> Manifest:
-    """Publish the shards of ``results`` as the dataset at ``root``.
+    """Publish the shards of ``results`` as the dataset at ``location``.
 
     ``template`` carries mode, batch size, key settings and metadata; its shards and
     schema are filled in here. With ``overwrite`` the previous dataset is replaced at the
     commit point; otherwise (append) its shards are kept and the schemas must agree.
-    ``unique_keys`` (KV mode) refuses a tensor key that appears in two shards.
+    ``unique_keys`` (KV mode) refuses a tensor key that appears in two shards. Raises
+    ``ConcurrentCommitError`` when another commit landed while this one ran.
     """
-    where = f"dataset {str(root)!r}"
+    import crc32c
+
+    location = DatasetLocation.of(location)
+    where = f"dataset {location.uri!r}"
     staged = sorted(
         (s for r in results for s in r.shards), key=lambda s: (s.task_id, s.shard_index)
     )
@@ -132,9 +249,9 @@ def commit_dataset(
     new_index = [s.index for s in staged if s.index is not None]
 
     previous = None
-    if (root / MANIFEST).exists():
+    if location.has(MANIFEST):
         try:
-            previous = load_manifest(root)
+            previous = location.load_manifest()
         except ManifestError:
             if not overwrite:
                 raise
@@ -150,10 +267,18 @@ def commit_dataset(
             raise ValueError(
                 f"{where}: appended columns {sorted(schema)} differ from the dataset's {sorted(previous.schema)}"
             )
+        if (
+            previous.mode == "kv"
+            and previous.kv_separator != template.kv_separator
+            and previous.shards
+        ):
+            raise ValueError(
+                f"{where}: the dataset's kv_separator is {previous.kv_separator!r}; append with the same one"
+            )
         schema = merge_schemas([previous.schema, schema], f"{where} (append)", varying=varying)
         kept = previous.shards
-        if generate_index or unique_keys:
-            kept_index = [read_index(root)] if (root / INDEX).exists() else []
+        if (generate_index or unique_keys) and previous.index_file is not None:
+            kept_index = [location.read_index(previous)]
     if unique_keys:
         dups = _find_duplicate_keys(kept_index + new_index)
         if dups:
@@ -161,44 +286,132 @@ def commit_dataset(
                 f"{where}: duplicate tensor keys across shards: {', '.join(map(repr, dups))} (keys must be unique in a KV dataset)"
             )
 
-    moved: list[Path] = []
+    commit_id = os.urandom(16).hex()
+    entries = list(kept)
+    first = sum(e.samples_count for e in kept)
+    for s in staged:
+        entries.append(ShardEntry(s.final_name, s.samples_count, s.bytes, first, s.crc32c))
+        first += s.samples_count
+    if kept and kept[0].first_sample is None:  # a dataset from another writer: number it now
+        entries = _renumber(entries)
+    index_file = index_crc = None
+    if generate_index:
+        data = _index_bytes(kept_index + new_index)
+        index_file, index_crc = index_name(commit_id), f"{crc32c.crc32c(data):08x}"
+        location.put_bytes(index_file, data)
+    manifest = replace(
+        template,
+        shards=tuple(entries),
+        schema=_full_shapes(schema, template.batch_size),
+        index_file=index_file,
+        index_crc32c=index_crc,
+        commit_id=commit_id,
+        parent_commit=previous.commit_id if previous is not None else None,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
     try:
-        for s in staged:
-            target = root / s.final_name
-            os.replace(s.staged_path, target)
-            moved.append(target)
-        entries = list(kept)
-        first = sum(e.samples_count for e in kept)
-        for s in staged:
-            entries.append(ShardEntry(s.final_name, s.samples_count, s.bytes, first, s.crc32c))
-            first += s.samples_count
-        if kept and kept[0].first_sample is None:  # a dataset from another writer: number it now
-            entries = _renumber(entries)
-        if generate_index:
-            write_index(root, kept_index + new_index)
-        manifest = replace(
-            template,
-            shards=tuple(entries),
-            schema=_full_shapes(schema, template.batch_size),
-            index_file=INDEX if generate_index else None,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        )
-        write_manifest(root, manifest)  # the commit point
+        _publish_manifest(location, manifest, previous)  # the commit point
     except BaseException:
-        for path in moved:
-            path.unlink(missing_ok=True)
+        if index_file is not None:
+            location.delete([index_file])
         raise
 
-    if previous is not None and overwrite:
-        current = {e.shard_path for e in manifest.shards}
-        for old in previous.shards:
-            if old.shard_path not in current:
-                (root / old.shard_path).unlink(missing_ok=True)
-    if not generate_index and (overwrite or previous is None):
-        (root / INDEX).unlink(missing_ok=True)
-    (root / SUCCESS).write_bytes(b"")
-    abort_dataset(root, job_id)
+    keep = {e.shard_path for e in manifest.shards} | {MANIFEST, LOCK}
+    if index_file:
+        keep.add(index_file)
+    if previous is not None:  # the replaced generation stays readable until the next commit
+        keep |= {e.shard_path for e in previous.shards}
+        if previous.index_file:
+            keep.add(previous.index_file)
+    reclaim(location, keep, own_job=job_id)
+    location.put_bytes(SUCCESS, b"")
     return manifest
+
+
+def _publish_manifest(
+    location: DatasetLocation, manifest: Manifest, previous: Manifest | None
+) -> None:
+    """Put the manifest unless another commit landed since ``previous`` was read.
+
+    Locally an exclusive lock file closes the window between the check and the put. Object
+    stores offer no exclusive create through pyarrow: the check runs just before the put
+    and the result is read back after it, so only two commits landing within the same
+    request round trip go unnoticed (write to one path from one job at a time)."""
+    base = previous.commit_id if previous is not None else None
+    with _commit_lock(location):
+        current = _current_commit(location)
+        if current != (base, previous is not None):
+            raise ConcurrentCommitError(
+                f"dataset {location.uri!r}: another write committed while this one was committing "
+                f"(expected commit {base}, found {current[0]}); nothing of this write was published, run it again"
+            )
+        location.put_json(MANIFEST, manifest.to_json())
+    landed = location.load_manifest()
+    if manifest.commit_id not in (landed.commit_id, landed.parent_commit):
+        raise ConcurrentCommitError(
+            f"dataset {location.uri!r}: another write replaced this commit ({manifest.commit_id}) as it landed; "
+            "its shards may not be listed, run it again"
+        )
+
+
+def _current_commit(location: DatasetLocation) -> tuple[str | None, bool]:
+    if not location.has(MANIFEST):
+        return None, False
+    try:
+        return location.load_manifest().commit_id, True
+    except ManifestError:
+        return None, True
+
+
+class _commit_lock:
+    """An exclusive lock file on local storage (no-op elsewhere); a lock whose holder died
+    on this host, or older than ``_LOCK_WAIT_SECONDS``, is broken."""
+
+    def __init__(self, location: DatasetLocation):
+        self.location = location
+        self.path = location.local_file(LOCK)
+        self.held = False
+
+    def __enter__(self):
+        if self.path is None:
+            return self
+        deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if self._stale() or time.monotonic() > deadline:
+                    if not self._stale():
+                        raise ConcurrentCommitError(
+                            f"dataset {self.location.uri!r}: another commit holds {LOCK} for over "
+                            f"{_LOCK_WAIT_SECONDS:.0f} s; delete it if no write is running"
+                        ) from None
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path)
+                    continue
+                time.sleep(0.05)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(
+                    {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}, f
+                )
+            self.held = True
+            return self
+
+    def _stale(self) -> bool:
+        try:
+            with open(self.path) as f:
+                lease = json.load(f)
+        except (OSError, ValueError):
+            return False  # being written right now
+        if not _alive(lease):
+            return True
+        return time.time() - lease.get("started", 0) > _LOCK_WAIT_SECONDS * 4
+
+    def __exit__(self, *exc):
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def _renumber(entries: list[ShardEntry]) -> list[ShardEntry]:
@@ -217,8 +430,16 @@ def _full_shapes(
     return {n: replace(c, shape=(batch_size, *c.sample_shape)) for n, c in schema.items()}
 
 
-def abort_dataset(root: Path, job_id: str) -> None:
-    """Delete everything the job staged (all attempts); leave published files alone."""
-    shutil.rmtree(staging_dir(root, job_id), ignore_errors=True)
-    with contextlib.suppress(OSError):  # other jobs are staging here, or it is already gone
-        (root / STAGING).rmdir()
+def abort_dataset(location: DatasetLocation, job_id: str) -> None:
+    """Delete every file the job wrote (all attempts) that no manifest lists, and its lease;
+    leave published files and other jobs' files alone."""
+    location = DatasetLocation.of(location)
+    listed: set[str] = set()
+    if location.has(MANIFEST):
+        with contextlib.suppress(ManifestError):
+            listed = {e.shard_path for e in location.load_manifest().shards}
+    tag = _job_tag(job_id)
+    mine = [n for n in location.list() if n not in listed and job_of(n) == tag]
+    location.delete([*mine, lease_name(job_id), f"{STAGING}/{job_id}"])
+    if location.has(STAGING) and not location.list_under(STAGING):
+        location.delete([STAGING])

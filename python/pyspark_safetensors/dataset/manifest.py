@@ -60,6 +60,12 @@ class Manifest:
     name_col: str | None = None
     kv_separator: str | None = None
     index_file: str | None = None
+    index_crc32c: str | None = None
+    """Hex crc32c of the index file (checked with ``checksums=True``)."""
+    commit_id: str | None = None
+    """Unique per commit; the next commit names it as ``parent_commit``."""
+    parent_commit: str | None = None
+    """The ``commit_id`` of the manifest this commit replaced (None for a first write)."""
     metadata: dict[str, str] = field(default_factory=dict)
     created_by: str = f"pyspark-safetensors {__version__}"
     created_at: str | None = None
@@ -87,6 +93,9 @@ class Manifest:
             "name_col": self.name_col,
             "kv_separator": self.kv_separator,
             "index_file": self.index_file,
+            "index_crc32c": self.index_crc32c,
+            "commit_id": self.commit_id,
+            "parent_commit": self.parent_commit,
             "created_by": self.created_by,
             "created_at": self.created_at,
             "metadata": self.metadata,
@@ -114,8 +123,13 @@ class Manifest:
         ):
             if not isinstance(s, dict) or not {"shard_path", "samples_count", "bytes"} <= s.keys():
                 fail(f"shards[{i}] lacks shard_path, samples_count or bytes")
-            if not all(isinstance(s[k], int) and s[k] >= 0 for k in ("samples_count", "bytes")):
+            if not all(
+                isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0
+                for k in ("samples_count", "bytes")
+            ):
                 fail(f"shards[{i}] samples_count and bytes must be non-negative integers")
+            if not isinstance(s["shard_path"], str):
+                fail(f"shards[{i}].shard_path must be a string")
             shards.append(
                 ShardEntry(
                     str(s["shard_path"]),
@@ -125,6 +139,16 @@ class Manifest:
                     s.get("crc32c"),
                 )
             )
+        seen: set[str] = set()
+        for i, s in enumerate(shards):
+            if s.shard_path in seen:
+                fail(
+                    f"shards[{i}] lists {s.shard_path!r} a second time; each shard may appear once"
+                )
+            seen.add(s.shard_path)
+        for key in ("index_file", "index_crc32c", "commit_id", "parent_commit"):
+            if doc.get(key) is not None and not isinstance(doc[key], str):
+                fail(f"{key!r} must be a string")
         schema = {}
         for name, c in (
             doc["schema"] if isinstance(doc["schema"], dict) else fail("'schema' is not an object")
@@ -148,6 +172,9 @@ class Manifest:
             name_col=doc.get("name_col"),
             kv_separator=doc.get("kv_separator"),
             index_file=doc.get("index_file"),
+            index_crc32c=doc.get("index_crc32c"),
+            commit_id=doc.get("commit_id"),
+            parent_commit=doc.get("parent_commit"),
             metadata=dict(doc.get("metadata") or {}),
             created_by=doc.get("created_by", "unknown"),
             created_at=doc.get("created_at"),

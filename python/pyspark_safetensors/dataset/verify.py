@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..format import SafetensorsFormatError, read_header
-from .manifest import Manifest, ManifestError, load_manifest
+from ..format import SafetensorsFormatError
+from .manifest import Manifest, ManifestError
 
 _CHUNK = 16 << 20
 
@@ -55,14 +55,25 @@ def check_shard(manifest: Manifest, entry, size: int | None, header) -> list[str
 
 
 def verify_shards(
-    manifest: Manifest, where: str, size_of, header_of, crc32c_of, *, checksums: bool
+    manifest: Manifest,
+    where: str,
+    size_of,
+    header_of,
+    crc32c_of,
+    *,
+    checksums: bool,
+    extra: list[str] | None = None,
 ) -> Manifest:
     """Check every shard of ``manifest`` with the given probes (``size_of(entry)`` → size
     or None when missing, ``header_of(entry)``, ``crc32c_of(entry)``); raise
-    ``ManifestError`` listing every problem, naming ``where``."""
-    problems: list[str] = []
+    ``ManifestError`` listing every problem (``extra`` collects those the probes found),
+    naming ``where``."""
+    problems: list[str] = extra if extra is not None else []
     for entry in manifest.shards:
+        before = len(problems)
         size = size_of(entry)
+        if len(problems) > before:  # the probe refused the file (not a regular file)
+            continue
         header = None
         if size is not None and size == entry.bytes:
             try:
@@ -78,19 +89,12 @@ def verify_shards(
     return manifest
 
 
-def verify_dataset(root: str | os.PathLike, *, checksums: bool = False) -> Manifest:
-    """Return the manifest when the dataset is whole; raise ``ManifestError`` listing
-    every problem found otherwise."""
-    root = Path(root)
-    manifest = load_manifest(root)
-    paths = {
-        e.shard_path: p for e, p in zip(manifest.shards, manifest.shard_paths(root), strict=True)
-    }
-    return verify_shards(
-        manifest,
-        str(root),
-        lambda e: paths[e.shard_path].stat().st_size if paths[e.shard_path].exists() else None,
-        lambda e: read_header(paths[e.shard_path]),
-        lambda e: shard_crc32c(paths[e.shard_path]),
-        checksums=checksums,
-    )
+def verify_dataset(
+    root: str | os.PathLike, *, checksums: bool = False, filesystem=None
+) -> Manifest:
+    """Return the manifest when the dataset at ``root`` (a path or URI, see
+    ``DatasetLocation.of``) is whole; raise ``ManifestError`` listing every problem found
+    otherwise (checksums cover the shards and the tensor index)."""
+    from .location import DatasetLocation
+
+    return DatasetLocation.of(root, filesystem).verify(checksums=checksums)

@@ -10,14 +10,14 @@ Views:
 
 from __future__ import annotations
 
-import glob as globlib
+import fnmatch
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 from pyspark.sql.datasource import DataSourceReader, EqualTo, In, InputPartition
 from pyspark.sql.types import (
     ArrayType,
@@ -35,8 +35,18 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..dataset import MANIFEST, ColumnSchema, Manifest, ManifestError, load_manifest, local_path
-from ..format import SafetensorsFile, read_header
+from ..dataset import (
+    MANIFEST,
+    STAGING,
+    ColumnSchema,
+    DatasetLocation,
+    Manifest,
+    ManifestError,
+    split_kv_name,
+    split_storage_options,
+)
+from ..dataset.layout import SHARD_NAME
+from ..dataset.verify import check_shard
 from .options import OptionError, _bool, _choice, _int
 
 VIEWS = ("rows", "kv", "tensors")
@@ -110,57 +120,83 @@ class ReaderOptions:
 
 @dataclass(frozen=True)
 class Source:
-    """What a path resolves to: a dataset with a manifest, or loose files."""
+    """What a path resolves to: a dataset with a manifest, or loose files; ``files`` are
+    names inside ``location``."""
 
-    root: Path | None
+    location: DatasetLocation
     manifest: Manifest | None
     files: tuple[str, ...] = field(default=())
 
 
-def resolve(options: ReaderOptions) -> Source:
+def _glob(path: str, storage: Mapping[str, str]) -> Source:
+    first = min(path.index(c) for c in "*?[" if c in path)
+    base = path[: path.rfind("/", 0, first) + 1] if "/" in path[:first] else ""
+    pattern = path[len(base) :]
+    location = DatasetLocation.of(base.rstrip("/") or ".", storage_options=storage)
+    recursive = "/" in pattern or "**" in pattern
+    files = sorted(
+        name
+        for name, info in location.list(recursive=recursive).items()
+        if info.type == pafs.FileType.File
+        and name.endswith(".safetensors")
+        and fnmatch.fnmatchcase(name, pattern)
+    )
+    if not files:
+        raise ReadError(f"{path!r}: no .safetensors files match")
+    return Source(location, None, tuple(files))
+
+
+def resolve(options: ReaderOptions, storage: Mapping[str, str] | None = None) -> Source:
     path = options.path
+    storage = storage or {}
     if any(c in path for c in "*?["):
+        return _glob(path, storage)
+    location = DatasetLocation.of(path, storage_options=storage)
+    listing = location.list()
+    if MANIFEST in listing:
+        manifest = location.load_manifest()
+        problems = []
+        for s in manifest.shards:
+            info = listing.get(s.shard_path)
+            if info is None:
+                problems.append(f"{s.shard_path} is missing")
+            elif info.type != pafs.FileType.File:
+                problems.append(f"{s.shard_path} is not a regular file")
+            elif info.size != s.bytes:
+                problems.append(
+                    f"size differs from the manifest: {s.shard_path} ({info.size} bytes, the manifest says {s.bytes})"
+                )
+        if problems:
+            raise ReadError(
+                f"dataset {location.uri!r} disagrees with its manifest: {'; '.join(problems[:5])}"
+            )
+        return Source(location, manifest, tuple(s.shard_path for s in manifest.shards))
+    if listing:
+        leftovers = sorted(n for n in listing if SHARD_NAME.match(n) or n == STAGING)
+        if leftovers:
+            raise ReadError(
+                f"{location.uri!r} holds files of a dataset write that never committed "
+                f"({', '.join(leftovers[:3])}, ...) and no {MANIFEST}: it is not a dataset. "
+                "Rewrite it, or read the files anyway with a glob such as "
+                f"'{location.uri.rstrip('/')}/*.safetensors'"
+            )
         files = sorted(
-            str(local_path(p))
-            for p in globlib.glob(str(local_path(path)))
-            if p.endswith(".safetensors")
+            name
+            for name, info in location.list(recursive=True).items()
+            if info.type == pafs.FileType.File
+            and name.endswith(".safetensors")
+            and not any(part.startswith(("_", ".")) for part in name.split("/"))
         )
         if not files:
-            raise ReadError(f"{path!r}: no .safetensors files match")
-        return Source(None, None, tuple(files))
-    p = local_path(path)
-    if p.is_dir() and (p / MANIFEST).exists():
-        manifest = load_manifest(p)
-        paths = manifest.shard_paths(p)
-        missing = [
-            s.shard_path for s, f in zip(manifest.shards, paths, strict=True) if not f.exists()
-        ]
-        if missing:
-            raise ReadError(
-                f"dataset {str(p)!r}: shard(s) listed in the manifest are missing: {', '.join(missing[:5])}"
-            )
-        wrong = [
-            f"{s.shard_path} ({f.stat().st_size} bytes, manifest says {s.bytes})"
-            for s, f in zip(manifest.shards, paths, strict=True)
-            if f.stat().st_size != s.bytes
-        ]
-        if wrong:
-            raise ReadError(
-                f"dataset {str(p)!r}: shard size differs from the manifest: {', '.join(wrong[:5])}"
-            )
-        return Source(p, manifest, tuple(str(f) for f in paths))
-    if p.is_dir():
-        files = sorted(
-            str(f)
-            for f in p.rglob("*.safetensors")
-            if not any(part.startswith(("_", ".")) for part in f.relative_to(p).parts)
-        )
-        if not files:
-            raise ReadError(f"{str(p)!r}: no dataset manifest and no .safetensors files")
-        return Source(None, None, tuple(files))
-    if p.is_file():
-        return Source(None, None, (str(p),))
-    raise ReadError(f"{str(p)!r}: no such file or directory")
+            raise ReadError(f"{location.uri!r}: no dataset manifest and no .safetensors files")
+        return Source(location, None, tuple(files))
+    single, name = location.parent()
+    try:
+        if name and single.regular_size(name) is not None:
+            return Source(single, None, (name,))
+    except ManifestError as e:
+        raise ReadError(str(e)) from None
+    raise ReadError(f"{location.uri!r}: no such file or directory")
 
 
 def default_view(source: Source, requested: str | None) -> str:
@@ -203,7 +239,7 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
     manifest = source.manifest
     schema = manifest.schema
     if not schema and manifest.shards:  # a manifest without a schema: take the first header
-        header = read_header(source.files[0])
+        header = source.location.read_header(source.files[0])
         schema = {t.name: ColumnSchema(t.dtype.name, t.shape, t.shape[1:]) for t in header.tensors}
     fields = []
     if view == "kv":
@@ -220,7 +256,8 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
 
 @dataclass(frozen=True)
 class ShardPartition(InputPartition):
-    file: str
+    shard: int
+    """Position in the manifest's shard list."""
     row_start: int = 0
     row_stop: int = -1
 
@@ -263,12 +300,12 @@ class SafetensorsReader(DataSourceReader):
             ]
         parts = []
         step = self.options.rows_per_partition
-        for entry, file in zip(self.source.manifest.shards, self.source.files, strict=True):
+        for shard, entry in enumerate(self.source.manifest.shards):
             if self.view == "kv" or entry.samples_count <= step:
-                parts.append(ShardPartition(file))
+                parts.append(ShardPartition(shard))
             else:
                 parts += [
-                    ShardPartition(file, a, min(a + step, entry.samples_count))
+                    ShardPartition(shard, a, min(a + step, entry.samples_count))
                     for a in range(0, entry.samples_count, step)
                 ]
         return parts or [FilesPartition(())]
@@ -285,14 +322,16 @@ class SafetensorsReader(DataSourceReader):
 
     def _read_tensors(self, partition: FilesPartition):
         names = [f.name for f in self.schema.fields]
+        location = self.source.location
         for file in partition.files:
+            shown = location.display(file)
             if "data" in names:
-                with SafetensorsFile(file) as f:
+                with location.open_shard(file, whole=True) as f:
                     infos = self._keep(f.header.tensors)
                     data = [_tensor_struct(f.raw(t), t) for t in infos]
-                    yield _batch(names, file, infos, data)
+                    yield _batch(names, shown, infos, data)
             else:  # header only: no tensor byte is read
-                yield _batch(names, file, self._keep(read_header(file).tensors), None)
+                yield _batch(names, shown, self._keep(location.read_header(file).tensors), None)
 
     def _keep(self, infos):
         return [
@@ -304,17 +343,29 @@ class SafetensorsReader(DataSourceReader):
 
     # -- rows view
 
+    def _open(self, part: ShardPartition, *, whole: bool = False):
+        """The partition's shard, its header checked against the manifest entry (the
+        same check every reader runs: dtypes, sample shapes and the row count)."""
+        entry = self.source.manifest.shards[part.shard]
+        location = self.source.location
+        f = location.open_shard(entry.shard_path, whole=whole)
+        problems = check_shard(self.source.manifest, entry, entry.bytes, f.header)
+        if problems:
+            f.close()
+            raise ReadError(f"dataset {location.uri!r}: {'; '.join(problems[:5])}")
+        return f, location.display(entry.shard_path)
+
     def _read_rows(self, part: ShardPartition):
-        with SafetensorsFile(part.file) as f:
+        f, file = self._open(part)
+        with f:
             header = f.header
             entry_rows = None
             columns = []
             for fld in self.schema.fields:
                 if fld.name not in header:
                     raise ReadError(
-                        f"file {part.file!r}: no tensor {fld.name!r}, which the dataset schema lists"
+                        f"file {file!r}: no tensor {fld.name!r}, which the dataset schema lists"
                     )
-                t = f.tensor(fld.name)
                 info = header[fld.name]
                 expected = self.source.manifest.schema.get(fld.name)
                 if expected is not None and (
@@ -322,22 +373,26 @@ class SafetensorsReader(DataSourceReader):
                     or tuple(info.shape[1:]) != tuple(expected.sample_shape)
                 ):
                     raise ReadError(
-                        f"file {part.file!r}: tensor {fld.name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]"
+                        f"file {file!r}: tensor {fld.name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]"
                     )
-                rows = t.shape[0] if t.ndim else 1
+                rows = info.shape[0] if info.shape else 1
                 entry_rows = rows if entry_rows is None else entry_rows
                 if rows != entry_rows:
                     raise ReadError(
-                        f"file {part.file!r}: tensor {fld.name!r} has {rows} rows, others have {entry_rows}"
+                        f"file {file!r}: tensor {fld.name!r} has {rows} rows, others have {entry_rows}"
                     )
                 stop = rows if part.row_stop < 0 else part.row_stop
-                chunk = t[part.row_start : stop]
+                chunk = (
+                    f.row_range(fld.name, part.row_start, stop)
+                    if info.shape
+                    else f.tensor(fld.name)
+                )
                 if self.options.tensor_format == "struct":
                     columns.append(_struct_rows(chunk, info.dtype.name))
                 else:
                     columns.append(
                         _uniform_lists(
-                            _convert(chunk, info.dtype.name, part.file, fld.name), chunk.ndim - 1
+                            _convert(chunk, info.dtype.name, file, fld.name), chunk.ndim - 1
                         )
                     )
             yield pa.record_batch(columns, names=[fld.name for fld in self.schema.fields])
@@ -349,28 +404,25 @@ class SafetensorsReader(DataSourceReader):
         key_col = manifest.name_col or "key"
         sep = manifest.kv_separator or "__"
         columns = [f.name for f in self.schema.fields if f.name != key_col]
-        with SafetensorsFile(part.file) as f:
+        f, file = self._open(part, whole=True)
+        with f:
             rows: dict[str, dict[str, object]] = {}
             for t in f.header.tensors:
-                for col in manifest.schema:
-                    if t.name.endswith(sep + col):
-                        key = t.name[: -len(sep + col)]
-                        if self.wanted_keys is None or key in self.wanted_keys:
-                            rows.setdefault(key, {})[col] = t
-                        break
-                else:
+                split = split_kv_name(t.name, manifest.schema, sep)
+                if split is None:
                     raise ReadError(
-                        f"file {part.file!r}: tensor {t.name!r} is not '<key>{sep}<column>' for a column of the dataset"
+                        f"file {file!r}: tensor {t.name!r} is not '<key>{sep}<column>' for a column of the dataset"
                     )
+                key, col = split
+                if self.wanted_keys is None or key in self.wanted_keys:
+                    rows.setdefault(key, {})[col] = t
             keys = sorted(rows)
             out = {key_col: pa.array(keys, pa.string())}
             for col in columns:
                 infos = [rows[k].get(col) for k in keys]
                 if any(i is None for i in infos):
                     k = keys[infos.index(None)]
-                    raise ReadError(
-                        f"file {part.file!r}: key {k!r} has no tensor for column {col!r}"
-                    )
+                    raise ReadError(f"file {file!r}: key {k!r} has no tensor for column {col!r}")
                 if self.options.tensor_format == "struct":
                     out[col] = pa.array(
                         [_tensor_struct(f.raw(i), i) for i in infos],
@@ -383,9 +435,7 @@ class SafetensorsReader(DataSourceReader):
                         ),
                     )
                 else:
-                    arrays = [
-                        _convert(f.tensor(i.name), i.dtype.name, part.file, col) for i in infos
-                    ]
+                    arrays = [_convert(f.tensor(i.name), i.dtype.name, file, col) for i in infos]
                     out[col] = _ragged_lists(arrays, len(manifest.schema[col].sample_shape))
             names = [f.name for f in self.schema.fields]
             yield pa.record_batch([out[n] for n in names], names=names)
@@ -519,9 +569,10 @@ def _batch(names, file, infos, data) -> pa.RecordBatch:
 def make_reader(
     options_map: Mapping[str, str], schema: StructType | None
 ) -> tuple[StructType, SafetensorsReader | None]:
-    options = ReaderOptions.parse(options_map)
+    storage, rest = split_storage_options(options_map)
+    options = ReaderOptions.parse(rest)
     try:
-        source = resolve(options)
+        source = resolve(options, storage)
     except ManifestError as e:
         raise ReadError(str(e)) from None
     view = default_view(source, options.view)

@@ -9,7 +9,16 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StringType, StructType
 
-from ..dataset import Manifest, abort_dataset, commit_dataset, local_path
+from ..dataset import (
+    DatasetLocation,
+    Manifest,
+    abort_dataset,
+    attempt_uuid,
+    begin_job,
+    check_kv_columns,
+    commit_dataset,
+    split_storage_options,
+)
 from .columns import ColumnError, plan_column
 from .options import WriterOptions
 from .writer import TaskCommit, write_partition
@@ -104,18 +113,26 @@ class SafetensorsDataSource(DataSource):
         return make_reader(self.options, schema)[1]
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
-        return SafetensorsWriter(WriterOptions.parse(self.options), schema, overwrite)
+        storage, options = split_storage_options(self.options)
+        return SafetensorsWriter(WriterOptions.parse(options), schema, overwrite, storage)
 
 
 class SafetensorsWriter(DataSourceArrowWriter):
     """Plans on the driver (options, column types), writes in tasks, commits on the driver."""
 
-    def __init__(self, options: WriterOptions, schema: StructType, overwrite: bool):
+    def __init__(
+        self,
+        options: WriterOptions,
+        schema: StructType,
+        overwrite: bool,
+        storage_options: dict[str, str] | None = None,
+    ):
         self.options = options
         self.overwrite = overwrite
-        self.root = local_path(options.path)
+        self.location = DatasetLocation.of(options.path, storage_options=storage_options)
         self.job_id = uuid.uuid4().hex
         self.plans = self._plan(schema)
+        begin_job(self.location, self.job_id)
 
     def _plan(self, schema: StructType):
         names = [f.name for f in schema.fields]
@@ -139,6 +156,11 @@ class SafetensorsWriter(DataSourceArrowWriter):
             )
         if not wanted:
             raise ColumnError("no tensor columns to write")
+        if o.name_col is not None:
+            try:
+                check_kv_columns(wanted, o.kv_separator)
+            except ValueError as e:
+                raise ColumnError(str(e)) from None
         return [plan_column(n, schema[n].dataType, o) for n in wanted]
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
@@ -150,12 +172,11 @@ class SafetensorsWriter(DataSourceArrowWriter):
         return write_partition(
             self.options,
             self.plans,
-            self.root,
-            self.job_id,
+            self.location,
             iterator,
             task_id,
             attempt_id,
-            str(uuid.uuid4()),
+            attempt_uuid(self.job_id),
         )
 
     def _template(self) -> Manifest:
@@ -172,10 +193,9 @@ class SafetensorsWriter(DataSourceArrowWriter):
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         results = [m.result for m in messages if isinstance(m, TaskCommit)]
-        self.root.mkdir(parents=True, exist_ok=True)
         try:
             commit_dataset(
-                self.root,
+                self.location,
                 self.job_id,
                 results,
                 self._template(),
@@ -184,8 +204,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 unique_keys=self.options.mode == "kv",
             )
         except BaseException:
-            abort_dataset(self.root, self.job_id)
+            abort_dataset(self.location, self.job_id)
             raise
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        abort_dataset(self.root, self.job_id)
+        abort_dataset(self.location, self.job_id)

@@ -1,15 +1,15 @@
-"""The tasks' side of a write: Arrow batches in, shards in the attempt's staging directory
-out, one ``TaskCommit`` back to the driver."""
+"""The tasks' side of a write: Arrow batches in, shards out (at the dataset root under
+names of this attempt's own, trusted by no reader until the driver's commit lists them),
+one ``TaskCommit`` back to the driver."""
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 import crc32c
 import numpy as np
@@ -20,11 +20,12 @@ from .. import __version__
 from ..dataset import (
     FORMAT_VERSION,
     ColumnSchema,
+    DatasetLocation,
     StagedShard,
     TaskResult,
-    attempt_dir,
     index_rows,
     index_table,
+    kv_tensor_name,
     merge_schemas,
     shard_name,
 )
@@ -61,18 +62,17 @@ class _ShardSink:
     def __init__(
         self,
         options: WriterOptions,
-        root: Path,
-        job_id: str,
+        location: DatasetLocation,
         task_id: int,
         attempt_id: int,
         file_uuid: str,
     ):
         self.options = options
+        self.location = location
         self.task_id = task_id
         self.attempt_id = attempt_id
         self.file_uuid = file_uuid
-        self.dir = attempt_dir(root, job_id, attempt_id)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.started: list[str] = []
         self.shards: list[StagedShard] = []
         self.in_flight: deque[Future] = deque()
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
@@ -110,13 +110,14 @@ class _ShardSink:
         shard_index = len(self.shards) + len(self.in_flight)
         name = shard_name(self.task_id, shard_index, self.file_uuid)
 
+        self.started.append(name)
+
         def job():
             checksum = _Checksum(self.options.checksum)
-            size, index = write(name, self.dir / name, checksum)
+            size, index = self.location.write_shard(name, lambda path: write(name, path, checksum))
             return StagedShard(
                 task_id=self.task_id,
                 shard_index=shard_index,
-                staged_path=str(self.dir / name),
                 final_name=name,
                 samples_count=samples,
                 bytes=size,
@@ -149,7 +150,8 @@ class _ShardSink:
     def discard(self) -> None:
         """Stop writing and delete everything this attempt wrote."""
         self.io.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the driver's commit or abort reclaims the rest
+            self.location.delete(self.started)
 
 
 class BatchModeWriter:
@@ -336,8 +338,8 @@ class KVModeWriter:
             keys = block.keys if live is None else [block.keys[i] for i in live.tolist()]
             for p in self.plans:
                 packed = block.columns[p.name]
-                suffix = f"{self.options.kv_separator}{p.name}"
-                names = [key + suffix for key in keys]
+                sep = self.options.kv_separator
+                names = [kv_tensor_name(key, p.name, sep) for key in keys]
                 groups.append((names, packed if live is None else packed.take(live)))
         self.sink.write_packed(groups, self.current_rows)
         self.blocks, self.keys, self.current_bytes, self.current_rows = [], set(), 0, 0
@@ -350,15 +352,14 @@ class KVModeWriter:
 def write_partition(
     options: WriterOptions,
     plans: list[ColumnPlan],
-    root: Path,
-    job_id: str,
+    location: DatasetLocation,
     batches: Iterator[pa.RecordBatch],
     task_id: int,
     attempt_id: int,
     file_uuid: str,
 ) -> TaskCommit:
     """Write one partition; on any error this attempt's files are deleted and it re-raises."""
-    sink = _ShardSink(options, root, job_id, task_id, attempt_id, file_uuid)
+    sink = _ShardSink(options, location, task_id, attempt_id, file_uuid)
     mode = KVModeWriter if options.mode == "kv" else BatchModeWriter
     writer = mode(options, plans, sink)
     try:

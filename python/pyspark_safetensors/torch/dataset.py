@@ -1,9 +1,9 @@
 """Open a safetensors dataset for torch: map-style access by sample index or by key.
 
-Local tensors come back as torch views of a private (copy-on-write) mmap of the shard: no
-copy, and nothing written to them ever reaches the file. Remote datasets (``s3://``,
-``gs://``, ``hdfs://``, any fsspec protocol) are read with ranged reads of just the bytes
-asked for.
+Every byte comes through the dataset's ``DatasetLocation``: local tensors are torch views
+of a private (copy-on-write) mmap of the shard (no copy, and nothing written to them ever
+reaches the file); datasets on object stores (``s3://``, ``gs://``, ``hdfs://``, any fsspec
+protocol) are read with ranged reads of just the bytes asked for.
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..dataset import Manifest, read_index, verify_dataset
-from ..dataset.remote import RemoteDir, open_location
-from ..format import SafetensorsFile
-from ..format.header import Header
+from ..dataset import DatasetLocation, Manifest, ManifestError, split_kv_name
+from ..dataset.location import ShardReader
 
 _TORCH_DTYPES = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
@@ -47,26 +44,27 @@ def as_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
     return raw.view(target)
 
 
-class _OpenFiles:
-    """Per-process cache of mapped shards (a forked DataLoader worker maps its own)."""
+class _OpenShards:
+    """Per-process cache of opened shards (a forked DataLoader worker opens its own)."""
 
-    def __init__(self):
+    def __init__(self, location: DatasetLocation):
+        self.location = location
         self.pid = os.getpid()
-        self.files: dict[str, SafetensorsFile] = {}
+        self.shards: dict[str, ShardReader] = {}
 
-    def get(self, path: str) -> SafetensorsFile:
+    def get(self, name: str) -> ShardReader:
         if self.pid != os.getpid():
-            self.pid, self.files = os.getpid(), {}
-        f = self.files.get(path)
+            self.pid, self.shards = os.getpid(), {}
+        f = self.shards.get(name)
         if f is None:
-            f = self.files[path] = SafetensorsFile(path, copy_on_write=True)
+            f = self.shards[name] = self.location.open_shard(name)
         return f
 
     def __getstate__(self):
-        return {}
+        return {"location": self.location}
 
     def __setstate__(self, state):
-        self.__init__()
+        self.__init__(state["location"])
 
 
 @dataclass(frozen=True)
@@ -87,23 +85,22 @@ class SafetensorsDataset(torch.utils.data.Dataset):
     index (one lookup, one ranged read, no header parse).
     """
 
-    def __init__(self, root: Path | RemoteDir, manifest: Manifest):
-        self.root = root
+    def __init__(self, location: DatasetLocation, manifest: Manifest):
+        self.location = location
         self.manifest = manifest
-        self.remote = isinstance(root, RemoteDir)
-        # local: absolute paths (mapped); remote: names inside the directory (ranged reads)
-        self.paths = (
-            [s.shard_path for s in manifest.shards]
-            if self.remote
-            else [str(p) for p in manifest.shard_paths(root)]
-        )
-        self._headers: dict[int, Header] = {}
+        self.paths = [s.shard_path for s in manifest.shards]
+        """Shard names inside the location, in manifest order."""
         self.counts = [s.samples_count for s in manifest.shards]
-        self.starts = np.cumsum([0, *self.counts])[
-            :-1
-        ].tolist()  # global index of each shard's first sample
-        self._files = _OpenFiles()
+        # global index of each shard's first sample
+        self.starts = np.cumsum([0, *self.counts])[:-1].tolist()
+        self._shards = _OpenShards(location)
         self._keys: dict[str, dict[str, KeyLocation]] | None = None
+        self.checksums = False
+        """Whether the tensor index is checked against its crc32c when loaded."""
+
+    @property
+    def root(self) -> DatasetLocation:
+        return self.location
 
     # -- facts
 
@@ -131,51 +128,19 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         shard = bisect.bisect_right(self.starts, index) - 1
         return shard, index - self.starts[shard]
 
+    def shard(self, shard: int) -> ShardReader:
+        """An opened shard, its header checked against the manifest entry once."""
+        return self._shards.get(self.paths[shard])
+
     def shard_view(self, shard: int, column: str) -> np.ndarray:
-        """The whole ``column`` tensor of a shard: a (copy-on-write) mmap view, or for a
-        remote dataset an array read with one ranged read."""
-        if not self.remote:
-            return self._files.get(self.paths[shard]).tensor(column)
-        header = self._header(shard)
-        info = header[column]
-        start = header.data_start + info.begin
-        return self._remote_array(shard, start, start + info.nbytes, info.dtype.numpy, info.shape)
+        """The whole ``column`` tensor of a shard: a copy-on-write mmap view locally, an
+        array read with one ranged read elsewhere."""
+        return self.shard(shard).tensor(column)
 
     def read_rows(self, shard: int, column: str, rows: np.ndarray) -> np.ndarray:
         """``shard_view(shard, column)[rows]`` (a copy). Remote: rows close together are
         fetched with one ranged read, so a shuffled batch costs a few reads per shard."""
-        if not self.remote:
-            return self.shard_view(shard, column)[rows]
-        header = self._header(shard)
-        info = header[column]
-        row_bytes = info.nbytes // max(info.shape[0], 1)
-        sample = info.shape[1:]
-        out = np.empty((len(rows), *sample), dtype=info.dtype.numpy)
-        order = np.argsort(rows, kind="stable")
-        ordered = rows[order]
-        # a new read where the gap to the next wanted row exceeds ~1 MB of unwanted rows
-        gap = max(1, (1 << 20) // max(row_bytes, 1))
-        cuts = np.flatnonzero(np.diff(ordered) > gap) + 1
-        for run in np.split(np.arange(len(ordered)), cuts):
-            lo, hi = int(ordered[run[0]]), int(ordered[run[-1]]) + 1
-            start = header.data_start + info.begin + lo * row_bytes
-            block = self._remote_array(
-                shard, start, start + (hi - lo) * row_bytes, info.dtype.numpy, (hi - lo, *sample)
-            )
-            out[order[run]] = block[ordered[run] - lo]
-        return out
-
-    def _header(self, shard: int) -> Header:
-        header = self._headers.get(shard)
-        if header is None:
-            entry = self.manifest.shards[shard]
-            header = self._headers[shard] = self.root.read_header(entry.shard_path, entry.bytes)
-        return header
-
-    def _remote_array(self, shard: int, begin: int, end: int, dtype, shape) -> np.ndarray:
-        buf = self.root.read_range(self.paths[shard], begin, end)
-        # a writable copy: torch warns on read-only arrays, and remote bytes are copied anyway
-        return np.frombuffer(buf, dtype=dtype).reshape(shape).copy()
+        return self.shard(shard).rows(column, rows)
 
     def __getitem__(self, index):
         if isinstance(index, str):
@@ -184,15 +149,10 @@ class SafetensorsDataset(torch.utils.data.Dataset):
             raise TypeError("a KV dataset is indexed by key: ds['key'] or ds.get(key, column)")
         shard, row = self.locate(int(index))
         out = {}
+        f = self.shard(shard)
         for c, col in self.manifest.schema.items():
-            if self.remote:
-                rows = self.read_rows(shard, c, np.array([row]))
-                out[c] = as_torch(rows.reshape(rows.shape[1:]), col.dtype)
-                continue
-            view = self.shard_view(shard, c)
-            out[c] = as_torch(
-                view[row : row + 1].reshape(view.shape[1:]), col.dtype
-            )  # a view, also for scalars
+            one = f.row_range(c, row, row + 1)  # a view when mapped, also for scalars
+            out[c] = as_torch(one.reshape(one.shape[1:]), col.dtype)
         return out
 
     # -- KV mode
@@ -201,12 +161,9 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         if self._keys is None:
             if self.mode != "kv":
                 raise TypeError("key lookups need a KV dataset (written with name_col)")
-            if self.manifest.index_file is None:
-                raise ValueError(
-                    f"dataset {str(self.root)!r} has no tensor index; write it with generate_index=true"
-                )
-            table = (self.root.read_index() if self.remote else read_index(self.root)).to_pydict()
+            table = self.location.read_index(self.manifest, checksums=self.checksums).to_pydict()
             sep = self.manifest.kv_separator or "__"
+            columns = list(self.manifest.schema)
             keys: dict[str, dict[str, KeyLocation]] = {}
             for name, file, shape, dtype, begin, end in zip(
                 table["tensor_key"],
@@ -217,9 +174,14 @@ class SafetensorsDataset(torch.utils.data.Dataset):
                 table["end"],
                 strict=True,
             ):
-                key, _, column = name.rpartition(sep)
+                split = split_kv_name(name, columns, sep)
+                if split is None:
+                    raise ManifestError(
+                        f"dataset {self.location.uri!r}: index key {name!r} is not '<key>{sep}<column>' for a column of the dataset"
+                    )
+                key, column = split
                 keys.setdefault(key, {})[column] = KeyLocation(
-                    file if self.remote else str(self.root / file), begin, end, dtype, tuple(shape)
+                    file, begin, end, dtype, tuple(shape)
                 )
             self._keys = keys
         return self._keys
@@ -231,7 +193,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         """``{column: tensor}`` for ``key``, or one tensor when ``column`` is given."""
         entry = self._key_index().get(key)
         if entry is None:
-            raise KeyError(f"no key {key!r} in dataset {str(self.root)!r}")
+            raise KeyError(f"no key {key!r} in dataset {self.location.uri!r}")
         if column is not None:
             if column not in entry:
                 raise KeyError(f"key {key!r} has no column {column!r}; it has {sorted(entry)}")
@@ -239,14 +201,9 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         return {c: self._read(loc) for c, loc in entry.items()}
 
     def _read(self, loc: KeyLocation) -> torch.Tensor:
-        if self.remote:
-            raw = np.frombuffer(
-                self.root.read_range(loc.file, loc.begin, loc.end), dtype=np.uint8
-            ).copy()
-        else:
-            raw = np.frombuffer(
-                self._files.get(loc.file).byte_range(loc.begin, loc.end), dtype=np.uint8
-            )
+        raw = np.frombuffer(self._shards.get(loc.file).byte_range(loc.begin, loc.end), np.uint8)
+        if not raw.flags.writeable:
+            raw = raw.copy()
         d = _TORCH_DTYPES[loc.dtype]
         return (
             as_torch(raw, "U8").view(d).reshape(loc.shape)
@@ -256,18 +213,24 @@ class SafetensorsDataset(torch.utils.data.Dataset):
 
 
 def open_dataset(
-    path: str | os.PathLike, *, checksums: bool = False, filesystem=None
+    path: str | os.PathLike | DatasetLocation,
+    *,
+    checksums: bool = False,
+    filesystem=None,
+    storage_options: dict | None = None,
 ) -> SafetensorsDataset:
     """Open a dataset directory: the manifest is loaded and checked against the files
-    (present, inside the directory, sizes, headers agreeing with the schema; crc32c of
-    every shard with ``checksums=True``). Errors name the file.
+    (present, regular files inside the directory, sizes, headers agreeing with the schema
+    and row counts; crc32c of every shard and of the tensor index with ``checksums=True``).
+    Errors name the file.
 
-    ``path``: a local directory (or ``file:`` URI), memory-mapped; or a remote URI
-    (``s3://bucket/acts``, ``gs://``, ``hdfs://``, ``memory://`` or any fsspec protocol),
-    or a path on ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem), read with one
-    listing and ranged reads.
+    ``path``: a local directory (or ``file:`` URI), memory-mapped; or a URI
+    (``s3://bucket/acts``, ``s3a://``, ``gs://``, ``abfss://``, ``hdfs://``, ``memory://`` or
+    any fsspec protocol) read with one listing and ranged reads; or a path on
+    ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem). ``storage_options`` as in
+    ``DatasetLocation.of`` (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``).
     """
-    location = open_location(path, filesystem)
-    if isinstance(location, RemoteDir):
-        return SafetensorsDataset(location, location.verify(checksums=checksums))
-    return SafetensorsDataset(location, verify_dataset(location, checksums=checksums))
+    location = DatasetLocation.of(path, filesystem, storage_options)
+    ds = SafetensorsDataset(location, location.verify(checksums=checksums))
+    ds.checksums = checksums
+    return ds

@@ -1,0 +1,713 @@
+"""Where a dataset lives: one interface for local directories and object stores.
+
+``DatasetLocation`` owns every byte a dataset puts on storage: listing, the manifest (load,
+verify, the single atomic put that commits a write), shard names, whole and ranged reads,
+opening a shard (memory-mapped when local), the tensor index, shards written by tasks, and
+deletion. It is implemented once over ``pyarrow.fs`` (S3, GCS, Azure, HDFS natively; any
+fsspec protocol through ``PyFileSystem(FSSpecHandler)``) with a fast local path (mmap for
+reads, files written in place). Callers never ask which kind of storage they have.
+
+    loc = DatasetLocation.of("s3://bucket/acts")          # or a path, file:, gs://, ...
+    manifest = loc.verify()
+    with loc.open_shard(manifest.shards[0].shard_path) as shard:
+        x = shard.tensor("activation")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ..format import SafetensorsFile, SafetensorsFormatError
+from ..format.header import Header, decode_header, read_header_length
+from .index import INDEX_SCHEMA
+from .layout import MANIFEST
+from .manifest import Manifest, ManifestError, parse_manifest
+
+_URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
+_CHUNK = 16 << 20
+
+# Hadoop spellings users copy from Spark jobs, and their pyarrow names.
+_SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "abfss": "abfs"}
+
+STORAGE_OPTIONS = ("endpoint_url", "region", "path_style", "anonymous")
+"""Data-source options that configure the filesystem instead of the data (see
+``DatasetLocation.of``)."""
+
+
+class StorageError(OSError):
+    """An I/O error while reading or writing a dataset, naming the dataset and the file."""
+
+
+class SpecialFileError(ManifestError):
+    """A name the manifest lists is not a regular file (a FIFO, directory or device)."""
+
+
+class DatasetReplacedError(ManifestError):
+    """A shard the reader's manifest lists is gone: the dataset was replaced or deleted
+    since it was opened."""
+
+
+def _scheme(text: str) -> str | None:
+    m = _URI.match(text)
+    # one letter before ':' is a Windows drive, not a scheme
+    return m.group(1).lower() if m and len(m.group(1)) > 1 else None
+
+
+def split_storage_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split data-source options into (storage options, the rest); names case-insensitive."""
+    storage, rest = {}, {}
+    for k, v in options.items():
+        (storage if k.lower() in STORAGE_OPTIONS else rest)[
+            k if k.lower() not in STORAGE_OPTIONS else k.lower()
+        ] = v
+    return storage, rest
+
+
+def _truthy(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise ValueError(f"storage option {name}={value!r}: expected true or false")
+
+
+def _s3_filesystem(options: Mapping[str, str]) -> pafs.S3FileSystem:
+    kw: dict = {}
+    unknown = sorted(set(options) - set(STORAGE_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"unknown storage option(s) {unknown}; valid: {', '.join(STORAGE_OPTIONS)}"
+        )
+    endpoint = (
+        options.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    if endpoint:
+        scheme, _, host = endpoint.rpartition("://")
+        kw["endpoint_override"] = host.rstrip("/")
+        kw["scheme"] = scheme or "https"
+    region = (
+        options.get("region")
+        or os.environ.get("AWS_REGION")
+        or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    if region:
+        kw["region"] = region
+    if "path_style" in options:
+        kw["force_virtual_addressing"] = not _truthy("path_style", options["path_style"])
+    if "anonymous" in options:
+        kw["anonymous"] = _truthy("anonymous", options["anonymous"])
+    return pafs.S3FileSystem(**kw)
+
+
+class DatasetLocation:
+    """A dataset directory on some storage. Picklable (Spark tasks, DataLoader workers,
+    spawn included) when its filesystem is; open files are per process."""
+
+    def __init__(self, filesystem, root: str, uri: str | None = None):
+        self.fs = as_arrow_filesystem(filesystem)
+        self._local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.root = os.path.abspath(root) if self._local else root.rstrip("/")
+        self.uri = uri or self.root
+        self._pid, self._open = os.getpid(), {}
+
+    # -- construction
+
+    @classmethod
+    def of(
+        cls,
+        path: str | os.PathLike | DatasetLocation,
+        filesystem=None,
+        storage_options: Mapping[str, str] | None = None,
+    ) -> DatasetLocation:
+        """A location from a path or URI.
+
+        Local paths and ``file:`` URIs are memory-mapped. ``s3://`` (also ``s3a://``,
+        ``s3n://``), ``gs://``, ``abfs://``/``abfss://``, ``hdfs://`` go to pyarrow's
+        filesystems, any other protocol to fsspec; ``dbfs:/x`` is ``/dbfs/x`` where that
+        mount exists. Endpoint, region and credentials come from the usual environment
+        (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, the GCP/Azure
+        variables, instance roles). ``storage_options`` (S3: ``endpoint_url``, ``region``,
+        ``path_style``, ``anonymous``; fsspec: its own keyword arguments) override them.
+        With ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem), ``path`` is a path on it.
+        """
+        if isinstance(path, DatasetLocation):
+            return path
+        text = os.fspath(path)
+        options = dict(storage_options or {})
+        if filesystem is not None:
+            return cls(filesystem, text, text)
+        scheme = _scheme(text)
+        if scheme is None or scheme == "file":
+            return cls(pafs.LocalFileSystem(), _strip_file_scheme(text), text)
+        if scheme == "dbfs" and os.path.isdir("/dbfs"):
+            return cls(pafs.LocalFileSystem(), "/dbfs/" + text[5:].lstrip("/"), text)
+        scheme = _SCHEME_ALIASES.get(scheme, scheme)
+        rest = text.split(":", 1)[1]
+        if scheme == "s3":
+            bucket_path = rest.lstrip("/")
+            if not bucket_path:
+                raise ValueError(f"{text!r}: an s3 URI needs a bucket: s3://bucket/path")
+            return cls(_s3_filesystem(options), bucket_path, text)
+        if scheme in ("gs", "gcs", "abfs", "hdfs", "viewfs") and not options:
+            try:
+                fs, root = pafs.FileSystem.from_uri(f"{scheme}:{rest}")
+                return cls(fs, root, text)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError):
+                pass  # not built into this pyarrow: fsspec may know it
+        try:
+            import fsspec
+        except ImportError:  # pragma: no cover - fsspec ships with the torch extra
+            raise ValueError(
+                f"{text!r}: pyarrow has no filesystem for {scheme}:// and fsspec is not installed"
+            ) from None
+        fs, root = fsspec.core.url_to_fs(text, **options)
+        return cls(fs, root, text)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def __repr__(self) -> str:
+        return f"DatasetLocation({self.uri!r})"
+
+    def __getstate__(self):
+        return {"fs": self.fs, "root": self.root, "uri": self.uri}
+
+    def __setstate__(self, state):
+        self.__init__(state["fs"], state["root"], state["uri"])
+
+    def parent(self) -> tuple[DatasetLocation, str]:
+        """(the location of the enclosing directory, this location's last name): how a
+        single file is read through the same interface."""
+        parent, _, name = self.root.rstrip("/").rpartition("/")
+        uri_parent = self.uri.rstrip("/").rpartition("/")[0]
+        return DatasetLocation(self.fs, parent or "/", uri_parent or "."), name
+
+    # -- names
+
+    def path(self, name: str, *, what: str = "shard path") -> str:
+        """The full path of ``name`` inside the dataset, refusing absolute names, ``..``
+        and backslashes (no listed name may reach outside the directory)."""
+        if (
+            not isinstance(name, str)
+            or not name
+            or name.startswith("/")
+            or "\\" in name
+            or "\x00" in name
+            or ".." in name.split("/")
+            or _scheme(name) is not None
+        ):
+            raise ManifestError(
+                f"{what} {name!r} in {self.uri!r} must be a relative name inside the dataset"
+            )
+        return posixpath.join(self.root, name)
+
+    def display(self, name: str) -> str:
+        """``name`` as users see it (the URI they gave, joined)."""
+        return posixpath.join(self.uri, name)
+
+    # -- listing and stat
+
+    def exists(self) -> bool:
+        """Whether the directory exists (on object stores: whether anything is under it)."""
+        info = self.fs.get_file_info(self.root)
+        if info.type == pafs.FileType.Directory:
+            return True
+        return bool(self.list()) if not self._local else False
+
+    def has(self, name: str) -> bool:
+        return self.fs.get_file_info(self.path(name, what="file")).type != pafs.FileType.NotFound
+
+    def list(self, *, recursive: bool = False) -> dict[str, pafs.FileInfo]:
+        """Everything under the directory by relative name (one listing)."""
+        try:
+            infos = self.fs.get_file_info(
+                pafs.FileSelector(self.root, recursive=recursive, allow_not_found=True)
+            )
+        except NotADirectoryError:  # a file: nothing under it
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        return {i.path[len(prefix) :] if i.path.startswith(prefix) else i.path: i for i in infos}
+
+    def list_under(self, folder: str) -> dict[str, pafs.FileInfo]:
+        """What is directly under a sub-folder, by name relative to it."""
+        return DatasetLocation(
+            self.fs, self.path(folder, what="folder"), self.display(folder)
+        ).list()
+
+    def local_file(self, name: str) -> str | None:
+        """The local path of ``name`` when the dataset is on local storage (for locks and
+        memory maps), else None."""
+        return self.path(name, what="file") if self._local else None
+
+    def sizes(self) -> dict[str, int]:
+        """Every regular file directly in the directory with its size (one listing)."""
+        return {n: i.size for n, i in self.list().items() if i.type == pafs.FileType.File}
+
+    def regular_size(self, name: str) -> int | None:
+        """The size of ``name``; None when missing; ``SpecialFileError`` when it is not a
+        regular file (checked before any open: opening a FIFO would block)."""
+        full = self.path(name)
+        if self._local:
+            try:
+                st = os.stat(full)
+            except FileNotFoundError:
+                return None
+            if not stat.S_ISREG(st.st_mode):
+                raise SpecialFileError(
+                    f"{self.display(name)!r} is not a regular file ({_kind(st.st_mode)}); a shard must be a file"
+                )
+            return st.st_size
+        info = self.fs.get_file_info(full)
+        if info.type == pafs.FileType.NotFound:
+            return None
+        if info.type != pafs.FileType.File:
+            raise SpecialFileError(
+                f"{self.display(name)!r} is not a regular file; a shard must be a file"
+            )
+        return info.size
+
+    # -- reads
+
+    def read_bytes(self, name: str) -> bytes:
+        with self._reading(name):
+            if self._local:
+                self._refuse_special(name)
+                return Path(self.path(name, what="file")).read_bytes()
+            with self.fs.open_input_stream(self.path(name, what="file")) as f:
+                return f.read()
+
+    def read_range(self, name: str, begin: int, end: int):
+        """Bytes ``[begin, end)`` of ``name``: one ranged read (files stay open per process)."""
+        with self._reading(name):
+            data = self._input_file(name).read_at(end - begin, begin)
+        if len(data) != end - begin:
+            raise SafetensorsFormatError(
+                f"byte range [{begin}, {end}) reaches past the end of the file",
+                path=self.display(name),
+            )
+        return data
+
+    def stream_crc32c(self, name: str) -> str:
+        from .verify import stream_crc32c
+
+        with self._reading(name):
+            if self._local:
+                self._refuse_special(name)
+                with open(self.path(name), "rb") as f:
+                    return stream_crc32c(f)
+            with self.fs.open_input_stream(self.path(name)) as f:
+                return stream_crc32c(f)
+
+    def open_shard(self, name: str, *, whole: bool = False) -> ShardReader:
+        """A shard opened for reading: memory-mapped (copy-on-write) when local, ranged reads
+        otherwise (``whole``: one read of the whole file, for readers that touch every
+        tensor). Non-regular files are refused before opening."""
+        with self._reading(name):
+            size = self.regular_size(name)
+            if size is None:
+                raise FileNotFoundError(errno.ENOENT, "no such shard", self.display(name))
+            if self._local:
+                return LocalShard(self.path(name))
+            return RemoteShard(self, name, size, self.read_bytes(name) if whole else None)
+
+    def read_header(self, name: str, size: int | None = None) -> Header:
+        """A shard's validated header (two small reads, no tensor bytes)."""
+        if size is None:
+            size = self.regular_size(name)
+            if size is None:
+                raise FileNotFoundError(errno.ENOENT, "no such shard", self.display(name))
+        prefix = bytes(self.read_range(name, 0, min(8, size)))
+        n = read_header_length(prefix, size, self.display(name))
+        return decode_header(
+            prefix + bytes(self.read_range(name, 8, 8 + n)), size, self.display(name)
+        )
+
+    def _input_file(self, name: str):
+        if self._pid != os.getpid():
+            self._pid, self._open = os.getpid(), {}
+        f = self._open.get(name)
+        if f is None:
+            if self._local:
+                self._refuse_special(name)
+            f = self._open[name] = self.fs.open_input_file(self.path(name))
+        return f
+
+    @contextlib.contextmanager
+    def _reading(self, name: str):
+        try:
+            yield
+        except FileNotFoundError as e:
+            raise DatasetReplacedError(
+                f"{self.display(name)!r} is gone: the dataset {self.uri!r} was replaced or deleted "
+                "after it was opened; open it again to read the current version"
+            ) from e
+
+    def _refuse_special(self, name: str) -> None:
+        if self.regular_size(name) is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.display(name))
+
+    # -- manifest and index
+
+    def load_manifest(self) -> Manifest:
+        """The manifest, parsed and checked (fields, totals, duplicate and escaping names)."""
+
+        def read():
+            try:
+                return self.read_bytes(MANIFEST)
+            except DatasetReplacedError:
+                raise FileNotFoundError(MANIFEST) from None
+
+        manifest = parse_manifest(read, self.uri, self.display(MANIFEST))
+        for shard in manifest.shards:
+            self.path(shard.shard_path)
+        if manifest.index_file is not None:
+            self.path(manifest.index_file, what="index_file")
+        return manifest
+
+    def verify(self, *, checksums: bool = False, manifest: Manifest | None = None) -> Manifest:
+        """The manifest when the dataset is whole: every shard present, a regular file of
+        the listed size, its header agreeing with the schema and its row count, and with
+        ``checksums`` the crc32c of every shard and of the index. Raises ``ManifestError``
+        listing every problem."""
+        from .verify import verify_shards
+
+        manifest = manifest or self.load_manifest()
+        listing = self.list()
+        problems: list[str] = []
+
+        def size_of(entry):
+            info = listing.get(entry.shard_path)
+            if info is None or info.type == pafs.FileType.NotFound:
+                return None
+            if info.type != pafs.FileType.File:  # a FIFO, directory or device
+                problems.append(f"{entry.shard_path}: not a regular file")
+                return -1
+            return info.size
+
+        checked = verify_shards(
+            manifest,
+            self.uri,
+            size_of,
+            lambda e: self.read_header(e.shard_path, e.bytes),
+            lambda e: self.stream_crc32c(e.shard_path),
+            checksums=checksums,
+            extra=problems,
+        )
+        if checksums and manifest.index_file is not None:
+            self.read_index(manifest, checksums=True)
+        return checked
+
+    def read_index(self, manifest: Manifest, *, checksums: bool = False) -> pa.Table:
+        """The tensor index the manifest names, checked: every row names a shard of the
+        manifest, within its listed bytes (and with ``checksums`` the file's crc32c)."""
+        if manifest.index_file is None:
+            raise ManifestError(
+                f"dataset {self.uri!r} has no tensor index; write it with generate_index=true"
+            )
+        name = manifest.index_file
+        where = self.display(name)
+        if (
+            checksums
+            and manifest.index_crc32c
+            and self.stream_crc32c(name) != manifest.index_crc32c
+        ):
+            raise ManifestError(f"{where!r}: crc32c mismatch (the index changed or is corrupt)")
+        try:
+            with self._reading(name):
+                if self._local:
+                    self._refuse_special(name)
+                    table = pq.read_table(self.path(name, what="index_file"), schema=INDEX_SCHEMA)
+                else:
+                    table = pq.read_table(
+                        self.path(name, what="index_file"), filesystem=self.fs, schema=INDEX_SCHEMA
+                    )
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+            if isinstance(e, DatasetReplacedError):
+                raise
+            raise ManifestError(f"{where!r}: not a readable tensor index ({e})") from None
+        check_index(table, manifest, where)
+        return table
+
+    # -- writes
+
+    def makedirs(self) -> None:
+        self.fs.create_dir(self.root, recursive=True)
+
+    def write_shard(self, name: str, write: Callable[[str], object]):
+        """Write a shard under its final-style ``name`` (which no reader trusts before a
+        manifest lists it): ``write(path)`` writes a local file; locally that is the
+        dataset's own file, elsewhere a spool file uploaded in one stream. Returns what
+        ``write`` returns. I/O errors name the dataset and the file."""
+        target = self.path(name)
+        with self.writing(name):
+            if self._local:
+                os.makedirs(self.root, exist_ok=True)
+                return write(target)
+            spool_dir = tempfile.mkdtemp(prefix="pss-shard-")
+            try:
+                spool = os.path.join(spool_dir, name)
+                result = write(spool)
+                with open(spool, "rb") as src, self.fs.open_output_stream(target) as dst:
+                    shutil.copyfileobj(src, dst, _CHUNK)
+                return result
+            finally:
+                shutil.rmtree(spool_dir, ignore_errors=True)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        """Publish a whole small file in one atomic step: a temporary name, fsync and a
+        rename locally; one PUT on an object store (objects appear whole or not at all)."""
+        target = self.path(name, what="file")
+        with self.writing(name):
+            if self._local:
+                folder, _, base = target.rpartition("/")
+                os.makedirs(folder, exist_ok=True)
+                tmp = os.path.join(folder, f".{base}.{uuid.uuid4().hex}.tmp")
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, target)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+                return
+            with self.fs.open_output_stream(target) as f:
+                f.write(data)
+
+    def put_json(self, name: str, doc: object) -> None:
+        self.put_bytes(name, (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode())
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete files and directories (recursively) by name; missing ones are fine."""
+        for name in names:
+            full = self.path(name, what="file")
+            with contextlib.suppress(FileNotFoundError):
+                info = self.fs.get_file_info(full)
+                if info.type == pafs.FileType.Directory:
+                    self.fs.delete_dir(full)
+                elif info.type != pafs.FileType.NotFound:
+                    self.fs.delete_file(full)
+
+    @contextlib.contextmanager
+    def writing(self, name: str):
+        """Re-raise I/O errors (a full disk, a refused PUT) naming the dataset and the file."""
+        try:
+            yield
+        except StorageError:
+            raise
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise StorageError(
+                e.errno, f"writing {name!r} of dataset {self.uri!r} failed: {reason}"
+            ) from e
+
+
+def _strip_file_scheme(text: str) -> str:
+    if text.startswith("file://"):
+        return text[len("file://") :] or "/"
+    if text.startswith("file:"):
+        return text[len("file:") :]
+    return text
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def as_arrow_filesystem(filesystem) -> pafs.FileSystem:
+    """A ``pyarrow.fs.FileSystem`` from one, or from an fsspec filesystem."""
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec ships with the torch extra
+        fsspec = None
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        if "file" in (
+            filesystem.protocol
+            if isinstance(filesystem.protocol, tuple)
+            else (filesystem.protocol,)
+        ):
+            return pafs.LocalFileSystem()
+        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+    raise TypeError(
+        f"expected a pyarrow.fs.FileSystem or an fsspec filesystem, got {type(filesystem).__name__}"
+    )
+
+
+def check_index(table: pa.Table, manifest: Manifest, where: str) -> None:
+    """Every index row names a shard the manifest lists and a byte range inside it."""
+    sizes = {s.shard_path: s.bytes for s in manifest.shards}
+    files = table.column("file_name")
+    unique = [f for f in files.unique().to_pylist()]
+    strangers = [f for f in unique if f not in sizes]
+    if strangers:
+        raise ManifestError(
+            f"{where!r}: index rows name file(s) the manifest does not list: "
+            f"{', '.join(map(repr, strangers[:5]))}; the index is not this dataset's"
+        )
+    if not table.num_rows:
+        return
+    begins = table.column("begin").to_numpy()
+    ends = table.column("end").to_numpy()
+    limit = (
+        np.array([sizes[f] for f in unique], dtype=np.int64)[
+            files.dictionary_encode().combine_chunks().indices.to_numpy(zero_copy_only=False)
+        ]
+        if len(unique) > 1
+        else np.full(len(begins), sizes[unique[0]], dtype=np.int64)
+    )
+    bad = np.flatnonzero((begins < 0) | (ends < begins) | (ends > limit))
+    if len(bad):
+        i = int(bad[0])
+        raise ManifestError(
+            f"{where!r}: index row {i} ({table.column('tensor_key')[i].as_py()!r}) points at bytes "
+            f"[{begins[i]}, {ends[i]}) outside its shard"
+        )
+
+
+class LocalShard:
+    """A local shard: the validated header and copy-on-write mmap views of its tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = SafetensorsFile(path, copy_on_write=True)
+        self.header: Header = self._file.header
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole tensor: a view of the mapping (writable; writes stay in memory)."""
+        return self._file.tensor(name)
+
+    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a tensor (a copy)."""
+        return self._file.tensor(name)[rows]
+
+    def row_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._file.tensor(name)[start:stop]
+
+    def byte_range(self, begin: int, end: int) -> memoryview:
+        return self._file.byte_range(begin, end)
+
+    def raw(self, info) -> memoryview:
+        return self._file.raw(info)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class RemoteShard:
+    """A shard on an object store: the header from two ranged reads, tensors and rows
+    fetched with ranged reads of just their bytes (writable copies)."""
+
+    def __init__(self, location: DatasetLocation, name: str, size: int, data: bytes | None = None):
+        self.location, self.name, self.size = location, name, size
+        self.path = location.display(name)
+        self._data = None if data is None else memoryview(data)
+        if data is not None and len(data) != size:
+            raise DatasetReplacedError(f"{self.path!r} changed while it was read")
+        if data is None:
+            self.header: Header = location.read_header(name, size)
+        else:
+            n = read_header_length(bytes(data[:8]), size, self.path)
+            self.header = decode_header(bytes(data[: 8 + n]), size, self.path)
+
+    def byte_range(self, begin: int, end: int):
+        if not 0 <= begin <= end <= self.size:
+            raise ValueError(
+                f"file {self.path!r}: byte range [{begin}, {end}) outside its {self.size} bytes"
+            )
+        if self._data is not None:
+            return self._data[begin:end]
+        return self.location.read_range(self.name, begin, end)
+
+    def raw(self, info) -> memoryview:
+        start = self.header.data_start + info.begin
+        return memoryview(self.byte_range(start, start + info.nbytes))
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        data = self.raw(info)
+        if info.dtype.numpy is None:
+            return np.frombuffer(data, dtype=np.uint8).copy()
+        return np.frombuffer(data, dtype=info.dtype.numpy).reshape(info.shape).copy()
+
+    def row_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        info = self.header[name]
+        n = info.shape[0] if info.shape else 1
+        start, stop = max(0, start), min(stop, n)
+        row_bytes = info.nbytes // max(n, 1)
+        base = self.header.data_start + info.begin
+        data = self.byte_range(base + start * row_bytes, base + max(stop, start) * row_bytes)
+        return (
+            np.frombuffer(data, dtype=info.dtype.numpy)
+            .reshape(max(stop - start, 0), *info.shape[1:])
+            .copy()
+        )
+
+    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a tensor: rows close together come from one ranged read, so a shuffled
+        batch costs a few reads per shard."""
+        info = self.header[name]
+        sample = info.shape[1:]
+        out = np.empty((len(rows), *sample), dtype=info.dtype.numpy)
+        if not len(rows):
+            return out
+        row_bytes = info.nbytes // max(info.shape[0], 1)
+        order = np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        gap = max(1, (1 << 20) // max(row_bytes, 1))  # a new read past ~1 MB of unwanted rows
+        cuts = np.flatnonzero(np.diff(ordered) > gap) + 1
+        for run in np.split(np.arange(len(ordered)), cuts):
+            lo, hi = int(ordered[run[0]]), int(ordered[run[-1]]) + 1
+            block = self.row_range(name, lo, hi)
+            out[order[run]] = block[ordered[run] - lo]
+        return out
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+ShardReader = LocalShard | RemoteShard
