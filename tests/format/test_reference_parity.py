@@ -171,6 +171,15 @@ CORPUS = {
         blob_of('{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,1]}}', b"\x12"),
         "refused",
     ),
+    "offsets shifted into the next entry's slot": (
+        blob_of(
+            '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},:[8,16]},'
+            '"b":{"dtype":"F32","shape":[2],"data_offsets""c":{"dtype":"F32","shape":[2],'
+            '"data_offsets":[16,24]}}',
+            b"\0" * 24,
+        ),
+        "refused",
+    ),
     # Stricter on purpose (docs/format.md):
     "duplicate tensor": (blob_of('{"a":' + E + ',"a":' + E + "}", b"\0" * 8), "refused"),
     "duplicate metadata key": (

@@ -11,6 +11,7 @@ import functools
 import gc
 import json
 import math
+import operator
 import re
 import struct
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ MAX_HEADER_BYTES = 100_000_000
 """The reference library refuses larger headers; so do we, before reading them."""
 
 METADATA_KEY = "__metadata__"
+_NAME = operator.itemgetter(0)
 
 
 class TensorInfo(NamedTuple):
@@ -71,7 +73,9 @@ class Header:
     """Absolute file offset of the byte buffer (8 + N)."""
 
     def __post_init__(self):
-        object.__setattr__(self, "_by_name", {t.name: t for t in self.tensors})
+        object.__setattr__(
+            self, "_by_name", dict(zip(map(_NAME, self.tensors), self.tensors, strict=True))
+        )
 
     def __getitem__(self, name: str) -> TensorInfo:
         try:
@@ -532,7 +536,8 @@ def _clip(value) -> str:
 # the general path, so errors and unusual headers are always the general path's.
 
 _COMPACT_SHAPE = re.compile(r":\[(?:(?:0|[1-9][0-9]{0,19})(?:,(?:0|[1-9][0-9]{0,19}))*)?\],")
-_COMPACT_OFFSETS = re.compile(r"(?::\[(?:0|[1-9][0-9]{0,17}),(?:0|[1-9][0-9]{0,17})\]\},)*")
+_COMPACT_PAIR = r":\[(?:0|[1-9][0-9]{0,17}),(?:0|[1-9][0-9]{0,17})\]\},"
+_COMPACT_OFFSETS = re.compile(f'{_COMPACT_PAIR}(?:"{_COMPACT_PAIR})*')
 _NEEDS_GENERAL = re.compile(r"[\\\x00-\x1f]")  # escapes and control characters
 _FIXED = ((2, ":{"), (3, "dtype"), (4, ":"), (6, ","), (7, "shape"), (9, "data_offsets"))
 _METADATA_PREFIX = '{"' + METADATA_KEY + '":'
@@ -567,10 +572,7 @@ def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header 
         if body[pos : pos + 1] != ",":
             return None
         pos += 1
-    region = body[pos:-1] + ","
-    if _NEEDS_GENERAL.search(region):
-        return None
-    parts = region.split('"')
+    parts = (body[pos:-1] + ",").split('"')
     n = len(parts) // 10
     if n == 0 or len(parts) != 10 * n + 1 or parts[0]:
         return None
@@ -582,6 +584,8 @@ def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header 
         parts[8::10],
         parts[10::10],
     )
+    if _NEEDS_GENERAL.search("".join(names)):  # the only free text; other slots are checked
+        return None
     dtypes = [DTYPES.get(d) for d in dict.fromkeys(dtype_names)]
     if None in dtypes:
         return None
@@ -602,13 +606,12 @@ def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header 
         return None  # the general path names the tensor
     if max(numel) >= _FAST_NUMEL_LIMIT:
         return None
-    offsets_text = "".join(offset_texts)
+    # Joined with '"' (which no slot holds), so the pattern checks every tensor's own slot.
+    offsets_text = '"'.join(offset_texts)
     if not _COMPACT_OFFSETS.fullmatch(offsets_text):
         return None
     # np.fromstring's text mode (sep), not its removed binary mode; the text was checked above.
-    numbers = np.fromstring(
-        offsets_text.replace(":[", "").replace("]},", ","), dtype=np.int64, sep=","
-    )
+    numbers = np.fromstring(offsets_text.replace(']},":[', ",")[2:-3], dtype=np.int64, sep=",")
     begins, ends = numbers[0::2], numbers[1::2]
     dtype_of = np.fromiter(map(dtype_ids.__getitem__, dtype_names), np.int64, n)
     shape_of = np.fromiter(map(shape_ids.__getitem__, shape_texts), np.int64, n)
