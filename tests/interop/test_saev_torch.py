@@ -86,7 +86,7 @@ def test_sae_trainer_trains_from_a_saev_view(tmp_path, saev_real, monkeypatch):
     root = saev_real.write(tmp_path, saev_real.metadata([-2], 8, True, 16, 64, 9 * 20), acts)
     # the trainer opens its dataset with one call; here it opens the saev view instead
     monkeypatch.setattr(train_module, "open_dataset", lambda p: open_saev(p, layer=-2))
-    config = SAEConfig(dataset=str(root), n_latents=32, k=4, batch_size=64, tokens=64 * 40,
+    config = SAEConfig(dataset=str(root), n_latents=32, k=4, batch_size=64, tokens=64 * 100,
                        warmup_steps=2, lr=3e-3, out_dir=str(tmp_path / "sae"), log_every=5,
                        checkpoints=1, progress=False)  # fmt: skip
     trainer = train_module.Trainer(config)
