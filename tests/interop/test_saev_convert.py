@@ -139,3 +139,12 @@ def test_a_failing_worker_leaves_nothing(tmp_path, small_dump):
         saev_to_dataset(root, plain, progress=False)
     assert SaevDump(root).meta.n_imgs == 7
     assert json.loads((root / "metadata.json").read_text())["n_imgs"] == 7
+
+
+def test_a_dump_still_being_staged_is_not_a_source(tmp_path, small_dump):
+    root, _ = small_dump
+    staging = tmp_path / "dump_to" / f".{root.name}.staging-0123456789ab"
+    staging.parent.mkdir()
+    root.rename(staging)
+    with pytest.raises(ConversionError, match="not a safetensors dataset"):
+        detect_source(tmp_path / "dump_to")

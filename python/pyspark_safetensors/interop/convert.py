@@ -54,7 +54,9 @@ def detect_source(path: str | os.PathLike) -> Source:
     if any((p / name).is_file() for name in (".zgroup", ".zattrs", "zarr.json")):
         return "zarr"
     if (p / "metadata.json").is_file() or any(
-        (child / "metadata.json").is_file() for child in p.iterdir() if child.is_dir()
+        (child / "metadata.json").is_file()
+        for child in p.iterdir()
+        if child.is_dir() and not child.name.startswith(".")  # not a dump still being staged
     ):
         return "saev"
     raise ConversionError(
