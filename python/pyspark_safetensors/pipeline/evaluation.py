@@ -66,9 +66,10 @@ def plot_frequencies(freqs: Mapping[str, np.ndarray], tokens: int, out: Path) ->
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    # one firing in the whole held-out set is the smallest frequency that can show
-    lowest = min(np.log10(RARE_FREQUENCY), -np.log10(max(tokens, 1))) - 0.5
-    bins = np.linspace(np.floor(lowest * 2) / 2, 0, 50)
+    # one firing in the whole held-out set is the smallest frequency that can show; bins of
+    # a quarter decade keep the few-firings counts (1/N, 2/N, ...) from leaving gaps
+    lowest = min(np.log10(RARE_FREQUENCY), -np.log10(max(tokens, 1))) - 0.25
+    bins = np.arange(np.floor(lowest * 4) / 4, 0.25, 0.25)
     for hook, freq in freqs.items():
         never = int((freq == 0).sum())
         ax.hist(np.log10(freq[freq > 0]), bins=bins, histtype="step", linewidth=1.5,
