@@ -26,6 +26,45 @@ def pytest_collection_modifyitems(config, items):
 
 os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
 
+# The loopback S3 server's credentials, set before any Spark JVM starts so that every Python
+# worker (executors of local-cluster masters included) inherits them; tests pass the
+# endpoint themselves, so no real store is ever reached.
+os.environ.update(
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_REGION="us-east-1",
+    AWS_EC2_METADATA_DISABLED="true",
+)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A standalone S3 server (moto) on a free loopback port for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request) -> str:
+    """A fresh bucket on the loopback S3 server; returns its ``s3://`` URI."""
+    import re
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    name = f"{name}-{uuid.uuid4().hex[:8]}"
+    scheme, _, host = s3_endpoint.partition("://")
+    pafs.S3FileSystem(endpoint_override=host, scheme=scheme, allow_bucket_creation=True).create_dir(
+        name
+    )
+    return f"s3://{name}"
+
 
 @pytest.fixture(scope="module")
 def spark():

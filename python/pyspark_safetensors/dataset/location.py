@@ -355,9 +355,22 @@ class DatasetLocation:
 
     @contextlib.contextmanager
     def _reading(self, name: str):
+        """Say plainly when a file a manifest listed is gone (the dataset was replaced),
+        whatever error the store gives for it."""
         try:
             yield
-        except FileNotFoundError as e:
+        except DatasetReplacedError:
+            raise
+        except OSError as e:
+            self._open.pop(name, None)
+            gone = isinstance(e, FileNotFoundError)
+            if not gone:
+                with contextlib.suppress(OSError, ManifestError):
+                    gone = self.fs.get_file_info(self.path(name, what="file")).type == (
+                        pafs.FileType.NotFound
+                    )
+            if not gone:
+                raise
             raise DatasetReplacedError(
                 f"{self.display(name)!r} is gone: the dataset {self.uri!r} was replaced or deleted "
                 "after it was opened; open it again to read the current version"
