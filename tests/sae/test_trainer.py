@@ -242,8 +242,8 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
     assert short.lr_at(50) == short.config.learning_rate
     assert short.lr_at(199) < short.config.learning_rate / 20  # decayed at the end
     assert short.dead_tokens == 256 * 200 // 10
-    assert SAEConfig(d=384, n_latents=16384).learning_rate == pytest.approx(4e-3)
-    assert SAEConfig(d=384, n_latents=4096).learning_rate == pytest.approx(8e-3)
+    assert SAEConfig(d=384, n_latents=16384).learning_rate == pytest.approx(2.8e-3)
+    assert SAEConfig(d=384, n_latents=4096).learning_rate == pytest.approx(5.6e-3)
     with pytest.warns(UserWarning, match="little room to train: 4 steps, of which 2 warm up"):
         Trainer(_config(activations, tmp_path, warmup_steps=2, tokens=256 * 4))
 

@@ -19,9 +19,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 #: Adam's learning rate at 16384 latents. Gao et al.'s 2e-4 was fitted to runs of billions
 #: of tokens; on MiniLM activations (10^5 to 10^6 tokens, 768 to 12288 latents, batch
-#: 4096) the held-out FVU was best for bases of 3.5e-3 to 7e-3 at every dictionary size
-#: once scaled by 1/sqrt(n), and 2e-4 left it 3 to 8x worse (``docs/sae.md``).
-LR_BASE = 4e-3
+#: 4096) it left the held-out FVU 3 to 8x worse. Higher bases lower the FVU up to ~5e-3
+#: but leave more latents that never fire; 2.8e-3 is where, at 3072 latents, both the
+#: FVU and the dead latents beat sparsify's defaults (``docs/sae.md``).
+LR_BASE = 2.8e-3
 
 
 @dataclass(frozen=True)
