@@ -8,7 +8,7 @@ on the same texts.
     python -m benchmarks sae_quality            # SAE_QUALITY_DATA=dataset dir to reuse one
 
 Each trainer sees the same batches (our loader, same seed) and its own initialisation and
-optimiser defaults: ours (Adam, lr 4e-3/sqrt(n/16384), warm-up 5 %, decay 20 %,
+optimiser defaults: ours (Adam, lr 2.8e-3/sqrt(n/16384), warm-up 5 %, decay 20 %,
 geometric-median b_dec, AuxK); sparsify's ``Trainer`` step (Signum in ScheduleFree,
 lr 5e-3/sqrt(n/2^14), mean b_dec, no AuxK); SAELens' ``SAETrainer`` (``TopKTrainingSAE``,
 Adam 3e-4 constant).
