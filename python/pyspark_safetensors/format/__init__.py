@@ -4,7 +4,7 @@ numpy only: no Spark, no torch. Everything above this layer builds on these verb
 """
 
 from .casts import cast_array, to_bf16, to_f16
-from .dtypes import DTYPES, WRITABLE, DType, dtype_of, get_dtype
+from .dtypes import DTYPES, WRITABLE, DType, DTypeNameError, canonical_dtype, dtype_of, get_dtype
 from .errors import (
     CastError,
     DuplicateKeyError,
@@ -45,6 +45,7 @@ __all__ = [
     "CastError",
     "ChunkedTensor",
     "DType",
+    "DTypeNameError",
     "DuplicateKeyError",
     "FileSizeError",
     "Header",
@@ -62,6 +63,7 @@ __all__ = [
     "TensorInfo",
     "TruncatedFileError",
     "UnknownDTypeError",
+    "canonical_dtype",
     "cast_array",
     "decode_header",
     "dtype_of",

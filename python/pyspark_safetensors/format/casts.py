@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -113,12 +114,45 @@ def _check_integer_range(x: np.ndarray, target: np.dtype, dtype: DType, where: s
         )
 
 
-def cast_array(x: np.ndarray, dtype: DType | str, *, where: str = "") -> np.ndarray:
+def _check_integers_kept(x: np.ndarray, out: np.ndarray, dtype: DType, where: str) -> None:
+    """Every integer of ``x`` is unchanged in the float array ``out``."""
+    back = out.astype(np.float64)  # exact for every float target
+    with np.errstate(invalid="ignore"):
+        kept = back == x.astype(np.float64)
+    large = np.abs(x.astype(np.float64)) >= 2.0**53  # beyond 2^53 float64 rounds: compare ints
+    if large.any():
+        kept[large] = [
+            math.isfinite(b) and int(b) == int(v)
+            for b, v in zip(back[large].tolist(), x[large].tolist(), strict=True)
+        ]
+    if not kept.all():
+        i = int(np.argmin(kept.reshape(-1)))
+        raise CastError(
+            f"value {int(x.reshape(-1)[i])}{_describe(where)} is not exactly representable in "
+            f"{dtype} (it would become {back.reshape(-1)[i].item()!r})"
+        )
+
+
+def cast_array(
+    x: np.ndarray, dtype: DType | str, *, where: str = "", exact: bool = False
+) -> np.ndarray:
     """Cast ``x`` to the numpy dtype that holds ``dtype``'s bytes, with the rules above.
 
-    ``where`` (e.g. ``"column 'activation'"``) is named in error messages. Returns ``x``
-    itself when it already has the target dtype.
+    ``where`` (e.g. ``"column 'activation'"``) is named in error messages. ``exact``
+    also refuses integers that a float target cannot hold exactly (e.g. 2049 in F16),
+    so no cast changes an integer value. Returns ``x`` itself when it already has the
+    target dtype.
     """
+    if isinstance(dtype, str):
+        dtype = get_dtype(dtype)
+    x = np.asarray(x)
+    out = _cast(x, dtype, where)
+    if exact and x.dtype.kind in "iu" and dtype.is_float and x.size:
+        _check_integers_kept(x, out, dtype, where)
+    return out
+
+
+def _cast(x: np.ndarray, dtype: DType | str, where: str) -> np.ndarray:
     if isinstance(dtype, str):
         dtype = get_dtype(dtype)
     target = dtype.numpy
@@ -132,9 +166,9 @@ def cast_array(x: np.ndarray, dtype: DType | str, *, where: str = "") -> np.ndar
         if src.kind == "f" and src.itemsize >= 4:
             return to_f16(x) if dtype.name == "F16" else to_bf16(x)
         if src.kind in "iub":  # exact in float32 up to 2^24; beyond, round once more like torch
-            return cast_array(x.astype(np.float32), dtype)
+            return _cast(x.astype(np.float32), dtype, where)
         if src in (F16, BF16):
-            return cast_array(x.astype(np.float32), dtype)
+            return _cast(x.astype(np.float32), dtype, where)
         raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
     if dtype.is_integer:
         if src.kind == "b":

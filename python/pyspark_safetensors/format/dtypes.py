@@ -7,6 +7,7 @@ floats) are readable as raw bytes only.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -97,14 +98,82 @@ WRITABLE: tuple[str, ...] = (
 
 _BY_NUMPY = {d.numpy: d for d in DTYPES.values() if d.numpy is not None}
 
+# Other names users give a dtype, lower case: numpy/torch/ml_dtypes names, torch's short
+# names, Spark SQL's type names and the usual shorthands. A "torch." or "np."/"numpy."
+# prefix is ignored. "byte" is left out on purpose: Spark's ByteType is I8, torch's
+# .byte() is U8.
+_ALIASES = {
+    "BOOL": ("bool", "boolean"),
+    "U8": ("uint8",),
+    "I8": ("int8", "tinyint"),
+    "I16": ("int16", "short", "smallint"),
+    "U16": ("uint16",),
+    "I32": ("int32", "int", "integer"),
+    "U32": ("uint32",),
+    "I64": ("int64", "long", "bigint"),
+    "U64": ("uint64",),
+    "F16": ("float16", "fp16", "half"),
+    "BF16": ("bfloat16", "bf16"),
+    "F32": ("float32", "fp32", "float", "single"),
+    "F64": ("float64", "fp64", "double"),
+    "C64": ("complex64", "cfloat"),
+    "F8_E5M2": ("float8_e5m2",),
+    "F8_E4M3": ("float8_e4m3fn", "float8_e4m3"),
+    "F8_E8M0": ("float8_e8m0fnu", "float8_e8m0"),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz",),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz",),
+}
+_NAMES = {name.lower(): name for name in DTYPES} | {
+    alias: name for name, aliases in _ALIASES.items() for alias in aliases
+}
+_PREFIXES = ("torch.", "numpy.", "np.")
 
-def get_dtype(name: str, *, writable: bool = False) -> DType:
-    """Look a dtype up by its header name (case-insensitive); a clear error lists the choices."""
-    d = DTYPES.get(name.upper()) if isinstance(name, str) else None
-    if d is None or (writable and d.name not in WRITABLE):
-        choices = WRITABLE if writable else tuple(DTYPES)
-        raise ValueError(f"unknown dtype {name!r}; valid dtypes: {', '.join(choices)}")
-    return d
+
+class DTypeNameError(ValueError):
+    """A dtype name that names no safetensors dtype (or none that can be written)."""
+
+
+def canonical_dtype(name: object, *, writable: bool = False) -> str:
+    """The safetensors name (``"F16"``, ``"BF16"``, ...) of a dtype named any usual way:
+    ``F16``, ``float16``, ``fp16``, ``half``, ``torch.float16``, ``np.float16`` (any
+    case), a numpy dtype or a torch dtype. ``writable`` refuses the dtypes writers do not
+    produce. Errors give the canonical names, and the closest one."""
+    if isinstance(name, str):
+        text = name
+    else:
+        try:  # numpy dtypes and scalar types (ml_dtypes' too); torch dtypes print as torch.x
+            text = np.dtype(name).name  # type: ignore[arg-type]
+        except TypeError:
+            text = str(name)
+    key = text.strip().lower()
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+            break
+    canonical = _NAMES.get(key)
+    choices = WRITABLE if writable else tuple(DTYPES)
+    if canonical in choices:
+        return canonical
+    if canonical is not None:
+        raise DTypeNameError(
+            f"dtype {canonical} (from {text!r}) can be read but not written; "
+            f"valid dtypes are {', '.join(choices)}"
+        )
+    close = [
+        _NAMES[c]
+        for c in difflib.get_close_matches(key, list(_NAMES), n=3, cutoff=0.6)
+        if _NAMES[c] in choices
+    ]
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise DTypeNameError(
+        f"unknown dtype {text!r}{hint}; valid dtypes are {', '.join(choices)} (or their usual "
+        "names: float16, fp16, half, bfloat16, float32, float, int64, long, torch.float16, ...)"
+    )
+
+
+def get_dtype(name: object, *, writable: bool = False) -> DType:
+    """The ``DType`` of a dtype named any way ``canonical_dtype`` accepts."""
+    return DTYPES[canonical_dtype(name, writable=writable)]
 
 
 def dtype_of(array: np.ndarray) -> DType:

@@ -64,6 +64,8 @@ class ColumnPlan:
     """Dtype written; None for structs without a dtype option (their own dtype is kept)."""
     shape: tuple[int, ...] | None
     """Per-sample shape from the ``shapes`` option, if given."""
+    cast_hint: str = ""
+    """Added to cast errors: how to change the dtype this column gets."""
 
 
 def is_tensor_struct(t: DataType) -> bool:
@@ -81,9 +83,15 @@ def is_tensor_struct(t: DataType) -> bool:
 
 def plan_column(name: str, t: DataType, options) -> ColumnPlan:
     shape = options.shapes.get(name)
+    hint = (
+        f"; the dtype option {options.dtype} applies to every numeric column: give dtypes per "
+        f'column as JSON instead, e.g. dtype={{"{name}": "..."}}'
+        if options.dtype is not None and name not in options.column_dtypes
+        else ""
+    )
     if is_tensor_struct(t):
         target = options.column_dtypes.get(name, options.dtype)
-        return ColumnPlan(name, "struct", 0, "", target, shape)
+        return ColumnPlan(name, "struct", 0, "", target, shape, hint)
     depth, leaf = 0, t
     while isinstance(leaf, ArrayType):
         depth, leaf = depth + 1, leaf.elementType
@@ -92,8 +100,8 @@ def plan_column(name: str, t: DataType, options) -> ColumnPlan:
         raise ColumnError(
             f"column {name!r} has type {t.simpleString()}, which cannot be written as a tensor; accepted: {ACCEPTED}"
         )
-    target = options.target_dtype(name, source.startswith("F"), source)
-    return ColumnPlan(name, "array" if depth else "scalar", depth, source, target, shape)
+    target = options.target_dtype(name, source)
+    return ColumnPlan(name, "array" if depth else "scalar", depth, source, target, shape, hint)
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -205,13 +213,13 @@ def _array_rows(arr: pa.Array, plan: ColumnPlan) -> tuple[np.ndarray, np.ndarray
 def _cast(flat: np.ndarray, plan: ColumnPlan, bounds: np.ndarray) -> np.ndarray:
     """``flat`` in the plan's target dtype; a failing cast names the first bad row."""
     try:
-        return cast_array(flat, plan.target, where=f"column {plan.name!r}")
+        return cast_array(flat, plan.target, where=f"column {plan.name!r}", exact=True)
     except CastError:
         for row, (a, b) in enumerate(itertools.pairwise(bounds.tolist())):
             try:
-                cast_array(flat[a:b], plan.target)
+                cast_array(flat[a:b], plan.target, exact=True)
             except CastError as e:
-                raise _BadRow(str(e), row) from None
+                raise _BadRow(f"{e}{plan.cast_hint}", row) from None
         raise
 
 
@@ -388,7 +396,7 @@ def _cast_struct_rows(raw, starts, specs, spec_of, plan: ColumnPlan) -> PackedTe
     for row, (a, b, s) in enumerate(rows):
         dtype, shape = specs[s]
         try:
-            arrays.append(cast_array(raw[a:b].view(dtype.numpy), target).reshape(shape))
+            arrays.append(cast_array(raw[a:b].view(dtype.numpy), target, exact=True).reshape(shape))
         except CastError as e:
-            raise _BadRow(str(e), row) from None
+            raise _BadRow(f"{e}{plan.cast_hint}", row) from None
     return PackedTensors.of(arrays)

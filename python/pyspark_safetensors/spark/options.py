@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..format import WRITABLE, get_dtype
+from ..format import canonical_dtype
 
 TAIL_STRATEGIES = ("write", "drop", "pad")
 DUPLICATE_STRATEGIES = ("fail", "lastWin")
 CHECKSUMS = ("crc32c", "none")
+
+MAX_ROWS = 2**31 - 1
+"""Largest row count or dimension an option may give: Spark arrays, the Tensor Struct's
+``shape: array<int>`` and Arrow's list offsets hold 32-bit signed counts."""
+
+WRITER_OPTIONS = (
+    "path", "batch_size", "name_col", "dtype", "columns", "shapes", "tail_strategy",
+    "duplicatesStrategy", "kv_separator", "target_shard_size_mb", "generate_index",
+    "metadata", "checksum",
+)  # fmt: skip
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class OptionError(ValueError):
@@ -27,25 +41,45 @@ def _bool(name: str, value: str) -> bool:
     raise OptionError(f"option {name}={value!r}: expected true or false")
 
 
-def _int(name: str, value: str, lo: int, hi: int | None = None) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise OptionError(f"option {name}={value!r}: expected an integer") from None
-    if n < lo or (hi is not None and n > hi):
-        raise OptionError(
-            f"option {name}={n}: must be between {lo} and {hi}"
-            if hi
-            else f"option {name}={n}: must be >= {lo}"
-        )
+def _int(name: str, value: str, lo: int, hi: int = MAX_ROWS) -> int:
+    """An integer option within ``lo..hi`` (by default what a 32-bit count holds)."""
+    text = str(value).strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,30}", text):
+        raise OptionError(f"option {name}={value!r}: expected an integer between {lo} and {hi}")
+    n = int(text)
+    if not lo <= n <= hi:
+        raise OptionError(f"option {name}={n}: must be between {lo} and {hi}")
     return n
 
 
+def unknown_option_error(unknown: list[str], known: tuple[str, ...]) -> OptionError:
+    """An error naming the unknown options, the closest known ones and all of them."""
+    by_lower = {k.lower(): k for k in known}
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{name} (did you mean {by_lower[close[0]]}?)")
+        else:
+            hints.append(name)
+    return OptionError(
+        f"unknown option(s) {', '.join(hints)}; valid options: {', '.join(sorted(known, key=str.lower))}"
+    )
+
+
 def _json(name: str, value: str, example: str):
+    def refuse(constant):
+        raise OptionError(f"option {name}: {constant} is not JSON; example: {example}")
+
     try:
-        return json.loads(value)
+        parsed = json.loads(value, parse_constant=refuse)
     except json.JSONDecodeError as e:
         raise OptionError(f"option {name}: not valid JSON ({e.msg}); example: {example}") from None
+    except RecursionError:
+        raise OptionError(f"option {name}: JSON nested too deeply; example: {example}") from None
+    if _SURROGATE.search(json.dumps(parsed, ensure_ascii=False)):
+        raise OptionError(f"option {name}: a string holds a lone UTF-16 surrogate (not UTF-8)")
+    return parsed
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
@@ -63,7 +97,8 @@ class WriterOptions:
     batch_size: int | None = None
     name_col: str | None = None
     dtype: str | None = None
-    """One dtype for every floating-point column, or None to keep each column's own."""
+    """One dtype for every numeric column (integer columns too), or None to keep each
+    column's own."""
     column_dtypes: dict[str, str] = field(default_factory=dict)
     """Per-column dtypes (from a JSON ``dtype`` option); override ``dtype``."""
     columns: tuple[str, ...] | None = None
@@ -83,15 +118,12 @@ class WriterOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriterOptions:
         opts = {k.lower(): v for k, v in options.items()}
-        known = {
-            "path", "batch_size", "name_col", "dtype", "columns", "shapes", "tail_strategy",
-            "duplicatesstrategy", "kv_separator", "target_shard_size_mb", "generate_index",
-            "metadata", "checksum",
-        }  # fmt: skip
+        known = {k.lower() for k in WRITER_OPTIONS}
         unknown = sorted(set(opts) - known)
         if unknown:
-            raise OptionError(
-                f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known - {'path'}))}"
+            raise unknown_option_error(
+                [k for k in options if k.lower() in unknown],
+                tuple(k for k in WRITER_OPTIONS if k != "path"),
             )
         if not opts.get("path"):
             raise OptionError("no path: use .save(path) or .option('path', ...)")
@@ -124,11 +156,14 @@ class WriterOptions:
             shapes = _json("shapes", opts["shapes"], '{"image": [3, 224, 224]}')
             if not isinstance(shapes, dict) or not all(
                 isinstance(s, list)
-                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+                and all(
+                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ROWS for d in s
+                )
                 for s in shapes.values()
             ):
                 raise OptionError(
-                    'option shapes: a JSON object of column -> list of non-negative ints, e.g. {"image": [3, 224, 224]}'
+                    "option shapes: a JSON object of column -> list of ints in 0.."
+                    f'{MAX_ROWS}, e.g. {{"image": [3, 224, 224]}}'
                 )
             kw["shapes"] = {str(c): tuple(s) for c, s in shapes.items()}
         if "tail_strategy" in opts:
@@ -163,19 +198,14 @@ class WriterOptions:
             kw["checksum"] = _choice("checksum", opts["checksum"], CHECKSUMS)
         return cls(**kw)
 
-    def target_dtype(self, column: str, is_float: bool, source: str) -> str:
-        """The dtype a column is written as."""
-        if column in self.column_dtypes:
-            return self.column_dtypes[column]
-        if self.dtype is not None and is_float:
-            return self.dtype
-        return source
+    def target_dtype(self, column: str, source: str) -> str:
+        """The dtype a numeric column of dtype ``source`` is written as: its entry in the
+        JSON ``dtype`` option, else the plain ``dtype`` option, else its own."""
+        return self.column_dtypes.get(column) or self.dtype or source
 
 
 def _dtype(value) -> str:
     try:
-        return get_dtype(str(value), writable=True).name
-    except ValueError:
-        raise OptionError(
-            f"option dtype={value!r}: valid dtypes are {', '.join(WRITABLE)}"
-        ) from None
+        return canonical_dtype(str(value), writable=True)
+    except ValueError as e:
+        raise OptionError(f"option dtype: {e}") from None
