@@ -468,3 +468,29 @@ def test_direct_chunk_writes_equal_zarrs_own(tmp_path):
     store = ActivationStore(tmp_path / "True.zarr", fast=False)
     for i, x in enumerate(acts):
         np.testing.assert_array_equal(store.read(i, 1), x[1])
+
+
+def test_writer_takes_samples_from_threads_in_any_order(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    acts, _ = _samples(8, seed=12)
+    path = tmp_path / "t.zarr"
+    with (
+        StoreWriter(path, num_layers=L, hidden_size=H, t_max=T_MAX, num_samples=8) as w,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        list(pool.map(lambda i: w.put(i, acts[i], split=i % 3, sample_key=f"k{i}"),
+                      [5, 0, 7, 2, 1, 6, 3, 4]))  # fmt: skip
+    store = ActivationStore(path)
+    assert [store.sample_key(i) for i in range(8)] == [f"k{i}" for i in range(8)]
+    np.testing.assert_array_equal(store.arrays["split"], np.arange(8) % 3)
+    for i, x in enumerate(acts):
+        np.testing.assert_array_equal(store.read(i, 2), x[2])
+    with (
+        pytest.raises(ZarrStoreError, match=r"7 of num_samples=8 samples written \(sample 3"),
+        StoreWriter(tmp_path / "u.zarr", num_layers=L, hidden_size=H, t_max=T_MAX,
+                    num_samples=8) as w,
+    ):  # fmt: skip
+        for i in (0, 1, 2, 4, 5, 6, 7):
+            w.put(i, acts[i])
+    assert not (tmp_path / "u.zarr").exists()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -116,6 +117,8 @@ class StoreWriter:
             order="C",
         )
         self.seq_len = np.zeros(self.capacity, np.int32)
+        self.written = np.zeros(self.capacity, bool)
+        self.lock = threading.Lock()  # put() may run on several threads
         self.values: dict[str, np.ndarray] = {}
         self.given: dict[str, np.ndarray] = {}
         self.texts: dict[str, dict[int, dict]] = {name: {} for name in TEXT_FILES}
@@ -212,7 +215,9 @@ class StoreWriter:
                 self.texts[name][i] = {"i": i, "sample_key": key_text, field: text}
         if extra:
             self.texts["extra_metadata.jsonl"][i] = {"i": i, "sample_key": key_text, **extra}
-        self.count = max(self.count, i + 1)
+        with self.lock:
+            self.written[i] = True
+            self.count = max(self.count, i + 1)
 
     def _write_chunks(self, i: int, acts: np.ndarray) -> None:
         """Each ``(1, 1, T_chunk, H)`` chunk of sample ``i`` as its v2 chunk file
@@ -226,14 +231,17 @@ class StoreWriter:
 
     def _value(self, name: str, dtype) -> np.ndarray:
         if name not in self.values:
-            self.values[name] = np.zeros(self.capacity, dtype)
-            self.given[name] = np.zeros(self.capacity, bool)
+            with self.lock:
+                if name not in self.values:
+                    self.given[name] = np.zeros(self.capacity, bool)
+                    self.values[name] = np.zeros(self.capacity, dtype)
         return _Marked(self.values[name], self.given[name])
 
     def _grow(self, capacity: int) -> None:
         self.acts.resize((capacity, *self.acts.shape[1:]))
         self.seq_len = np.resize(self.seq_len, capacity)
         self.seq_len[self.capacity :] = 0
+        self.written = _extend(self.written, capacity)
         for name in self.values:
             self.values[name] = _extend(self.values[name], capacity)
             self.given[name] = _extend(self.given[name], capacity)
@@ -247,9 +255,10 @@ class StoreWriter:
             return self.path
         try:
             n = self.count if not self.fixed else self.capacity
-            if self.fixed and self.count < self.capacity:
+            if self.fixed and not self.written.all():
                 raise ZarrStoreError(
-                    f"{self.path}: {self.count} of num_samples={self.capacity} samples written"
+                    f"{self.path}: {int(self.written.sum())} of num_samples={self.capacity} "
+                    f"samples written (sample {int(np.argmin(self.written))} is missing)"
                 )
             if n != self.acts.shape[0]:
                 self.acts.resize((n, *self.acts.shape[1:]))
