@@ -8,7 +8,19 @@ import re
 import sys
 from pathlib import Path
 
-ALL = ["casts", "header", "writer", "reader", "functions", "loader", "sae", "lut", "extract", "saev", "zarr"]
+ALL = [
+    "casts",
+    "header",
+    "writer",
+    "reader",
+    "functions",
+    "loader",
+    "sae",
+    "lut",
+    "extract",
+    "saev",
+    "zarr",
+]
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 
