@@ -1,0 +1,113 @@
+"""Explicit registration of the ``safetensors`` data source, checked against the Python
+that Spark's workers actually run.
+
+Spark finds ``pyspark_*`` data sources on its own at session start, but it does so in a
+Python process started from ``$PYSPARK_PYTHON`` (default ``python3`` on ``PATH``), and a
+failed lookup is silent: the first ``format("safetensors")`` then fails with
+``DATA_SOURCE_NOT_FOUND``. :func:`register` makes the source known whatever that lookup
+found and proves, with one tiny job, that the workers can import this package — or says
+which Python they run and how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .source import SafetensorsDataSource
+
+
+class WorkerPythonError(RuntimeError):
+    """Spark's Python workers cannot import pyspark_safetensors."""
+
+
+_HOW_TO_FIX = (
+    "Start Spark from the environment that has the package installed (activate it), or set "
+    "PYSPARK_PYTHON to that environment's python before the session starts; on a cluster, "
+    "install pyspark-safetensors as a cluster or notebook library."
+)
+
+
+def _make_probe():
+    # A nested function is pickled by value, so the worker can run it even when it cannot
+    # import this module: that is exactly what it reports.
+    def probe(batches):
+        import sys
+
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        try:
+            import pyspark_safetensors.spark.source  # noqa: F401  what the source's tasks import
+
+            error = ""
+        except Exception as e:  # reported to the driver, not swallowed
+            error = f"{type(e).__name__}: {e}"
+        yield pa.RecordBatch.from_pydict({"executable": [sys.executable], "error": [error]})
+
+    return probe
+
+
+def _configured_python(spark) -> str:
+    """The worker interpreter as the driver sees it (for messages when no worker starts):
+    a classic session's context fixed it from ``$PYSPARK_PYTHON`` when it started."""
+    context = getattr(spark, "_sc", None)
+    return getattr(context, "pythonExec", None) or os.environ.get("PYSPARK_PYTHON", "python3")
+
+
+def _worker_failure(text: str) -> str:
+    """The line of a failed job's error that says why its Python worker failed."""
+    for pattern in (r'Cannot run program "[^"]*": [^\n]*', r"^\s*\w*(?:Error|Exception): [^\n]*"):
+        if found := re.findall(pattern, text, flags=re.M):
+            return found[-1].strip()
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def worker_python(spark) -> str:
+    """The executable of Spark's Python workers, after checking that they import
+    pyspark_safetensors; raises :class:`WorkerPythonError` naming it otherwise."""
+    try:
+        rows = (
+            spark.range(1, numPartitions=1)
+            .mapInArrow(_make_probe(), "executable string, error string")
+            .collect()
+        )
+    except Exception as e:
+        reason = _worker_failure(str(e)) or type(e).__name__
+        raise WorkerPythonError(
+            f"Spark's workers run {_configured_python(spark)}, which cannot import "
+            f"pyspark_safetensors: its Python worker failed ({reason}). {_HOW_TO_FIX}"
+        ) from e
+    executable, error = rows[0]["executable"], rows[0]["error"]
+    if error:
+        raise WorkerPythonError(
+            f"Spark's workers run {executable}, which cannot import pyspark_safetensors: "
+            f"{error}. {_HOW_TO_FIX}"
+        )
+    return executable
+
+
+def _statically_registered(spark) -> bool:
+    """Whether Spark's own lookup already found the source (re-registering it would log a
+    warning). Only classic sessions can tell; elsewhere it is registered again."""
+    try:
+        manager = spark._jsparkSession.sessionState().dataSourceManager()
+        return bool(manager.dataSourceExists(SafetensorsDataSource.name()))
+    except Exception:  # Spark Connect: no JVM handle
+        return False
+
+
+def register(spark, *, check: bool = True) -> None:
+    """Register the ``safetensors`` data source in ``spark`` (a classic or Spark Connect
+    session) and, unless ``check=False``, make sure Spark's Python workers can import this
+    package (one task of one row); raises :class:`WorkerPythonError` saying which Python
+    they run otherwise.
+
+    >>> import pyspark_safetensors
+    >>> pyspark_safetensors.register(spark)
+    """
+    if not _statically_registered(spark):
+        spark.dataSource.register(SafetensorsDataSource)
+    if check:
+        worker_python(spark)

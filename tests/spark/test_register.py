@@ -1,0 +1,82 @@
+"""``pyspark_safetensors.register``: explicit registration, and a clear message when Spark's
+workers run a Python that cannot import the package."""
+
+import json
+import os
+import site
+import subprocess
+import sys
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.spark
+
+
+def python_without_package(dest: Path) -> Path:
+    """A virtual environment with every package of this one except pyspark_safetensors
+    (symlinked, so it costs nothing): pyspark and pyarrow import, this package does not."""
+    venv.EnvBuilder(with_pip=False).create(dest)
+    (target,) = (dest / "lib").glob("python3*/site-packages")
+    for packages in map(Path, site.getsitepackages()):
+        for entry in packages.iterdir():
+            name = entry.name.lower().replace("-", "_")
+            if "pyspark_safetensors" in name or (target / entry.name).exists():
+                continue
+            (target / entry.name).symlink_to(entry)
+    return dest / "bin" / "python"
+
+
+def test_register_checks_the_workers_and_registers(spark, tmp_path):
+    import pyspark_safetensors
+
+    pyspark_safetensors.register(spark)
+    df = spark.range(3).selectExpr("array(cast(id AS float)) AS a")
+    df.write.format("safetensors").option("batch_size", 2).mode("overwrite").save(str(tmp_path))
+    assert json.loads((tmp_path / "dataset_manifest.json").read_text())["total_samples"] == 3
+
+
+def test_wrong_worker_python_gets_a_message_naming_it(tmp_path):
+    # A separate process: the worker interpreter is fixed when a SparkContext starts.
+    wrong = python_without_package(tmp_path / "env")
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from pyspark.sql import SparkSession
+        import pyspark_safetensors
+        from pyspark_safetensors.spark.register import WorkerPythonError
+
+        for python in sys.argv[1:]:
+            os.environ["PYSPARK_PYTHON"] = python
+            spark = SparkSession.builder.master("local[1]").getOrCreate()
+            try:
+                pyspark_safetensors.register(spark)
+                print("registered")
+            except WorkerPythonError as e:
+                print(e)
+            spark.stop()
+        """
+    )
+    missing = str(tmp_path / "no-such-python")
+    env = {k: v for k, v in os.environ.items() if k != "PYSPARK_DRIVER_PYTHON"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(wrong), missing],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].startswith(
+        f"Spark's workers run {wrong}, which cannot import pyspark_safetensors: "
+        "ModuleNotFoundError: No module named 'pyspark_safetensors'"
+    ), lines[0]
+    assert lines[1].startswith(
+        f"Spark's workers run {missing}, which cannot import pyspark_safetensors: its Python "
+        f'worker failed (Cannot run program "{missing}"'
+    ), lines[1]
+    assert "PYSPARK_PYTHON" in lines[0] and "PYSPARK_PYTHON" in lines[1]
