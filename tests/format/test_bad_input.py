@@ -15,6 +15,7 @@ from pyspark_safetensors.format import (
     HeaderStructureError,
     HeaderTooLargeError,
     MetadataError,
+    NotRegularFileError,
     OffsetsError,
     SafetensorsFile,
     SafetensorsFormatError,
@@ -139,3 +140,29 @@ def test_fuzz_mutated_valid_files(tmp_path, data):
                 assert t.nbytes == info.nbytes  # a file we accept is self-consistent
     except SafetensorsFormatError as e:
         assert str(path) in str(e)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_only_regular_files_are_opened(tmp_path, kind):
+    import os
+    import threading
+
+    path = tmp_path / "shard.safetensors"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    errors = []
+
+    def open_both():
+        for opener in (read_header, SafetensorsFile):
+            try:
+                opener(path)
+            except NotRegularFileError as e:
+                errors.append(e)
+
+    worker = threading.Thread(target=open_both, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "opening a FIFO blocked"
+    assert len(errors) == 2 and all(str(path) in str(e) and "rule:" in str(e) for e in errors)

@@ -25,6 +25,10 @@ class SafetensorsFormatError(ValueError):
         super().__init__(f"{prefix + ': ' if prefix else ''}{detail} [rule: {self.rule}]")
 
 
+class NotRegularFileError(SafetensorsFormatError):
+    rule = "a safetensors file is a regular file (not a directory, FIFO, socket or device)"
+
+
 class TruncatedFileError(SafetensorsFormatError):
     rule = "file holds the 8-byte header length, the header and every tensor's bytes"
 

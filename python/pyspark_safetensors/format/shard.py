@@ -9,10 +9,12 @@ directory, fsyncs, and renames into place: a reader sees the whole file or nothi
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import math
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .dtypes import DType, dtype_of
-from .errors import TruncatedFileError
+from .errors import NotRegularFileError, TruncatedFileError
 from .header import (
     Header,
     HeaderLayout,
@@ -237,10 +239,27 @@ def _write_atomically(
         raise
 
 
+def open_regular(path: str) -> io.BufferedReader:
+    """Open a file for reading, refusing anything but a regular file before any read
+    (opened non-blocking, so a FIFO cannot hang the open; a directory gets our error,
+    not ``IsADirectoryError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise NotRegularFileError(f"the path is {kind}", path=path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate only the header of a file (two small reads, no tensor bytes)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         n = read_header_length(prefix, size, path)
@@ -260,7 +279,7 @@ class SafetensorsFile:
         """``copy_on_write`` maps the file privately: views are writable (as torch wants)
         and writes stay in memory, never reaching the file."""
         self.path = os.fspath(path)
-        self._file = open(self.path, "rb")  # noqa: SIM115 - lives as long as the object
+        self._file = open_regular(self.path)  # lives as long as the object
         try:
             size = os.fstat(self._file.fileno()).st_size
             if size < 8:
