@@ -166,3 +166,12 @@ def test_only_regular_files_are_opened(tmp_path, kind):
     worker.join(timeout=10)
     assert not worker.is_alive(), "opening a FIFO blocked"
     assert len(errors) == 2 and all(str(path) in str(e) and "rule:" in str(e) for e in errors)
+
+
+def test_an_empty_tensor_too_large_for_numpy_is_a_typed_error(tmp_path):
+    path = tmp_path / "wide.safetensors"
+    path.write_bytes(raw_file({"a": entry(shape=(0, 2**64 - 1), offsets=(0, 0))}))
+    with SafetensorsFile(path) as f:  # valid for the format and the reference library
+        assert f.header["a"].shape == (0, 2**64 - 1)
+        with pytest.raises(ShapeError, match=r"tensor 'a'.*no numpy form"):
+            f.tensor("a")

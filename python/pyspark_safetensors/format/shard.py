@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .dtypes import DType, dtype_of
-from .errors import NotRegularFileError, TruncatedFileError
+from .errors import NotRegularFileError, ShapeError, TruncatedFileError
 from .header import (
     Header,
     HeaderLayout,
@@ -323,7 +323,15 @@ class SafetensorsFile:
         info = self.header[name]
         if info.dtype.numpy is None:
             return np.frombuffer(self.raw(info), dtype=np.uint8)
-        return np.frombuffer(self.raw(info), dtype=info.dtype.numpy).reshape(info.shape)
+        flat = np.frombuffer(self.raw(info), dtype=info.dtype.numpy)
+        try:
+            return flat.reshape(info.shape)
+        except ValueError:  # valid for the format (an empty tensor), too large for numpy
+            raise ShapeError(
+                f"shape {list(info.shape)} has no numpy form (numpy sizes are signed 64-bit)",
+                path=self.path,
+                tensor=name,
+            ) from None
 
     def close(self) -> None:
         mm = getattr(self, "_mmap", None)
