@@ -29,7 +29,10 @@ def parse(**options):
         ({"batch_size": "2", "metadata": '{"k": NaN}'}, "NaN is not JSON"),
         ({"batch_size": "2", "metadata": '{"k": "\\ud800"}'}, "lone UTF-16 surrogate"),
         ({"batch_size": "2", "dtype": "fp17"}, "did you mean F16"),
-        ({"batch_size": "2", "dtype": '{"x": "F4"}'}, "F4 .* can be read but not written"),
+        (
+            {"batch_size": "2", "dtype": '{"x": "F4"}'},
+            "dtype=.*F4.*: F4 can be read but not written; valid dtypes are F16",
+        ),
         ({"batchsize": "2"}, r"batchsize \(did you mean batch_size\?\)"),
         ({"batch_size": "2", "dtpye": "F16"}, r"dtpye \(did you mean dtype\?\)"),
         ({"batch_size": "2", "duplicatestrategy": "fail", "kv_seperator": "_"}, r"kv_separator\?"),

@@ -132,6 +132,16 @@ _PREFIXES = ("torch.", "numpy.", "np.")
 class DTypeNameError(ValueError):
     """A dtype name that names no safetensors dtype (or none that can be written)."""
 
+    def __init__(self, message: str, *, read_only: str | None = None, closest: str | None = None):
+        super().__init__(message)
+        self.read_only = read_only
+        """The canonical name, when the name was one of a dtype that cannot be written."""
+        self.closest = closest
+        """The closest valid canonical name, when there is one."""
+
+
+ALIAS_EXAMPLES = "float16, fp16, half, bfloat16, float32, float, int64, long, torch.float16, ..."
+
 
 def canonical_dtype(name: object, *, writable: bool = False) -> str:
     """The safetensors name (``"F16"``, ``"BF16"``, ...) of a dtype named any usual way:
@@ -157,17 +167,19 @@ def canonical_dtype(name: object, *, writable: bool = False) -> str:
     if canonical is not None:
         raise DTypeNameError(
             f"dtype {canonical} (from {text!r}) can be read but not written; "
-            f"valid dtypes are {', '.join(choices)}"
+            f"valid dtypes: {', '.join(choices)}",
+            read_only=canonical,
         )
     close = [
         _NAMES[c]
         for c in difflib.get_close_matches(key, list(_NAMES), n=3, cutoff=0.6)
         if _NAMES[c] in choices
     ]
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    hint = f"; did you mean {close[0]}?" if close else ""
     raise DTypeNameError(
-        f"unknown dtype {text!r}{hint}; valid dtypes are {', '.join(choices)} (or their usual "
-        "names: float16, fp16, half, bfloat16, float32, float, int64, long, torch.float16, ...)"
+        f"unknown dtype {text!r}; valid dtypes: {', '.join(choices)} (or their usual names: "
+        f"{ALIAS_EXAMPLES}){hint}",
+        closest=close[0] if close else None,
     )
 
 

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..format import canonical_dtype
+from ..format import WRITABLE, DTypeNameError, canonical_dtype
+from ..format.dtypes import ALIAS_EXAMPLES
 
 TAIL_STRATEGIES = ("write", "drop", "pad")
 DUPLICATE_STRATEGIES = ("fail", "lastWin")
@@ -207,5 +208,10 @@ class WriterOptions:
 def _dtype(value) -> str:
     try:
         return canonical_dtype(str(value), writable=True)
-    except ValueError as e:
-        raise OptionError(f"option dtype: {e}") from None
+    except DTypeNameError as e:
+        why = f"{e.read_only} can be read but not written; " if e.read_only else ""
+        hint = f"; did you mean {e.closest}?" if e.closest else ""
+        raise OptionError(
+            f"option dtype={value!r}: {why}valid dtypes are {', '.join(WRITABLE)} (or their "
+            f"usual names: {ALIAS_EXAMPLES}){hint}"
+        ) from None
