@@ -1,8 +1,10 @@
 """pyspark-safetensors: safetensors datasets from Apache Spark to torch SAE training.
 
-``df.write.format("safetensors")`` works with no registration call: Spark imports every
-``pyspark_*`` module at session start and registers its ``DefaultSource``. Importing this
-package is therefore kept cheap; heavy layers (Spark, torch) load on first use.
+``df.write.format("safetensors")`` works with no registration call when Spark's Python
+can import this package: Spark imports every ``pyspark_*`` module at session start and
+registers its ``DefaultSource``. Importing this package is therefore kept cheap; heavy
+layers (Spark, torch) load on first use. ``register(spark)`` registers the source
+explicitly and checks that Spark's workers can import the package.
 """
 
 __version__ = "0.1.0"
@@ -13,4 +15,8 @@ def __getattr__(name):
         from .spark.source import SafetensorsDataSource
 
         return SafetensorsDataSource
+    if name == "register":
+        from .spark.register import register
+
+        return register
     raise AttributeError(f"module 'pyspark_safetensors' has no attribute {name!r}")

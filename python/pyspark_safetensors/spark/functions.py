@@ -33,7 +33,6 @@ SHIM_EXTENSIONS = "io.github.pysparksafetensors.SafetensorsExtensions"
 """The ``spark.sql.extensions`` class of the JVM shim."""
 
 SHIM_JAR_ENV = "PYSPARK_SAFETENSORS_SHIM_JAR"
-_SHIM_TARGET = Path(__file__).resolve().parents[3] / "jvm-shim" / "target"
 
 ELEMENT_DTYPES = {
     "float": "F32", "double": "F64", "int": "I32", "long": "I64", "short": "I16", "byte": "I8",
@@ -54,17 +53,21 @@ class TensorFunctionError(ValueError):
 
 
 def shim_jar() -> Path:
-    """The shim jar: ``$PYSPARK_SAFETENSORS_SHIM_JAR``, else the one ``jvm-shim/build.sh``
-    built. Raises ``FileNotFoundError`` saying how to build it."""
+    """The shim jar: ``$PYSPARK_SAFETENSORS_SHIM_JAR``, else the one an installed wheel
+    ships, else the one ``jvm-shim/build.sh`` built in a checkout. Raises
+    ``FileNotFoundError`` saying how to build it."""
+    from .session import packaged_files
+
     if os.environ.get(SHIM_JAR_ENV):
         path = Path(os.environ[SHIM_JAR_ENV])
         if not path.is_file():
             raise FileNotFoundError(f"{SHIM_JAR_ENV}={path} is not a file")
         return path
-    jars = sorted(_SHIM_TARGET.glob("pyspark-safetensors-shim-*.jar"))
+    jars = packaged_files("pyspark-safetensors-shim-*.jar", "jvm-shim/target")
     if not jars:
         raise FileNotFoundError(
-            f"no shim jar in {_SHIM_TARGET}; build it with jvm-shim/build.sh (offline, needs Java) "
+            "no shim jar in this installation; build it with jvm-shim/build.sh in a checkout "
+            "(offline, needs Java) "
             f"or 'sbt shim/package', or point {SHIM_JAR_ENV} at a jar"
         )
     return jars[-1]

@@ -4,15 +4,41 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib import resources
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+CONF_DIR_ENV = "PYSPARK_SAFETENSORS_CONF_DIR"
+"""A directory whose ``spark-defaults.conf`` / ``log4j2.properties`` replace the shipped ones."""
+
+_CHECKOUT = Path(__file__).resolve().parents[3]
 
 
-def spark_defaults(path: Path = CONF_DIR / "spark-defaults.conf") -> dict[str, str]:
-    """``key value`` pairs of a spark-defaults.conf (empty when the file is absent)."""
+def packaged_files(pattern: str, checkout_dir: str) -> list[Path]:
+    """Files the package ships, sorted: an installed wheel's copies under
+    ``pyspark_safetensors/spark/resources/`` (put there by the build), else those of a source
+    checkout or editable install (``checkout_dir`` relative to the repository root)."""
+    shipped = resources.files(__package__) / "resources"
+    if shipped.is_dir() and (found := sorted(Path(str(shipped)).glob(pattern))):
+        return found
+    if (_CHECKOUT / "pyproject.toml").is_file():
+        return sorted((_CHECKOUT / checkout_dir).glob(pattern))
+    return []
+
+
+def conf_file(name: str) -> Path | None:
+    """``$PYSPARK_SAFETENSORS_CONF_DIR/name`` when set, else the shipped ``conf/name``."""
+    if os.environ.get(CONF_DIR_ENV):
+        path = Path(os.environ[CONF_DIR_ENV]) / name
+        return path if path.is_file() else None
+    return next(iter(packaged_files(name, "conf")), None)
+
+
+def spark_defaults(path: Path | None = None) -> dict[str, str]:
+    """``key value`` pairs of a spark-defaults.conf (default: :func:`conf_file`'s; empty
+    when there is none)."""
+    path = path or conf_file("spark-defaults.conf")
     conf = {}
-    if path.exists():
+    if path is not None and path.exists():
         for line in path.read_text().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
@@ -43,8 +69,8 @@ def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName(app_name)
-    log4j = CONF_DIR / "log4j2.properties"
-    if log4j.exists():
+    log4j = conf_file("log4j2.properties")
+    if log4j is not None:
         opt = f"-Dlog4j2.configurationFile=file:{log4j}"
         builder = builder.config("spark.driver.extraJavaOptions", opt).config(
             "spark.executor.extraJavaOptions", opt
