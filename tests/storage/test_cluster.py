@@ -1,0 +1,63 @@
+"""Executors in separate JVMs (master ``local-cluster[2,1,1024]``, each with its own Python
+workers) writing to the loopback S3 server and to a local path, while every task's first
+attempt fails: each sample lands exactly once and nothing stray is left."""
+
+import pyarrow.fs as pafs
+import pytest
+from pyspark.sql import functions as F
+from pyspark.sql.types import LongType
+
+from pyspark_safetensors.dataset import MANIFEST, DatasetLocation
+from pyspark_safetensors.torch import open_dataset
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from pyspark_safetensors.spark.session import local_session
+
+    session = local_session(
+        "local-cluster[2,1,1024]",
+        app_name="pyspark-safetensors-cluster-tests",
+        **{"spark.ui.showConsoleProgress": "false", "spark.task.maxFailures": "2"},
+    )
+    yield session
+    session.stop()
+
+
+def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_endpoint):
+    def first_attempt_fails(x):  # defined here: pickled by value for the executors
+        from pyspark import TaskContext
+
+        if TaskContext.get().attemptNumber() == 0:
+            raise RuntimeError("first attempt of every task fails")
+        return x
+
+    flaky = F.udf(first_attempt_fails, LongType())
+    df = cluster.range(0, 300, numPartitions=4).select(
+        flaky("id").alias("id"),
+        F.array(*[(F.col("id") + j / 10).cast("float") for j in range(3)]).alias("vec"),
+    )
+    for path, options in (
+        (f"{s3_bucket}/acts", {"endpoint_url": s3_endpoint}),
+        (str(tmp_path / "acts"), {}),
+    ):
+        w = df.write.format("safetensors").option("batch_size", 32).mode("overwrite")
+        for k, v in options.items():
+            w = w.option(k, v)
+        w.save(path)
+        loc = DatasetLocation.of(path, storage_options=options)
+        manifest = loc.verify(checksums=True)
+        names = sorted(
+            n for n, i in loc.list(recursive=True).items() if i.type == pafs.FileType.File
+        )
+        listed = sorted(s.shard_path for s in manifest.shards)
+        assert names == sorted([*listed, MANIFEST, "_SUCCESS"])  # failed attempts left nothing
+        ds = open_dataset(path, storage_options=options or None)
+        ids = sorted(ds[i]["id"].item() for i in range(len(ds)))
+        assert ids == list(range(300))
+        back = (
+            cluster.read.format("safetensors").options(**options).load(path).select("id").collect()
+        )
+        assert sorted(r.id for r in back) == list(range(300))
