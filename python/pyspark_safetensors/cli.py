@@ -176,6 +176,11 @@ def train(argv: list[str]) -> int:
         from .sae.train import main as train_main
 
         return train_main(overrides)
+    # catch mistakes here, before torchrun wraps them in its own failure report
+    from .sae.train import check_run_dir, open_activations
+
+    check_run_dir(config)
+    open_activations(config)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "pyspark_safetensors.sae.train", *overrides,
@@ -252,8 +257,7 @@ def evaluate(argv: list[str]) -> int:
     pyspark-safetensors evaluate LUT_DIR [options]."""
     import torch
 
-    from .demo import passages_by_key
-    from .extract import Extractor, default_model_dir
+    from .extract import Extractor, default_model_dir, passages_by_key
     from .lut import embedding_agreement, validate_lut
     from .lut import evaluate as evaluate_lut
 
@@ -443,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    if debug:  # entry points run in other processes (torchrun) show tracebacks too
+        os.environ["PYSPARK_SAFETENSORS_DEBUG"] = "1"
     if argv[:1] in (["--version"], ["-V"]):
         print(f"pyspark-safetensors {_version()}")
         return 0

@@ -1,5 +1,6 @@
 """The extraction job: a text corpus in, activation datasets out, with the transformer
-running inside Spark (``mapInArrow``; the model is loaded once per Python worker).
+running inside Spark (``mapInArrow``; the model is loaded once per Python worker). Only
+the DataFrame API is used, so the job runs on classic and Spark Connect sessions alike.
 
 Output directory (published whole: everything is written under a staging name first):
 
@@ -30,7 +31,8 @@ import pyarrow as pa
 
 from ..dataset import verify_dataset
 from ..dataset.publish import publish, staging_path
-from .model import ExtractionError, Extractor, default_model_dir, weights_hash
+from .corpus import corpus_sha256, default_parallelism, load_corpus, number_texts
+from .model import ExtractionError, Extractor, ModelSource, resolve_model, weights_hash
 
 TENSOR_STRUCT = "struct<data: binary, shape: array<int>, dtype: string>"
 DEFAULT_HOOKS = (
@@ -43,10 +45,15 @@ DEFAULT_HOOKS = (
 class ExtractConfig:
     corpus: str = "demo"
     """"demo" (Python's pydoc_data.topics in passages), a directory of text files, or a
-    parquet/JSON table path with a ``text`` column (``text_column``)."""
+    parquet/JSON table path with a ``text`` column (``text_column``). A DataFrame corpus
+    is passed to ``run_extraction`` instead."""
     text_column: str = "text"
+    model: str = ""
+    """A Hugging Face model id (``org/name[@revision]``, found in the local Hugging Face
+    cache, ``HF_HUB_CACHE``; fetched only when missing there and ``HF_HUB_OFFLINE`` is
+    not set) or a local model directory; empty = the packaged all-MiniLM-L6-v2."""
     model_dir: str = ""
-    """A local Hugging Face model directory; empty = the packaged all-MiniLM-L6-v2."""
+    """The former name of ``model`` (a local directory or a model id); set one of them."""
     hooks: tuple[str, ...] = DEFAULT_HOOKS
     """Module globs with ":input" (the input of e.g. a linear layer) or ":output"."""
     max_length: int = 128
@@ -68,8 +75,19 @@ class ExtractConfig:
     one writer of ``shards/shard-XXXX.zarr``, layers = hook points in order, T_max =
     ``max_length``); needs the ``interop`` extra (zarr) and hook points of one width."""
 
+    def __post_init__(self):
+        if self.model_dir:  # one home for the model: fold the former name into ``model``
+            if self.model and self.model != self.model_dir:
+                raise ExtractionError(
+                    f"model {self.model!r} and model_dir {self.model_dir!r} disagree; set model only"
+                )
+            object.__setattr__(self, "model", self.model_dir)
+            object.__setattr__(self, "model_dir", "")
+
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "hooks": list(self.hooks)}
+        body = {**dataclasses.asdict(self), "hooks": list(self.hooks)}
+        body.pop("model_dir")  # always folded into model
+        return body
 
 
 @dataclass
@@ -95,9 +113,12 @@ class ExtractionSummary:
         )
 
 
-def config_hash(config: ExtractConfig, model_hash: str) -> str:
-    """sha256 of the canonical JSON of everything that determines the activations."""
+def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -> str:
+    """sha256 of the canonical JSON of everything that determines the activations;
+    ``corpus_hash`` (``corpus.corpus_sha256``) names the texts of a DataFrame corpus."""
     body = {**config.to_dict(), "model_weights_sha256": model_hash}
+    if corpus_hash:
+        body["corpus_sha256"] = corpus_hash
     body.pop("partitions")  # the layout of the work does not change the data
     body.pop("zarr_run")  # nor does a second copy of the samples
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -112,11 +133,11 @@ def _samples_schema(hooks) -> str:
     )
 
 
-def _run_model_fn(model_dir: str, config: ExtractConfig, threads: int):
+def _run_model_fn(model: ModelSource, config: ExtractConfig, threads: int):
     """The function ``mapInArrow`` runs: texts in, one row per model input out."""
 
     def run(batches):
-        extractor = _cached_extractor(model_dir, config, threads)
+        extractor = _cached_extractor(str(model.local_dir()), config, threads)
         chunk = config.batch_size * 8  # bounds memory and the size of each output batch
         for big in batches:
             for offset in range(0, big.num_rows, chunk):
@@ -314,67 +335,33 @@ def write_zarr_run(samples, hooks, widths: dict, config: ExtractConfig, run_dir:
     write_run_manifest(run_dir, placement)
 
 
-def load_corpus(spark, config: ExtractConfig):
-    """The corpus as a DataFrame ``(key, text, source)``: key = sha256 of the text,
-    duplicates and empty texts dropped."""
-    from pyspark.sql import functions as F
-
-    if config.corpus == "demo":
-        from ..demo import demo_passages
-
-        rows = [(topic, text) for topic, text in demo_passages(config.passage_chars)]
-        df = spark.createDataFrame(rows, "source string, text string")
-    else:
-        path = Path(config.corpus)
-        if not path.exists():
-            raise ExtractionError(f"corpus {path} does not exist")
-        if path.is_dir() and not any(path.glob("*.parquet")) and not any(path.glob("*.json*")):
-            # a directory of text files: one text per file; invalid UTF-8 is an error
-            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-            if not files:
-                raise ExtractionError(f"corpus directory {path} holds no files")
-            for f in files:
-                try:
-                    f.read_bytes().decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ExtractionError(f"corpus file {f} is not valid UTF-8 ({e})") from e
-            df = spark.read.text([str(f) for f in files], wholetext=True).select(
-                F.col("value").alias("text"), F.input_file_name().alias("source")
-            )
-        else:
-            reader = (
-                spark.read.json
-                if ".json" in path.name or any(path.glob("*.json*"))
-                else spark.read.parquet
-            )
-            table = reader(str(path))
-            if config.text_column not in table.columns:
-                raise ExtractionError(
-                    f"corpus {path} has no column {config.text_column!r}; it has {table.columns}"
-                )
-            df = table.select(
-                F.col(config.text_column).cast("string").alias("text"),
-                F.lit(str(path)).alias("source"),
-            )
-    blank = F.length(F.regexp_replace("text", r"\s+", "")) == 0  # trim() keeps newlines
-    df = df.where(F.col("text").isNotNull() & ~blank)
-    df = df.withColumn("key", F.sha2("text", 256)).dropDuplicates(["key"])
-    return df.select("key", "text", "source")
-
-
 def run_extraction(
-    spark, config: ExtractConfig, out_dir: str | os.PathLike, *, overwrite: bool = False
+    spark,
+    config: ExtractConfig,
+    out_dir: str | os.PathLike,
+    *,
+    corpus=None,
+    overwrite: bool = False,
 ) -> ExtractionSummary:
     """Run the job; see the module docstring for the outputs. Nothing appears at
-    ``out_dir`` unless every part was written."""
+    ``out_dir`` unless every part was written.
+
+    ``spark``: a classic or a Spark Connect session. ``corpus``: a DataFrame with the text
+    column ``config.text_column`` (and optionally ``source``) instead of
+    ``config.corpus``; the config hash then names its texts by content."""
     from pyspark import StorageLevel
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise ExtractionError(f"{out_dir} already exists; pass overwrite=True to replace it")
-    model_dir = str(Path(config.model_dir) if config.model_dir else default_model_dir())
-    if not Path(model_dir).is_dir():
-        raise ExtractionError(f"model directory {model_dir} does not exist")
+    if corpus is not None:
+        if config.corpus != ExtractConfig.corpus:
+            raise ExtractionError(
+                f"corpus {config.corpus!r} in the config and a corpus DataFrame: give one"
+            )
+        config = dataclasses.replace(config, corpus="dataframe")
+    model = resolve_model(config.model)
+    model_dir = model.path
     # Validate the model and the hooks on the driver before any task starts.
     probe = _extractor(model_dir, config)
     widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
@@ -384,20 +371,16 @@ def run_extraction(
             f"zarr_run needs hook points of one width (a store is (N, L, T_max, H)); got {widths}"
         )
     model_hash = weights_hash(model_dir)
-    chash = config_hash(config, model_hash)
     del probe
 
-    corpus = load_corpus(spark, config)
+    corpus = load_corpus(spark, config, corpus)
     if config.max_texts:
         corpus = corpus.orderBy("key").limit(config.max_texts)
-    # sample_id: the text's rank by key, so ids do not depend on partitioning
-    indexed = corpus.orderBy("key").rdd.zipWithIndex().map(lambda r: (*r[0], r[1]))
-    texts = spark.createDataFrame(indexed, "key string, text string, source string, sample_id long")
-    parallelism = config.partitions or spark.sparkContext.defaultParallelism
-    # persisted: the model stage and texts.jsonl both read it, and the ordering that
-    # numbers the texts should run once
-    texts = texts.repartition(parallelism, "key").persist(StorageLevel.MEMORY_AND_DISK)
-    threads = max(1, (os.cpu_count() or 1) // max(1, spark.sparkContext.defaultParallelism))
+    cores = default_parallelism(spark)
+    # sample_id: the text's rank by key, so ids do not depend on partitioning; stored
+    # once: the model stage and texts.jsonl both read the texts
+    texts, stored = number_texts(corpus, config.partitions or cores)
+    threads = max(1, (os.cpu_count() or 1) // cores)
 
     staging = staging_path(out_dir)
     staging.mkdir(parents=True)
@@ -405,7 +388,7 @@ def run_extraction(
     try:
         started = time.perf_counter()
         samples = texts.mapInArrow(
-            _run_model_fn(model_dir, config, threads), _samples_schema(hooks)
+            _run_model_fn(model, config, threads), _samples_schema(hooks)
         ).persist(StorageLevel.DISK_ONLY)
         n_samples = samples.count()  # runs the model (Spark's progress bar shows it)
         if n_samples == 0:
@@ -415,12 +398,15 @@ def run_extraction(
             "sample_id", "window", "key", "seq_len", "text_chars", "source"
         ).toArrow()
         tokens = int(pa.compute.sum(info.column("seq_len")).as_py())
+        if config.corpus == "dataframe":  # name the texts by content
+            keys = texts.select("key").toArrow().column("key").to_pylist()
+            chash = config_hash(config, model_hash, corpus_sha256(keys))
+        else:
+            chash = config_hash(config, model_hash)
         tokenizer_settings = {"max_length": config.max_length, "long_texts": config.long_texts,
                               "padding": "excluded"}  # fmt: skip
         base_meta = {
-            "model": Path(model_dir).name
-            if config.model_dir
-            else "sentence-transformers/all-MiniLM-L6-v2",
+            "model": model.name,
             "model_weights_sha256": model_hash,
             "dtype": config.dtype,
             "tokenizer": json.dumps(tokenizer_settings, sort_keys=True),
@@ -473,7 +459,9 @@ def run_extraction(
         doc = {
             "config": config.to_dict(),
             "config_hash": chash,
+            "model": model.name,
             "model_dir": model_dir,
+            "model_revision": model.revision,
             "model_weights_sha256": model_hash,
             "hooks": {
                 h.name: {
@@ -498,7 +486,7 @@ def run_extraction(
         publish(staging, out_dir)
         return summary
     finally:
-        texts.unpersist()
+        stored.unpersist()
         if samples is not None:
             samples.unpersist()
         shutil.rmtree(staging, ignore_errors=True)

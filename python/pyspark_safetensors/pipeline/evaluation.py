@@ -100,8 +100,7 @@ def evaluate_pipeline(
 ) -> dict:
     """Every held-out figure of the report; writes ``evaluation.md``/``evaluation.png``
     (LUT error against k) and ``latent_frequency.png`` into ``out_dir``."""
-    from ..demo import passages_by_key
-    from ..extract import Extractor
+    from ..extract import Extractor, passages_by_key
     from ..lut import embedding_agreement, evaluate
     from ..lut.precompute import ModelWeights
     from ..lut.spec import validate_lut
