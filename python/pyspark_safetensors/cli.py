@@ -467,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         rc = COMMANDS[name](rest)
+    except SystemExit as e:  # the option parser's verdict (--help: 0, a mistake: 2)
+        return e.code if isinstance(e.code, int) else 2
     except USER_ERRORS as e:
         if debug:
             raise

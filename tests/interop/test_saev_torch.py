@@ -76,7 +76,7 @@ def test_loader_with_worker_processes_and_exact_resume(small_dump):
     _check_epoch(keys2, acts2, SaevDump(root), ds.view)
 
 
-def test_sae_trainer_trains_from_a_saev_view(tmp_path, saev_real, monkeypatch):
+def test_sae_trainer_trains_from_a_saev_view(tmp_path, saev_real):
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae import train as train_module
 
@@ -84,9 +84,7 @@ def test_sae_trainer_trains_from_a_saev_view(tmp_path, saev_real, monkeypatch):
     basis = rng.standard_normal((4, 16)).astype(np.float32)
     acts = (rng.standard_normal((64, 1, 9, 4)).astype(np.float32) @ basis).astype(np.float32)
     root = saev_real.write(tmp_path, saev_real.metadata([-2], 8, True, 16, 64, 9 * 20), acts)
-    # the trainer opens its dataset with one call; here it opens the saev view instead
-    monkeypatch.setattr(train_module, "open_dataset", lambda p: open_saev(p, layer=-2))
-    config = SAEConfig(dataset=str(root), n_latents=32, k=4, batch_size=64, tokens=64 * 100,
+    config = SAEConfig(dataset=str(root), saev_layer="-2", n_latents=32, k=4, batch_size=64, tokens=64 * 100,
                        warmup_steps=2, lr=3e-3, out_dir=str(tmp_path / "sae"), log_every=5,
                        checkpoints=1, progress=False)  # fmt: skip
     trainer = train_module.Trainer(config)

@@ -3,6 +3,7 @@ checkpoint format, and the errors a user meets."""
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -165,28 +166,60 @@ def test_missing_or_foreign_checkpoints_are_refused(tmp_path, activations):
         other.load(ckpt)
     (ckpt / "trainer_state.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"trainer_state.pt does not match its recorded"):
-        Trainer(_config(activations, tmp_path / "run")).load(ckpt)
+        Trainer(_config(activations, tmp_path / "run", resume="auto")).load(ckpt)
     sums = json.loads((ckpt / "checksums.json").read_text())
     sums["trainer_state.pt"] = file_sha256(ckpt / "trainer_state.pt")  # garbage, recorded
     (ckpt / "checksums.json").write_text(json.dumps(sums))
     with pytest.raises(CheckpointError, match=r"unreadable trainer state"):
-        Trainer(_config(activations, tmp_path / "run")).load(ckpt)
+        Trainer(_config(activations, tmp_path / "run", resume="auto")).load(ckpt)
     (ckpt / "trainer_state.pt").unlink()
     with pytest.raises(CheckpointError, match=r"missing \['trainer_state.pt'\]"):
-        Trainer(_config(activations, tmp_path / "run")).load(ckpt)
-    with pytest.raises(CheckpointError, match="no checkpoint"):
-        main([f"dataset={activations}", f"out_dir={tmp_path / 'empty'}", "resume=auto", "k=4"])
+        Trainer(_config(activations, tmp_path / "run", resume="auto")).load(ckpt)
+    # the entry point reports a user's mistake in one line, exit code 2
+    assert (
+        main([f"dataset={activations}", f"out_dir={tmp_path / 'empty'}", "resume=auto", "k=4"]) == 2
+    )
 
 
 def test_command_line_train_sae(tmp_path, activations, repo_root):
     from pyspark_safetensors.cli import main as cli
 
-    args = ["train-sae", "--config", str(repo_root / "conf" / "sae.toml"), f"dataset={activations}",
-            "expansion_factor=2", "batch_size=1024", "tokens=4096", f"out_dir={tmp_path}",
-            "progress=false"]  # fmt: skip
+    args = ["train", "--config", str(repo_root / "conf" / "sae.toml"), "--dataset", str(activations),
+            "--expansion-factor", "2", "--batch-size", "1024", "--tokens", "4096",
+            "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
     assert cli(args) == 0
     assert (tmp_path / "sae.safetensors").is_file()
-    assert cli([*args[:3], "k=0"]) == 2  # a bad value is a clean error, not a traceback
+    assert cli([*args, "--k", "0"]) == 2  # a bad value is a clean error, not a traceback
+    assert cli(args) == 2  # a second run into the same directory is refused ...
+    assert cli([*args, "--overwrite"]) == 0  # ... unless asked to start over
+
+
+def test_a_run_directory_holds_one_run(tmp_path, activations, capsys):
+    Trainer(_config(activations, tmp_path)).fit()
+    with pytest.raises(ValueError, match="already holds a training run"):
+        Trainer(_config(activations, tmp_path))
+
+    def steps():
+        return [
+            json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    first = steps()
+    Trainer(_config(activations, tmp_path, overwrite=True)).fit()
+    assert steps() == first  # replaced, not appended
+
+
+def test_resume_may_extend_the_run(tmp_path, activations):
+    Trainer(_config(activations, tmp_path)).fit()
+    longer = Trainer(_config(activations, tmp_path, resume="auto", tokens=256 * 32))
+    longer.load(latest_checkpoint(tmp_path))
+    assert longer.step == 24
+    longer.fit()
+    assert longer.step == 32
+    with pytest.raises(CheckpointError, match="different training config"):
+        Trainer(_config(activations, tmp_path, resume="auto", k=5)).load(
+            latest_checkpoint(tmp_path)
+        )
 
 
 # --- resume after a kill ---------------------------------------------------------------
@@ -222,14 +255,14 @@ def test_a_bit_flip_in_a_checkpoint_is_refused(tmp_path, activations):
     assert set(json.loads((ckpt / "checksums.json").read_text())) == {
         "sae.safetensors", "trainer_state.pt", "config.json"
     }  # fmt: skip
-    Trainer(config).load(ckpt)  # intact: accepted
+    Trainer(replace(config, resume="auto")).load(ckpt)  # intact: accepted
     data = bytearray((ckpt / "sae.safetensors").read_bytes())
     data[-5] ^= 0x10  # one bit of the last weights
     (ckpt / "sae.safetensors").write_bytes(bytes(data))
     with pytest.raises(
         CheckpointError, match=r"sae.safetensors does not match its recorded sha256"
     ):
-        Trainer(config).load(ckpt)
+        Trainer(replace(config, resume="auto")).load(ckpt)
 
 
 # --- defaults and held-out evaluation ----------------------------------------------------

@@ -101,6 +101,13 @@ class SAEConfig:
     checkpoints: int = 6
     """Log-spaced intermediate checkpoints (the final one is always written)."""
     progress: bool = True
+    overwrite: bool = False
+    """Start over in an ``out_dir`` that already holds a run (its log, checkpoints and SAE
+    are replaced); without it such a directory is refused unless resuming."""
+    saev_patches: Literal["cls", "image", "all"] = "image"
+    """When ``dataset`` is a saev dump: the tokens to train on (docs/interop.md)."""
+    saev_layer: str = "all"
+    """When ``dataset`` is a saev dump: one recorded ViT layer, or "all"."""
     resume: str = ""
     """Checkpoint directory to continue from; "auto" = the newest one in ``out_dir``."""
 
@@ -175,6 +182,7 @@ class SAEConfig:
             "num_workers",
             "device",
             "resume",
+            "overwrite",
             "val_dataset",
             "val_tokens",
             "data_parallel_size",

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..dataset.layout import MANIFEST
 from ..torch import ActivationLoader, open_dataset
 from .checkpoint import (
     CheckpointError,
@@ -67,15 +69,47 @@ def _device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def open_activations(config: SAEConfig):
+    """The training rows of ``config.dataset``: one of our batch-mode datasets (a local
+    path or a URI), or a saev dump seen through ``saev_patches`` x ``saev_layer``; both
+    serve the same shuffled, rank-split, resumable loader."""
+    path = Path(config.dataset)
+    if "://" not in config.dataset and path.is_dir() and not (path / MANIFEST).is_file():
+        from ..interop import detect_source  # refuses a directory that is no known source
+
+        if detect_source(path) == "saev":
+            from ..interop.saev import open_saev
+
+            layer = config.saev_layer
+            return open_saev(path, patches=config.saev_patches,
+                             layer=int(layer) if layer.lstrip("-").isdigit() else layer)  # fmt: skip
+    return open_dataset(config.dataset)
+
+
+def check_run_dir(config: SAEConfig) -> None:
+    """Refuse to mix two runs in one ``out_dir``: a directory holding a run's log or SAE
+    is reused only to resume, or replaced with ``overwrite``."""
+    out = Path(config.out_dir)
+    previous = [
+        n for n in ("metrics.jsonl", "sae.safetensors", "checkpoints") if (out / n).exists()
+    ]
+    if previous and not config.resume and not config.overwrite:
+        raise ValueError(
+            f"out_dir {out} already holds a training run ({', '.join(previous)}); "
+            "resume it (--resume auto), choose another --out-dir, or pass --overwrite"
+        )
+
+
 class Trainer:
     """One rank's share of a training run. ``train_step`` is one optimizer step on this
     rank's slice of the global batch; ``fit`` loops over the dataset with logging and
     checkpoints."""
 
     def __init__(self, config: SAEConfig, mesh=None):
-        ds = open_dataset(config.dataset) if config.dataset else None
-        if ds is None:
+        if not config.dataset:
             raise ValueError("config.dataset is empty: give the activation dataset directory")
+        check_run_dir(config)
+        ds = open_activations(config)
         if config.column not in ds.columns:
             raise ValueError(f"{config.dataset}: no column {config.column!r}; it has {ds.columns}")
         shape = ds.manifest.schema[config.column].sample_shape
@@ -381,6 +415,8 @@ class Trainer:
         """Continue from a checkpoint written by ``save`` (any mesh shape)."""
         tensors, state, config = read_checkpoint(checkpoint_dir)
         saved = SAEConfig.from_dict({**config, "adam_betas": tuple(config["adam_betas"])})
+        if self.config.tokens >= saved.tokens:  # a resumed run may be given more tokens
+            saved = dataclasses.replace(saved, tokens=self.config.tokens)
         if saved.config_hash() != self.config.config_hash():
             diff = {
                 k: (v, getattr(self.config, k))
@@ -475,6 +511,10 @@ class Trainer:
         c = self.config
         main = is_main_process()
         if main:
+            if c.overwrite and not c.resume and self.step == 0:
+                for name in ("metrics.jsonl", "sae.safetensors"):
+                    (self.out_dir / name).unlink(missing_ok=True)
+                shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(
                 json.dumps(c.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -544,16 +584,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="TOML config (e.g. conf/sae.toml)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
     args = parser.parse_args(argv)
-    config = SAEConfig.load(args.config, args.overrides)
-    mesh = make_mesh(config.data_parallel_size, config.model_parallel_size)
-    trainer = Trainer(config, mesh)
-    if config.resume:
-        found = (
-            latest_checkpoint(config.out_dir) if config.resume == "auto" else Path(config.resume)
-        )
-        if found is None:
-            raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
-        trainer.load(found)
+    try:
+        config = SAEConfig.load(args.config, args.overrides)
+        mesh = make_mesh(config.data_parallel_size, config.model_parallel_size)
+        trainer = Trainer(config, mesh)
+        if config.resume:
+            found = (
+                latest_checkpoint(config.out_dir)
+                if config.resume == "auto"
+                else Path(config.resume)
+            )
+            if found is None:
+                raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
+            trainer.load(found)
+    except (ValueError, OSError) as e:  # a mistake in the config or paths: one line, exit 2
+        if os.environ.get("PYSPARK_SAFETENSORS_DEBUG"):
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank meets the same mistake
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     metrics = trainer.fit()
     if is_main_process():
         print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
