@@ -198,8 +198,8 @@ class LutCommand:
     """LAYER[,LAYER...]=SAE_FILE, repeatable: the SAE each layer's LUT is built from."""
     out: str = ""
     """Output directory (default: MODEL_DIR/lut)."""
-    dtype: Literal["float16", "bfloat16"] = "float16"
-    """Storage dtype of the LUT files."""
+    dtype: str = "float16"
+    """Storage dtype of the LUT files: float16 or bfloat16 (or an alias: F16, fp16, half, BF16)."""
     overwrite: bool = False
     """Replace an existing LUT directory."""
 

@@ -210,7 +210,7 @@ def test_bad_layers_and_saes_are_refused_before_any_work(tmp_path, model_dir):
         precompute_lut(root, {"../escape": tmp_path / "sae.safetensors"}, progress=False)
     with pytest.raises(LUTError, match="does not exist"):
         precompute_lut(root, {Q: tmp_path / "nope.safetensors"}, progress=False)
-    with pytest.raises(LUTError, match="dtype must be one of"):
+    with pytest.raises(LUTError, match="LUT dtype must be F16 or BF16"):
         precompute_lut(root, {Q: tmp_path / "sae.safetensors"}, dtype="float32", progress=False)
     assert not (root / "lut").exists()
     precompute_lut(root, {Q: tmp_path / "sae.safetensors"}, progress=False)

@@ -26,11 +26,13 @@ import torch
 
 from ..dataset.publish import publish
 from ..format import SafetensorsFile, write_shard
+from ..format.dtypes import canonical_dtype
 from ..sae.checkpoint import CheckpointError
 from ..sae.ecosystem import read_sae
 from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
 
-STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+STORE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+"""Storage dtypes of LUT files, by canonical name (any alias: float16, fp16, bfloat16...)."""
 
 
 class ModelWeights:
@@ -213,8 +215,12 @@ def precompute_lut(
     Everything is checked before any matmul: layer names (close matches suggested),
     SAE widths against layer inputs, one ``num_basis`` for all SAEs. Returns the
     metadata plus a ``timing`` entry (seconds, FLOP/s)."""
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise LUTError(f"LUT dtype: {e}") from None
     if dtype not in STORE_DTYPES:
-        raise LUTError(f"dtype must be one of {sorted(STORE_DTYPES)}, got {dtype!r}")
+        raise LUTError(f"LUT dtype must be F16 or BF16 (float16, bfloat16), got {dtype}")
     if not saes:
         raise LUTError("no layers given")
     model = ModelWeights(model_dir)
