@@ -67,11 +67,11 @@ def evaluate(
         for row in evaluate_layer(tensors, model.weight(layer), x, ks=ks, ms=ms):
             rows.append({"layer": layer, **row})
     if out_dir is not None:
-        write_report(rows, Path(out_dir))
+        write_report(rows, Path(out_dir), k_active)
     return rows
 
 
-def write_report(rows: list[dict], out_dir: Path) -> None:
+def write_report(rows: list[dict], out_dir: Path, k_active: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,19 +84,28 @@ def write_report(rows: list[dict], out_dir: Path) -> None:
         for r in rows
     ]
     (out_dir / "evaluation.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for layer in dict.fromkeys(r["layer"] for r in rows):
-        for m in dict.fromkeys(r["m"] for r in rows):
-            sel = [r for r in rows if r["layer"] == layer and r["m"] == m]
-            ax.plot([r["k"] for r in sel], [r["rel_l2"] for r in sel], marker="o",
-                    label=f"{layer} m={m}")  # fmt: skip
-    ax.set_xlabel("k (active latents)")
-    ax.set_ylabel("relative L2 error vs exact layer")
-    ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in zip(
+        axes, ("rel_l2", "cosine"), ("relative L2 error vs exact layer", "cosine vs exact layer"),
+        strict=True,
+    ):  # fmt: skip
+        for layer in dict.fromkeys(r["layer"] for r in rows):
+            for m in dict.fromkeys(r["m"] for r in rows):
+                sel = [r for r in rows if r["layer"] == layer and r["m"] == m]
+                ax.plot([r["k"] for r in sel], [r[key] for r in sel], marker="o", markersize=3,
+                        linestyle="-" if m == 0 else "--", label=f"{layer} m={m}")  # fmt: skip
+        if k_active is not None:
+            ax.axvline(k_active, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("k (active latents; dotted: the trained k)")
+        ax.set_title(label, fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False
+    )
     fig.tight_layout()
-    fig.savefig(out_dir / "evaluation.png", dpi=110)
+    fig.savefig(out_dir / "evaluation.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -1,5 +1,6 @@
-"""End-of-training plots (rank 0): loss, FVU and dead latents over tokens, and the
-histogram of latent firing frequencies."""
+"""End-of-training plots (rank 0): FVU, L0, dead latents, learning rate and gradient
+norm over tokens (held-out points beside the training ones), and the histogram of latent
+firing frequencies."""
 
 from __future__ import annotations
 
@@ -27,27 +28,30 @@ def plot_training(
     out_dir = Path(out_dir)
     written = []
     if history:
-        t = [h["tokens"] for h in history]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        for ax, key, label in zip(
-            axes,
-            ("loss", "fvu", "dead_fraction"),
-            ("loss (FVU + aux)", "FVU", "dead latents"),
-            strict=True,
-        ):
-            values = [h[key] * (100 if key == "dead_fraction" else 1) for h in history]
-            ax.plot(t, values, label="train")
-            held = [(h["tokens"], h["val_" + key]) for h in history if "val_" + key in h]
+        panels = [  # (metric key, title, log scale, scale)
+            ("fvu", "FVU (reconstruction)", True, 1),
+            ("l0", "L0 (active latents per token)", False, 1),
+            ("dead_fraction", "dead latents (%)", False, 100),
+            ("lr", "learning rate", False, 1),
+            ("grad_norm", "gradient norm (before clipping)", True, 1),
+        ]
+        panels = [p for p in panels if any(p[0] in h for h in history)]
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.3))
+        for ax, (key, title, log, scale) in zip(np.atleast_1d(axes), panels, strict=True):
+            values = [h[key] * scale for h in history if key in h]
+            ax.plot([h["tokens"] for h in history if key in h], values, label="train")
+            held = [(h["tokens"], h["val_" + key] * scale) for h in history if "val_" + key in h]
             if held:
-                scale = 100 if key == "dead_fraction" else 1
-                ax.plot([a for a, _ in held], [b * scale for _, b in held], "o-",
-                        label="held-out")  # fmt: skip
-                ax.legend(fontsize=7)
-                values += [b * scale for _, b in held]
-            ax.set_xlabel("tokens")
-            ax.set_title(label + (" (%)" if key == "dead_fraction" else ""))
-            if key != "dead_fraction" and min(values) > 0:
+                ax.plot(*zip(*held, strict=True), "o-", markersize=3, label="held-out")
+                ax.legend(fontsize=7, frameon=False)
+                values += [v for _, v in held]
+            if log and min(values) > 0:
                 ax.set_yscale("log")
+            elif key == "dead_fraction":  # a flat zero line on a +-0.04 axis says nothing
+                ax.set_ylim(0, max(5.0, 1.15 * max(values)))
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("tokens")
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
             ax.grid(alpha=0.3)
         fig.tight_layout()
         written.append(out_dir / "training.png")
