@@ -1,7 +1,7 @@
 """Train a TopK SAE on an activation dataset, on one process or a ("data", "model") mesh.
 
     torchrun --nproc-per-node=4 -m pyspark_safetensors.sae.train --config conf/sae.toml \\
-        dataset=runs/demo/activations/layer0 data_parallel_size=2 model_parallel_size=2
+        data_parallel_size=2 model_parallel_size=2
 
 Every rank runs the same program. Ranks of one model group read the same batch (the
 loader splits by the "data" coordinate only); gradients are averaged over "data"; the
