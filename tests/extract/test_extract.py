@@ -215,3 +215,32 @@ def test_zarr_run_from_two_tasks_matches_the_kv_dataset(spark, tmp_path):
         assert run.sample_key(g) == short and run.seq_len[g] == row["seq_len"]
         for layer, column in enumerate(columns):
             np.testing.assert_array_equal(run.read(g, layer), kv.get(row["key"], column).numpy())
+
+
+def test_dataframe_corpus_numbered_by_key_across_partitions(spark, tmp_path):
+    import dataclasses
+
+    from pyspark_safetensors.extract.corpus import corpus_sha256
+
+    texts = [f"text number {i} " * (1 + i % 3) for i in range(11)]
+    df = spark.createDataFrame([(t,) for t in texts], "body string")
+    config = ExtractConfig(text_column="body", hooks=(QUERY_IN,), max_length=16,
+                           partitions=3, kv_dataset=False)  # fmt: skip
+    summary = run_extraction(spark, config, tmp_path / "out", corpus=df)
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "texts.jsonl").read_text().splitlines()
+    ]
+    keys = sorted(__import__("hashlib").sha256(t.encode()).hexdigest() for t in texts)
+    assert [(r["sample_id"], r["key"]) for r in rows] == list(enumerate(keys))
+    assert {r["source"] for r in rows} == {"dataframe"}
+    named = dataclasses.replace(config, corpus="dataframe")
+    wh = weights_hash(default_model_dir())
+    assert summary.config_hash == config_hash(named, wh, corpus_sha256(keys))
+    assert summary.config_hash != config_hash(named, wh, corpus_sha256(keys[1:]))
+    with pytest.raises(ExtractionError, match=r"no column 'text'; it has \['body'\]"):
+        run_extraction(spark, ExtractConfig(hooks=(QUERY_IN,)), tmp_path / "x", corpus=df)
+    with pytest.raises(ExtractionError, match="give one"):
+        run_extraction(spark, dataclasses.replace(config, corpus="x"), tmp_path / "y", corpus=df)
+    with pytest.raises(ExtractionError, match="must be a Spark DataFrame"):
+        run_extraction(spark, config, tmp_path / "z", corpus=texts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
