@@ -89,5 +89,13 @@ def write_index(root: Path, tables: list[pa.Table]) -> None:
         raise
 
 
-def read_index(root: str | os.PathLike) -> pa.Table:
-    return pq.read_table(Path(root) / INDEX, schema=INDEX_SCHEMA)
+def read_index(root: str | os.PathLike, *, checksums: bool = False) -> pa.Table:
+    """The tensor index the dataset's manifest names (every row checked to name a listed
+    shard), for a path or URI; ``_tensor_index.parquet`` when there is no manifest."""
+    from .layout import MANIFEST
+    from .location import DatasetLocation
+
+    location = DatasetLocation.of(root)
+    if not location.has(MANIFEST):
+        return pq.read_table(Path(location.root) / INDEX, schema=INDEX_SCHEMA)
+    return location.read_index(location.load_manifest(), checksums=checksums)
