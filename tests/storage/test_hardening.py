@@ -192,3 +192,11 @@ def test_directory_of_an_uncommitted_write_is_not_served(tmp_path):
     # a glob reads the files anyway, as the message says
     src = resolve(ReaderOptions.parse({"path": f"{root}/*.safetensors"}))
     assert len(src.files) == 1 and src.manifest is None
+
+
+def test_a_manifest_nested_past_the_stack_is_a_manifest_error(tmp_path):
+    root = make_batch_dataset(tmp_path / "ds", sizes=(10,))
+    (root / "dataset_manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    for read in (open_dataset, verify_dataset):
+        with pytest.raises(ManifestError, match="nested too deeply"):
+            read(root)

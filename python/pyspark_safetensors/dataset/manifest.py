@@ -203,6 +203,8 @@ def parse_manifest(read, root: str, path: str) -> Manifest:
         doc = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path!r}: not valid JSON ({e})") from None
+    except RecursionError:  # a hostile document nested past Python's stack
+        raise ManifestError(f"{path!r}: JSON nested too deeply to be a manifest") from None
     return Manifest.from_json(doc, repr(path))
 
 

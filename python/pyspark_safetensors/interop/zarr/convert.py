@@ -27,6 +27,7 @@ from ...dataset import (
     read_index,
     shard_crc32c,
     shard_name,
+    split_kv_name,
     verify_dataset,
     write_index,
     write_manifest,
@@ -183,7 +184,10 @@ def dataset_to_zarr(
         table["tensor_key"], table["file_name"], table["shape"], table["dtype"],
         table["begin"], table["end"], strict=True,
     ):  # fmt: skip
-        key, _, column = name.rpartition(sep)
+        split = split_kv_name(name, manifest.schema, sep)  # the writer's own name rule
+        if split is None:
+            raise ZarrStoreError(f"{src}: tensor {name!r} names no column of the dataset")
+        key, column = split
         where.setdefault(key, {})[column] = (file, tuple(shape), dt, begin, end)
     samples = pq.read_table(src / SAMPLES_TABLE) if (src / SAMPLES_TABLE).is_file() else None
     if samples is not None and "sample_key" in samples.column_names:
