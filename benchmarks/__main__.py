@@ -20,7 +20,9 @@ ALL = [
     "extract",
     "saev",
     "zarr",
+    "storage",
 ]
+# Run by name only (minutes, and the optional 'baselines' extra): sae_quality.
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 

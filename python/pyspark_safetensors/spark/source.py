@@ -42,15 +42,19 @@ class SafetensorsDataSource(DataSource):
     Options (names are case-insensitive):
 
     ============================  ========================================================
-    ``batch_size``                rows per shard (batch mode)
+    ``batch_size``                rows per shard (batch mode), 1..2^31-1
     ``name_col``                  string key column (KV mode)
-    ``dtype``                     dtype for floating-point columns (F16, F32, F64, BF16,
-                                  U8, I8, U16, I16, U32, I32, U64, I64), or a JSON object
-                                  ``{"column": "dtype"}`` for any column. Default: the
-                                  column's own type (float→F32, double→F64, int→I32,
-                                  long→I64, short→I16, byte→I8; structs keep theirs).
-                                  F16/BF16 round to nearest even; integer casts are exact
-                                  and overflow is an error.
+    ``dtype``                     dtype of every numeric column, integer columns and Tensor
+                                  Structs included (F16, F32, F64, BF16, U8, I8, U16, I16,
+                                  U32, I32, U64, I64, or an alias: fp16, half, bfloat16,
+                                  float, double, long, torch.float16, ...), or a JSON object
+                                  ``{"column": "dtype"}`` for the columns it names (the
+                                  others keep their own). Default: the column's own type
+                                  (float→F32, double→F64, int→I32, long→I64, short→I16,
+                                  byte→I8; structs keep theirs). F16/BF16 round floats to
+                                  nearest even; every other cast is exact: overflow, a
+                                  fraction, or an integer a float dtype cannot hold is an
+                                  error naming the column and row.
     ``columns``                   comma-separated columns to write (default: all but the key)
     ``shapes``                    JSON ``{"column": [d0, d1, ...]}`` per-sample shapes for
                                   flat arrays; element counts are checked.
@@ -67,6 +71,8 @@ class SafetensorsDataSource(DataSource):
                                   ``__metadata__`` and in the manifest
     ``checksum``                  ``crc32c`` (default) per shard in the manifest, or ``none``
     ============================  ========================================================
+
+    Unknown options are refused with the closest valid name.
 
     Inputs: numeric arrays (nested too; every row must agree in batch mode), numeric
     scalars and Tensor Structs ``struct<data: binary, shape: array<int>, dtype: string>``.
