@@ -528,8 +528,23 @@ def _ragged_lists(arrays: list[np.ndarray], rank: int) -> pa.Array:
     return arr
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _struct_shape(shape, where: str) -> list[int]:
+    """A shape the Tensor Struct's ``array<int>`` can hold (valid safetensors dimensions
+    go up to 2^64 - 1; only empty tensors can have such dimensions in practice)."""
+    if any(d > INT32_MAX for d in shape):
+        raise ReadError(
+            f"{where}: shape {list(shape)} has a dimension above 2^31 - 1, which the Tensor "
+            "Struct's array<int> shape cannot hold; read it with view=tensors (array<long>)"
+        )
+    return list(shape)
+
+
 def _tensor_struct(raw: memoryview, info) -> dict:
-    return {"data": bytes(raw), "shape": list(info.shape), "dtype": info.dtype.name}
+    shape = _struct_shape(info.shape, f"tensor {info.name!r}")
+    return {"data": bytes(raw), "shape": shape, "dtype": info.dtype.name}
 
 
 def _struct_rows(chunk: np.ndarray, dtype: str) -> pa.Array:
@@ -540,7 +555,7 @@ def _struct_rows(chunk: np.ndarray, dtype: str) -> pa.Array:
     data = pa.BinaryArray.from_buffers(
         pa.binary(), rows, [None, offsets.buffers()[1], pa.py_buffer(flat)]
     )
-    sample = list(chunk.shape[1:])
+    sample = _struct_shape(chunk.shape[1:], "a column's samples")
     shape = pa.ListArray.from_arrays(
         pa.array(np.arange(rows + 1, dtype=np.int32) * len(sample)),
         pa.array(np.tile(np.array(sample, np.int32), rows), pa.int32()),
