@@ -7,8 +7,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from pyspark_safetensors.demo import passages_by_key
-from pyspark_safetensors.extract import ExtractConfig, Extractor, default_model_dir, run_extraction
+from pyspark_safetensors.extract import (
+    ExtractConfig,
+    Extractor,
+    default_model_dir,
+    passages_by_key,
+    run_extraction,
+)
 from pyspark_safetensors.spark.session import local_session
 
 from .common import table

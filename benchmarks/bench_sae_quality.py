@@ -41,8 +41,7 @@ def activations() -> Path:
     if (root / "dataset_manifest.json").is_file():
         return root
     from pyspark_safetensors.dataset import write_batch_dataset
-    from pyspark_safetensors.demo import demo_passages
-    from pyspark_safetensors.extract import Extractor, default_model_dir
+    from pyspark_safetensors.extract import Extractor, default_model_dir, demo_passages
 
     texts = sorted({t for _, t in demo_passages()})
     windows = Extractor(default_model_dir(), [HOOK], max_length=128, dtype="F32").run(texts)

@@ -24,8 +24,7 @@ K = 16
 @pytest.fixture(scope="module")
 def real_activations():
     """Layer 0's query input for some documentation passages: (train, held-out)."""
-    from pyspark_safetensors.demo import passages_by_key
-    from pyspark_safetensors.extract import Extractor
+    from pyspark_safetensors.extract import Extractor, passages_by_key
 
     extractor = Extractor(gt.get_model_path(), [HOOK], max_length=128, dtype="F32")
     texts = passages_by_key(0, 48)
