@@ -156,7 +156,8 @@ def test_a_sparsify_sae_fine_tunes_and_builds_a_lut(tmp_path, activations):
     trainer.fit()
     assert trainer.history[-1]["fvu"] < first["fvu"]
     with pytest.raises(ValueError, match="an SAE of 64 latents x 32 inputs; this run has"):
-        Trainer(SAEConfig(**{**config.to_dict(), "n_latents": 128, "adam_betas": (0.9, 0.999)}))
+        Trainer(SAEConfig(**{**config.to_dict(), "n_latents": 128, "adam_betas": (0.9, 0.999),
+                             "log_to": (), "out_dir": str(tmp_path / "other")}))  # fmt: skip
 
     # a LUT straight from a foreign directory folds its b_dec like ours
     root, layer = tmp_path / "model", "encoder.layer.0.attention.self.query"

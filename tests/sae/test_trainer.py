@@ -346,3 +346,18 @@ def test_batch_topk_training_records_its_threshold(tmp_path, activations):
     assert 3 < l0 < 12  # the threshold keeps about k per row on average
     with pytest.raises(CheckpointError, match="batchtopk SAE"):
         export_sae(tmp_path / "run", tmp_path / "x", "saelens")
+
+
+def test_optional_metric_sinks(tmp_path, activations):
+    pytest.importorskip("tensorboard")  # in the dev extra
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = Trainer(_config(activations, tmp_path, log_to=("tensorboard",)))
+    trainer.fit()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    fvu = events.Scalars("fvu")
+    assert [e.step for e in fvu] == [h["step"] for h in trainer.history]
+    assert fvu[-1].value == pytest.approx(trainer.history[-1]["fvu"], rel=1e-6)
+    with pytest.raises(ValueError, match="unknown sink 'mlflow'"):
+        Trainer(_config(activations, tmp_path / "b", log_to=("mlflow",)))

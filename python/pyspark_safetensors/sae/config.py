@@ -101,6 +101,9 @@ class SAEConfig:
     checkpoints: int = 6
     """Log-spaced intermediate checkpoints (the final one is always written)."""
     progress: bool = True
+    log_to: tuple[str, ...] = ()
+    """Extra metric sinks beside metrics.jsonl: "tensorboard" (out_dir/tensorboard) and/or
+    "wandb"; each needs its package installed."""
     overwrite: bool = False
     """Start over in an ``out_dir`` that already holds a run (its log, checkpoints and SAE
     are replaced); without it such a directory is refused unless resuming."""
@@ -183,6 +186,7 @@ class SAEConfig:
             "device",
             "resume",
             "overwrite",
+            "log_to",
             "val_dataset",
             "val_tokens",
             "data_parallel_size",
@@ -230,6 +234,12 @@ def _coerce(key: str, value, hint):
     origin = typing.get_origin(hint)
     if origin is Literal:
         return value
+    if origin is tuple and typing.get_args(hint)[-1] is Ellipsis:  # tuple[str, ...]
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return tuple(str(v) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(hint)):
             raise ValueError(f"{key} must be a list of {len(typing.get_args(hint))} numbers")

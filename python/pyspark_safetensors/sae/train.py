@@ -51,6 +51,7 @@ from .mesh import (
     mesh_rank,
 )
 from .model import PLACEMENT, TopKSAE, geometric_median
+from .sinks import MetricSinks, check_sinks
 
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
                 "val_dead_fraction", "val_dense_fraction")  # fmt: skip
@@ -109,6 +110,7 @@ class Trainer:
         if not config.dataset:
             raise ValueError("config.dataset is empty: give the activation dataset directory")
         check_run_dir(config)
+        check_sinks(config.log_to)
         ds = open_activations(config)
         if config.column not in ds.columns:
             raise ValueError(f"{config.dataset}: no column {config.column!r}; it has {ds.columns}")
@@ -522,6 +524,7 @@ class Trainer:
         if self.step == 0 and not c.init_from:
             self.init_decoder_bias()
         bar = _progress(self.total_steps, self.step, enabled=main and c.progress)
+        sinks = MetricSinks(c.log_to, self.out_dir, c.to_dict()) if main and c.log_to else None
         ckpt_steps = self.checkpoint_steps()
         metrics: dict = dict(self.history[-1]) if self.history else {}
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
@@ -545,6 +548,8 @@ class Trainer:
                         if main:
                             with open(self.out_dir / "metrics.jsonl", "a") as log:
                                 log.write(json.dumps(metrics) + "\n")
+                            if sinks is not None:
+                                sinks.log(metrics, self.step)
                     if self.step in ckpt_steps:
                         self.save(metrics)
                     if self.step >= self.total_steps:
@@ -552,6 +557,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            if sinks is not None:
+                sinks.close()
         self.save(metrics)
         tensors = self.sae.full_state()
         counts = LATENTS.gather(self.fire_count, self.mesh).cpu()
