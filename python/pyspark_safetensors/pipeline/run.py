@@ -65,8 +65,9 @@ class PipelineConfig:
     """Tokens per model input (longer passages are cut into windows)."""
     hooks: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_HOOKS))
     """Hook point -> the linear layers it feeds (each gets a LUT from that hook's SAE)."""
-    model_dir: str = ""
-    """A Hugging Face model directory; empty = the packaged all-MiniLM-L6-v2."""
+    model: str = ""
+    """A Hugging Face model directory or model id (from the local Hub cache); empty = the
+    packaged all-MiniLM-L6-v2."""
     master: str = "local[*]"
     """Spark master of the extraction."""
     nproc: int = 2
@@ -195,14 +196,15 @@ class Pipeline:
         started = time.perf_counter()
         prepare_out_dir(self.out, force=self.force)
         self.log(f"outputs go to {self.out.resolve()}")
-        from ..extract import ExtractConfig, default_model_dir
+        from ..extract import ExtractConfig, resolve_model
         from ..extract.model import weights_hash
 
         c = self.config
-        self.model_dir = Path(c.model_dir) if c.model_dir else default_model_dir()
+        self.model_source = resolve_model(c.model)
+        self.model_dir = Path(self.model_source.path)
         self.model_hash = weights_hash(self.model_dir)
         self.extract_config = ExtractConfig(
-            model_dir=c.model_dir, hooks=tuple(c.hooks), max_texts=c.texts, max_length=c.max_length
+            model=c.model, hooks=tuple(c.hooks), max_texts=c.texts, max_length=c.max_length
         )
         extract_dir = self.extract()
         sae_files = {hook: self.train(hook, extract_dir) for hook in c.hooks}
@@ -303,7 +305,7 @@ class Pipeline:
     @property
     def source_model(self) -> str:
         """One id for the model in every artifact: the extraction's."""
-        return self.config.model_dir or "sentence-transformers/all-MiniLM-L6-v2"
+        return self.model_source.name
 
     def evaluate(self, sae_files: dict[str, Path], lut_dir: Path) -> None:
         from .evaluation import evaluate_pipeline
