@@ -4,6 +4,8 @@ integration, jvm. Spark sessions are made per module by the ``spark`` fixture.""
 from __future__ import annotations
 
 import os
+import site
+import venv
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,26 @@ os.environ.update(
     AWS_REGION="us-east-1",
     AWS_EC2_METADATA_DISABLED="true",
 )
+
+
+@pytest.fixture(scope="session")
+def python_without_package():
+    """A function making a virtual environment at ``dest`` with every package of this one
+    except pyspark_safetensors (symlinked, so it costs nothing) and returning its python:
+    pyspark and pyarrow import there, this package does not until it is installed."""
+
+    def make(dest: Path) -> Path:
+        venv.EnvBuilder(with_pip=False).create(dest)
+        (target,) = (dest / "lib").glob("python3*/site-packages")
+        for packages in map(Path, site.getsitepackages()):
+            for entry in packages.iterdir():
+                name = entry.name.lower().replace("-", "_")
+                if "pyspark_safetensors" in name or (target / entry.name).exists():
+                    continue
+                (target / entry.name).symlink_to(entry)
+        return dest / "bin" / "python"
+
+    return make
 
 
 @pytest.fixture(scope="session")

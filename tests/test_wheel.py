@@ -5,11 +5,8 @@ offline), and the README's first Spark example runs there with that environment 
 import os
 import re
 import shutil
-import site
 import subprocess
 import sys
-import venv
-from pathlib import Path
 
 import pytest
 
@@ -23,20 +20,7 @@ def first_spark_example(readme: str) -> str:
     return next(b for b in blocks if 'format("safetensors")' in b)
 
 
-def fresh_env_with_dependencies(dest: Path) -> Path:
-    """A new virtual environment holding this one's packages (symlinked) but not ours."""
-    venv.EnvBuilder(with_pip=False).create(dest)
-    (target,) = (dest / "lib").glob("python3*/site-packages")
-    for packages in map(Path, site.getsitepackages()):
-        for entry in packages.iterdir():
-            name = entry.name.lower().replace("-", "_")
-            if "pyspark_safetensors" in name or (target / entry.name).exists():
-                continue
-            (target / entry.name).symlink_to(entry)
-    return dest / "bin" / "python"
-
-
-def test_installed_wheel_runs_the_readme_example(repo_root, tmp_path):
+def test_installed_wheel_runs_the_readme_example(repo_root, tmp_path, python_without_package):
     src = tmp_path / "src"
     src.mkdir()
     for name in SOURCES:
@@ -55,7 +39,7 @@ def test_installed_wheel_runs_the_readme_example(repo_root, tmp_path):
         capture_output=True,
     )
     (wheel,) = (tmp_path / "dist").glob("pyspark_safetensors-*.whl")
-    python = fresh_env_with_dependencies(tmp_path / "env")
+    python = python_without_package(tmp_path / "env")
     subprocess.run(
         [python, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps", wheel],
         check=True,

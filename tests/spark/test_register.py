@@ -3,30 +3,13 @@ workers run a Python that cannot import the package."""
 
 import json
 import os
-import site
 import subprocess
 import sys
 import textwrap
-import venv
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.spark
-
-
-def python_without_package(dest: Path) -> Path:
-    """A virtual environment with every package of this one except pyspark_safetensors
-    (symlinked, so it costs nothing): pyspark and pyarrow import, this package does not."""
-    venv.EnvBuilder(with_pip=False).create(dest)
-    (target,) = (dest / "lib").glob("python3*/site-packages")
-    for packages in map(Path, site.getsitepackages()):
-        for entry in packages.iterdir():
-            name = entry.name.lower().replace("-", "_")
-            if "pyspark_safetensors" in name or (target / entry.name).exists():
-                continue
-            (target / entry.name).symlink_to(entry)
-    return dest / "bin" / "python"
 
 
 def test_register_checks_the_workers_and_registers(spark, tmp_path):
@@ -38,7 +21,7 @@ def test_register_checks_the_workers_and_registers(spark, tmp_path):
     assert json.loads((tmp_path / "dataset_manifest.json").read_text())["total_samples"] == 3
 
 
-def test_wrong_worker_python_gets_a_message_naming_it(tmp_path):
+def test_wrong_worker_python_gets_a_message_naming_it(tmp_path, python_without_package):
     # A separate process: the worker interpreter is fixed when a SparkContext starts.
     wrong = python_without_package(tmp_path / "env")
     script = textwrap.dedent(
