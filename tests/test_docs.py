@@ -121,29 +121,9 @@ def test_markers_are_well_placed():
             )
 
 
-# Documents whose blocks do not run as written yet (undefined names, paths that do not
-# exist, a torchrun-only script): each entry goes when its document is fixed.
-NOT_YET_RUNNABLE = {
-    "docs/lut.md": "a model directory placeholder; model_layer, x, model undefined",
-    "docs/reader.md": "spark undefined; absolute /data and /models paths",
-    "docs/sae.md": "reads datasets no block writes; DimMap, mesh, full, local undefined",
-    "docs/torch.md": "an absolute /data path; a torchrun-only script run directly",
-}
-
-
 def pytest_generate_tests(metafunc):
-    import pytest
-
     if "doc" in metafunc.fixturenames:
-        metafunc.parametrize(
-            "doc",
-            [
-                pytest.param(d, marks=pytest.mark.xfail(reason=NOT_YET_RUNNABLE[d], strict=False))
-                if d in NOT_YET_RUNNABLE
-                else d
-                for d in _docs_with_blocks()
-            ],
-        )
+        metafunc.parametrize("doc", _docs_with_blocks())
 
 
 def test_doc_blocks_run(doc, tmp_path):
