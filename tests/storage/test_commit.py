@@ -16,6 +16,7 @@ from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, Struct
 from pyspark_safetensors.dataset import ConcurrentCommitError, DatasetLocation
 from pyspark_safetensors.dataset.commit import _publish_manifest
 from pyspark_safetensors.spark.source import SafetensorsDataSource
+from pyspark_safetensors.spark.writer import JobEndedError
 from pyspark_safetensors.torch import open_dataset
 
 SCHEMA = StructType(
@@ -65,6 +66,20 @@ def test_losing_attempt_and_failed_attempt_leave_nothing(tmp_path):
     assert files(root) == sorted([*listed, "_SUCCESS", "dataset_manifest.json"])
     ds = open_dataset(root, checksums=True)
     assert sorted(ds[i]["id"].item() for i in range(len(ds))) == list(range(10))
+
+
+@pytest.mark.parametrize("end", ["abort", "commit"])
+def test_attempt_finishing_after_its_job_ended_leaves_nothing(tmp_path, end):
+    root = tmp_path / "ds"
+    w = writer(root, overwrite=True)
+    if end == "commit":
+        w.commit([w.write(iter([batch(0, 4)]))])
+    else:
+        w.abort([])
+    before = files(root)
+    with pytest.raises(JobEndedError, match=r"ended .* before this task finished"):
+        w.write(iter([batch(0, 10)]))  # a straggler Spark no longer waits for
+    assert files(root) == before
 
 
 def test_racing_commits_are_detected(tmp_path):

@@ -4,6 +4,7 @@ exactly what a local path gives; append, overwrite, failures, verify and inspect
 import json
 import subprocess
 import sys
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -137,6 +138,11 @@ def test_append_overwrite_and_failed_job(spark, s3_bucket, s3_endpoint):
     )
     with pytest.raises(Exception, match="boom"):
         write(bad, uri, s3_endpoint, mode="append", batch_size=4)
+    # Spark returns once the job is aborted; a sibling task may still be finishing its
+    # last shard, which it deletes itself when it finds the job's lease gone
+    deadline = time.monotonic() + 60
+    while listing(uri, s3_endpoint) != before and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert listing(uri, s3_endpoint) == before
     assert (
         json.loads(

@@ -12,6 +12,7 @@ from .commit import (
     abort_dataset,
     begin_job,
     commit_dataset,
+    lease_name,
     merge_schemas,
     reclaim,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "index_rows",
     "index_table",
     "kv_tensor_name",
+    "lease_name",
     "load_manifest",
     "local_path",
     "merge_schemas",

@@ -12,7 +12,9 @@ copy of every byte).
 4. Then it reclaims what no manifest lists: its own failed and losing attempts, and the
    leftovers of dead jobs (never a live job's). The generation an overwrite replaced is
    kept until the next commit, so readers still on the old manifest can finish.
-``abort_dataset`` deletes the job's own files and its lease.
+``abort_dataset`` deletes the job's own files and its lease. Both drop the lease before
+they list, and a task checks the lease after its last shard landed: an attempt still
+running when the job ends cleans up after itself.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def reclaim(location: DatasetLocation, keep: set[str], *, own_job: str | None = 
         if job == own_job or _job_tag(job) not in live:
             doomed.append(name)
     location.delete(doomed)
-    if staging and not set(staging) - set(doomed):
+    if STAGING in listing and not set(staging) - set(doomed):
         location.delete([STAGING])
     return doomed
 
@@ -319,6 +321,7 @@ def commit_dataset(
     keep = {e.shard_path for e in manifest.shards} | {MANIFEST, LOCK}
     if index_file:
         keep.add(index_file)
+    location.delete([lease_name(job_id)])  # before the listing: see abort_dataset
     if previous is not None:  # the replaced generation stays readable until the next commit
         keep |= {e.shard_path for e in previous.shards}
         if previous.index_file:
@@ -434,12 +437,15 @@ def abort_dataset(location: DatasetLocation, job_id: str) -> None:
     """Delete every file the job wrote (all attempts) that no manifest lists, and its lease;
     leave published files and other jobs' files alone."""
     location = DatasetLocation.of(location)
+    # The lease goes first: an attempt still writing checks it after its last shard, so
+    # it either sees it gone (and deletes its shards) or landed before the listing below.
+    location.delete([lease_name(job_id)])
     listed: set[str] = set()
     if location.has(MANIFEST):
         with contextlib.suppress(ManifestError):
             listed = {e.shard_path for e in location.load_manifest().shards}
     tag = _job_tag(job_id)
     mine = [n for n in location.list() if n not in listed and job_of(n) == tag]
-    location.delete([*mine, lease_name(job_id), f"{STAGING}/{job_id}"])
+    location.delete([*mine, f"{STAGING}/{job_id}"])
     if location.has(STAGING) and not location.list_under(STAGING):
         location.delete([STAGING])

@@ -13,7 +13,6 @@ from ..dataset import (
     DatasetLocation,
     Manifest,
     abort_dataset,
-    attempt_uuid,
     begin_job,
     check_kv_columns,
     commit_dataset,
@@ -182,7 +181,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
             iterator,
             task_id,
             attempt_id,
-            attempt_uuid(self.job_id),
+            self.job_id,
         )
 
     def _template(self) -> Manifest:

@@ -23,9 +23,11 @@ from ..dataset import (
     DatasetLocation,
     StagedShard,
     TaskResult,
+    attempt_uuid,
     index_rows,
     index_table,
     kv_tensor_name,
+    lease_name,
     merge_schemas,
     shard_name,
 )
@@ -39,6 +41,10 @@ class TaskCommit(WriterCommitMessage):
     """The commit message of one task attempt."""
 
     result: TaskResult
+
+
+class JobEndedError(RuntimeError):
+    """A task attempt finished after its job was aborted or committed."""
 
 
 class _Checksum:
@@ -66,8 +72,10 @@ class _ShardSink:
         task_id: int,
         attempt_id: int,
         file_uuid: str,
+        lease: str,
     ):
         self.options = options
+        self.lease = lease
         self.location = location
         self.task_id = task_id
         self.attempt_id = attempt_id
@@ -141,10 +149,20 @@ class _ShardSink:
             )
 
     def result(self) -> TaskResult:
-        """Wait for every shard to be on disk; the task's commit message."""
+        """Wait for every shard to be stored; the task's commit message.
+
+        Spark may abort (or commit) a job while a slow attempt still writes. The driver
+        drops the job's lease before it lists what to delete, so an attempt that checks
+        the lease after its last shard landed either was seen by that listing or sees
+        the lease gone and deletes its own shards: no orphan either way."""
         while self.in_flight:
             self.shards.append(self.in_flight.popleft().result())
         self.io.shutdown()
+        if not self.location.has(self.lease):
+            raise JobEndedError(
+                "the write job ended (aborted or committed without this attempt) before "
+                "this task finished; its shards are deleted"
+            )
         return TaskResult(self.attempt_id, tuple(self.shards), self.schema)
 
     def discard(self) -> None:
@@ -356,10 +374,13 @@ def write_partition(
     batches: Iterator[pa.RecordBatch],
     task_id: int,
     attempt_id: int,
-    file_uuid: str,
+    job_id: str,
 ) -> TaskCommit:
-    """Write one partition; on any error this attempt's files are deleted and it re-raises."""
-    sink = _ShardSink(options, location, task_id, attempt_id, file_uuid)
+    """Write one partition of job ``job_id``; on any error this attempt's files are deleted
+    and it re-raises."""
+    sink = _ShardSink(
+        options, location, task_id, attempt_id, attempt_uuid(job_id), lease_name(job_id)
+    )
     mode = KVModeWriter if options.mode == "kv" else BatchModeWriter
     writer = mode(options, plans, sink)
     try:
