@@ -6,11 +6,13 @@ Knows files and the format; knows neither Spark nor torch.
 
 from .arrays import write_batch_dataset
 from .commit import (
+    AppendError,
     ConcurrentCommitError,
     StagedShard,
     TaskResult,
     abort_dataset,
     begin_job,
+    check_append,
     commit_dataset,
     lease_name,
     merge_schemas,
@@ -55,6 +57,7 @@ __all__ = [
     "MANIFEST",
     "STAGING",
     "SUCCESS",
+    "AppendError",
     "ColumnSchema",
     "ConcurrentCommitError",
     "DatasetLocation",
@@ -69,6 +72,7 @@ __all__ = [
     "abort_dataset",
     "attempt_uuid",
     "begin_job",
+    "check_append",
     "check_kv_columns",
     "commit_dataset",
     "index_rows",

@@ -115,6 +115,70 @@ def merge_schemas(
     return merged
 
 
+class AppendError(ValueError):
+    """Data that cannot be appended to a dataset: another mode, other columns, dtypes,
+    sample shapes, batch size or key settings."""
+
+
+def check_append(
+    previous: Manifest,
+    template: Manifest,
+    schema: dict[str, ColumnSchema] | None,
+    where: str,
+) -> dict[str, ColumnSchema]:
+    """The schema of ``previous`` after appending data written with ``template``'s
+    settings and columns ``schema`` (None: no new shards, only the settings are checked).
+
+    The one rule of append compatibility: the Spark writer runs it on the driver before
+    any task (with what the DataFrame's types tell), and the commit runs it again with
+    what the tasks wrote (another write may have committed in between). An empty dataset
+    takes any columns; dtypes and sample shapes follow ``merge_schemas``.
+    """
+    if previous.mode != template.mode:
+        raise AppendError(
+            f"{where}: cannot append {template.mode}-mode data to a {previous.mode}-mode dataset"
+        )
+    if not previous.shards:
+        return dict(schema or {})
+    settings = (
+        ("batch_size", previous.batch_size, template.batch_size)
+        if previous.mode == "batch"
+        else ("name_col", previous.name_col, template.name_col),
+    )
+    if previous.mode == "kv":
+        settings += (("kv_separator", previous.kv_separator, template.kv_separator),)
+    for option, theirs, ours in settings:
+        if theirs is not None and theirs != ours:
+            raise AppendError(
+                f"{where}: the dataset's {option} is {theirs!r}, this write's is {ours!r}; "
+                f"append with {option}={theirs!r}, or overwrite the dataset"
+            )
+    if schema is None:
+        return dict(previous.schema)
+    # Compare the column sets before merging: a merged schema would hide a missing column.
+    if schema.keys() != previous.schema.keys():
+        missing = sorted(previous.schema.keys() - schema.keys())
+        extra = sorted(schema.keys() - previous.schema.keys())
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing {missing}" if missing else "",
+                f"not in the dataset {extra}" if extra else "",
+            )
+            if part
+        )
+        raise AppendError(
+            f"{where}: appended columns {sorted(schema)} differ from the dataset's "
+            f"{sorted(previous.schema)} ({detail})"
+        )
+    try:
+        return merge_schemas(
+            [previous.schema, schema], f"{where} (append)", varying=previous.mode == "kv"
+        )
+    except ValueError as e:
+        raise AppendError(str(e)) from None
+
+
 def _find_duplicate_keys(index_tables: list[pa.Table]) -> list[str]:
     if not index_tables:
         return []
@@ -260,24 +324,7 @@ def commit_dataset(
     kept: tuple[ShardEntry, ...] = ()
     kept_index: list[pa.Table] = []
     if previous is not None and not overwrite:
-        if previous.mode != template.mode:
-            raise ValueError(
-                f"{where}: cannot append {template.mode}-mode data to a {previous.mode}-mode dataset"
-            )
-        # Compare the column sets before merging: a merged schema would hide a missing column.
-        if previous.shards and staged and schema.keys() != previous.schema.keys():
-            raise ValueError(
-                f"{where}: appended columns {sorted(schema)} differ from the dataset's {sorted(previous.schema)}"
-            )
-        if (
-            previous.mode == "kv"
-            and previous.kv_separator != template.kv_separator
-            and previous.shards
-        ):
-            raise ValueError(
-                f"{where}: the dataset's kv_separator is {previous.kv_separator!r}; append with the same one"
-            )
-        schema = merge_schemas([previous.schema, schema], f"{where} (append)", varying=varying)
+        schema = check_append(previous, template, schema if staged else None, where)
         kept = previous.shards
         if (generate_index or unique_keys) and previous.index_file is not None:
             kept_index = [location.read_index(previous)]

@@ -524,6 +524,27 @@ class DatasetLocation:
                 elif info.type != pafs.FileType.NotFound:
                     self.fs.delete_file(full)
 
+    def remove_if_empty(self) -> bool:
+        """Remove the directory itself when nothing is under it (a failed first write
+        leaves no trace); returns whether it was removed. Locally ``rmdir`` refuses a
+        directory another job has just written into; on object stores only an empty
+        prefix (at most a directory marker) is deleted."""
+        if self._local:
+            try:
+                os.rmdir(self.root)
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return False
+                raise
+            return True
+        if self.fs.get_file_info(self.root).type == pafs.FileType.NotFound or self.list():
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_dir(self.root)
+        return True
+
     @contextlib.contextmanager
     def writing(self, name: str):
         """Re-raise I/O errors (a full disk, a refused PUT) naming the dataset and the file."""

@@ -127,7 +127,11 @@ class WriterOptions:
                 tuple(k for k in WRITER_OPTIONS if k != "path"),
             )
         if not opts.get("path"):
-            raise OptionError("no path: use .save(path) or .option('path', ...)")
+            raise OptionError(
+                "no path: use .save(path) or .option('path', ...). saveAsTable, insertInto "
+                "and INSERT INTO a catalog table hand no path to a Python data source: write "
+                "the dataset with .save(path)"
+            )
         if ("batch_size" in opts) == ("name_col" in opts):
             raise OptionError("set exactly one of batch_size (batch mode) or name_col (KV mode)")
         kw: dict = {"path": opts["path"]}

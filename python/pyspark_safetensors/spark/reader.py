@@ -11,6 +11,7 @@ Views:
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from ..dataset import (
 )
 from ..dataset.layout import SHARD_NAME
 from ..dataset.verify import check_shard
+from ..format.errors import SafetensorsFormatError
 from .options import OptionError, _bool, _choice, _int
 
 VIEWS = ("rows", "kv", "tensors")
@@ -87,10 +89,17 @@ class ReadError(ValueError):
 @dataclass(frozen=True)
 class ReaderOptions:
     path: str
+    """The first (or only) path, as given."""
     view: str | None = None
     tensor_format: str = "array"
     include_data: bool = True
     rows_per_partition: int = 65_536
+    paths: tuple[str, ...] = ()
+    """Every path given (``load([p1, p2])``); read as one DataFrame."""
+
+    def __post_init__(self):
+        if not self.paths:
+            object.__setattr__(self, "paths", (self.path,))
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
@@ -101,10 +110,25 @@ class ReaderOptions:
             raise OptionError(
                 f"unknown read option(s) {', '.join(unknown)}; valid: view, tensor_format, include_data, rows_per_partition"
             )
-        path = opts.get("path") or ""
-        if not path:
-            raise OptionError("no path: use .load(path)")
-        kw: dict = {"path": path}
+        paths = [opts["path"]] if opts.get("path") else []
+        if "paths" in opts:  # what Spark passes for load([p1, p2]): a JSON list
+            try:
+                listed = json.loads(opts["paths"])
+            except json.JSONDecodeError:
+                listed = None
+            if isinstance(listed, str):
+                listed = [listed]
+            if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+                raise OptionError(f"option paths={opts['paths']!r}: expected a JSON list of paths")
+            paths += listed
+        if not paths:
+            raise OptionError(
+                "no path: use .load(path) or .load([path, ...]). A catalog table (saveAsTable, "
+                "CREATE TABLE ... USING safetensors) hands no path to a Python data source: "
+                "read the dataset with spark.read.format('safetensors').load(path), or "
+                "CREATE TEMPORARY VIEW ... USING safetensors OPTIONS (path '...')"
+            )
+        kw: dict = {"path": paths[0], "paths": tuple(paths)}
         if "view" in opts:
             kw["view"] = _choice("view", opts["view"], VIEWS)
         if "tensor_format" in opts:
@@ -147,8 +171,16 @@ def _glob(path: str, storage: Mapping[str, str]) -> Source:
 
 
 def resolve(options: ReaderOptions, storage: Mapping[str, str] | None = None) -> Source:
-    path = options.path
+    """What ``options.path`` (the first path) resolves to."""
+    return resolve_path(options.path, storage)
+
+
+def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
+    """A dataset directory (or its manifest file), one ``.safetensors`` file, or a
+    directory or glob of them; anything else is refused here, on the driver."""
     storage = storage or {}
+    if path.rstrip("/").rpartition("/")[2] == MANIFEST:  # the manifest stands for its dataset
+        path = path.rstrip("/")[: -len(MANIFEST)].rstrip("/") or "."
     if any(c in path for c in "*?["):
         return _glob(path, storage)
     location = DatasetLocation.of(path, storage_options=storage)
@@ -193,8 +225,15 @@ def resolve(options: ReaderOptions, storage: Mapping[str, str] | None = None) ->
     single, name = location.parent()
     try:
         if name and single.regular_size(name) is not None:
+            if not name.endswith(".safetensors"):
+                raise ReadError(
+                    f"{location.uri!r} is a file but neither a .safetensors file nor a "
+                    f"dataset's {MANIFEST}: give a dataset directory, a .safetensors file, or "
+                    "a directory or glob of them"
+                )
+            single.read_header(name)  # a broken file is refused here, not in a task
             return Source(single, None, (name,))
-    except ManifestError as e:
+    except (ManifestError, SafetensorsFormatError) as e:
         raise ReadError(str(e)) from None
     raise ReadError(f"{location.uri!r}: no such file or directory")
 
@@ -260,11 +299,14 @@ class ShardPartition(InputPartition):
     """Position in the manifest's shard list."""
     row_start: int = 0
     row_stop: int = -1
+    source: int = 0
+    """Which of the loaded paths."""
 
 
 @dataclass(frozen=True)
 class FilesPartition(InputPartition):
     files: tuple[str, ...]
+    source: int = 0
 
 
 class SafetensorsReader(DataSourceReader):
@@ -274,12 +316,19 @@ class SafetensorsReader(DataSourceReader):
     wanted_dtypes: set[str] | None = None
     wanted_keys: set[str] | None = None
 
-    def __init__(self, options: ReaderOptions, source: Source, view: str, schema: StructType):
+    def __init__(
+        self,
+        options: ReaderOptions,
+        sources: Source | tuple[Source, ...],
+        view: str,
+        schema: StructType,
+    ):
         self.options = options
-        self.source = source
+        self.sources = sources if isinstance(sources, tuple) else (sources,)
+        """One per loaded path, all of one view and one schema."""
         self.view = view
         self.schema = schema
-        inferred = infer_schema(source, view, options)
+        inferred = infer_schema(self.sources[0], view, options)
         missing = [f.name for f in schema.fields if f.name not in inferred.fieldNames()]
         if missing:
             raise ReadError(
@@ -291,24 +340,35 @@ class SafetensorsReader(DataSourceReader):
                     f"column {f.name!r}: the given schema says {f.dataType.simpleString()}, the data is {inferred[f.name].dataType.simpleString()}"
                 )
 
+    @property
+    def source(self) -> Source:
+        """The first loaded path's source (settings every source shares)."""
+        return self.sources[0]
+
     def partitions(self):
+        parts = []
+        for i, source in enumerate(self.sources):
+            parts += self._partitions(source, i)
+        return parts or [FilesPartition(())]
+
+    def _partitions(self, source: Source, i: int) -> list[InputPartition]:
         if self.view == "tensors":
-            per = max(1, len(self.source.files) // 64)  # small files: several per partition
+            per = max(1, len(source.files) // 64)  # small files: several per partition
             return [
-                FilesPartition(self.source.files[i : i + per])
-                for i in range(0, len(self.source.files), per)
+                FilesPartition(source.files[a : a + per], i)
+                for a in range(0, len(source.files), per)
             ]
         parts = []
         step = self.options.rows_per_partition
-        for shard, entry in enumerate(self.source.manifest.shards):
+        for shard, entry in enumerate(source.manifest.shards):
             if self.view == "kv" or entry.samples_count <= step:
-                parts.append(ShardPartition(shard))
+                parts.append(ShardPartition(shard, source=i))
             else:
                 parts += [
-                    ShardPartition(shard, a, min(a + step, entry.samples_count))
+                    ShardPartition(shard, a, min(a + step, entry.samples_count), i)
                     for a in range(0, entry.samples_count, step)
                 ]
-        return parts or [FilesPartition(())]
+        return parts
 
     def read(self, partition) -> Iterator[pa.RecordBatch]:
         if self.view == "tensors":
@@ -322,7 +382,7 @@ class SafetensorsReader(DataSourceReader):
 
     def _read_tensors(self, partition: FilesPartition):
         names = [f.name for f in self.schema.fields]
-        location = self.source.location
+        location = self.sources[partition.source].location
         for file in partition.files:
             shown = location.display(file)
             if "data" in names:
@@ -346,10 +406,11 @@ class SafetensorsReader(DataSourceReader):
     def _open(self, part: ShardPartition, *, whole: bool = False):
         """The partition's shard, its header checked against the manifest entry (the
         same check every reader runs: dtypes, sample shapes and the row count)."""
-        entry = self.source.manifest.shards[part.shard]
-        location = self.source.location
+        source = self.sources[part.source]
+        entry = source.manifest.shards[part.shard]
+        location = source.location
         f = location.open_shard(entry.shard_path, whole=whole)
-        problems = check_shard(self.source.manifest, entry, entry.bytes, f.header)
+        problems = check_shard(source.manifest, entry, entry.bytes, f.header)
         if problems:
             f.close()
             raise ReadError(f"dataset {location.uri!r}: {'; '.join(problems[:5])}")
@@ -367,7 +428,7 @@ class SafetensorsReader(DataSourceReader):
                         f"file {file!r}: no tensor {fld.name!r}, which the dataset schema lists"
                     )
                 info = header[fld.name]
-                expected = self.source.manifest.schema.get(fld.name)
+                expected = self.sources[part.source].manifest.schema.get(fld.name)
                 if expected is not None and (
                     info.dtype.name != expected.dtype
                     or tuple(info.shape[1:]) != tuple(expected.sample_shape)
@@ -400,7 +461,7 @@ class SafetensorsReader(DataSourceReader):
     # -- kv view
 
     def _read_kv(self, part: ShardPartition):
-        manifest = self.source.manifest
+        manifest = self.sources[part.source].manifest
         key_col = manifest.name_col or "key"
         sep = manifest.kv_separator or "__"
         columns = [f.name for f in self.schema.fields if f.name != key_col]
@@ -586,16 +647,50 @@ def make_reader(
 ) -> tuple[StructType, SafetensorsReader | None]:
     storage, rest = split_storage_options(options_map)
     options = ReaderOptions.parse(rest)
-    try:
-        source = resolve(options, storage)
-    except ManifestError as e:
-        raise ReadError(str(e)) from None
-    view = default_view(source, options.view)
-    inferred = infer_schema(source, view, options)
+    sources, view, inferred = [], None, None
+    for path in options.paths:
+        try:
+            source = resolve_path(path, storage)
+        except ManifestError as e:
+            raise ReadError(str(e)) from None
+        this_view = default_view(source, options.view)
+        this_schema = infer_schema(source, this_view, options)
+        if sources and (this_view, this_schema) != (view, inferred):
+            raise ReadError(
+                _disagreement(options.paths[0], path, (view, inferred), (this_view, this_schema))
+            )
+        sources.append(source)
+        view, inferred = this_view, this_schema
     if schema is None:
         return inferred, None
     cls = PushdownSafetensorsReader if _pushdown_enabled() else SafetensorsReader
-    return schema, cls(options, source, view, schema)
+    return schema, cls(options, tuple(sources), view, schema)
+
+
+def _disagreement(first: str, other: str, a, b) -> str:
+    """Why two loaded paths cannot be one DataFrame."""
+    (view_a, schema_a), (view_b, schema_b) = a, b
+    why = (
+        f"{first!r} is read as view={view_a}, {other!r} as view={view_b}"
+        if view_a != view_b
+        else _schema_difference(first, other, schema_a, schema_b)
+    )
+    return (
+        f"the loaded paths cannot be read as one DataFrame: {why}. Load paths of one schema "
+        "together, or load them one by one and combine the DataFrames (unionByName)"
+    )
+
+
+def _schema_difference(first: str, other: str, a: StructType, b: StructType) -> str:
+    for fa, fb in zip(a.fields, b.fields, strict=False):
+        if fa.name != fb.name:
+            return f"column {fa.name!r} of {first!r} is {fb.name!r} in {other!r}"
+        if fa.dataType != fb.dataType:
+            return (
+                f"column {fa.name!r} is {fa.dataType.simpleString()} in {first!r} and "
+                f"{fb.dataType.simpleString()} in {other!r}"
+            )
+    return f"{first!r} has columns {a.fieldNames()}, {other!r} has {b.fieldNames()}"
 
 
 __all__ = ["ReadError", "ReaderOptions", "SafetensorsReader", "make_reader"]

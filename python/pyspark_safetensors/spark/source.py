@@ -10,15 +10,18 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterComm
 from pyspark.sql.types import StringType, StructType
 
 from ..dataset import (
+    MANIFEST,
+    ColumnSchema,
     DatasetLocation,
     Manifest,
     abort_dataset,
     begin_job,
+    check_append,
     check_kv_columns,
     commit_dataset,
     split_storage_options,
 )
-from .columns import ColumnError, plan_column
+from .columns import ColumnError, ColumnPlan, plan_column
 from .options import WriterOptions
 from .writer import TaskCommit, write_partition
 
@@ -137,6 +140,10 @@ class SafetensorsWriter(DataSourceArrowWriter):
         self.location = DatasetLocation.of(options.path, storage_options=storage_options)
         self.job_id = uuid.uuid4().hex
         self.plans = self._plan(schema)
+        if not overwrite:
+            self._check_append()
+        self.created = not self.location.exists()
+        """Whether this job made the dataset's directory (a failed job then removes it)."""
         begin_job(self.location, self.job_id)
 
     def _plan(self, schema: StructType):
@@ -167,6 +174,18 @@ class SafetensorsWriter(DataSourceArrowWriter):
             except ValueError as e:
                 raise ColumnError(str(e)) from None
         return [plan_column(n, schema[n].dataType, o) for n in wanted]
+
+    def _check_append(self) -> None:
+        """Refuse, before any task runs, an append the dataset cannot take: what the
+        DataFrame's types tell (dtypes, ranks, scalar and ``shapes`` sample shapes) is
+        checked with the commit's rule; dimensions of variable-length arrays are known
+        only once written, and the commit checks them."""
+        if not self.location.has(MANIFEST):
+            return
+        previous = self.location.load_manifest()
+        where = f"dataset {self.location.uri!r}"
+        known = {p.name: _known_schema(p, previous.schema.get(p.name)) for p in self.plans}
+        check_append(previous, self._template(), known, where)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         from pyspark import TaskContext
@@ -209,8 +228,27 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 unique_keys=self.options.mode == "kv",
             )
         except BaseException:
-            abort_dataset(self.location, self.job_id)
+            self.abort(messages)
             raise
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         abort_dataset(self.location, self.job_id)
+        if self.created:
+            self.location.remove_if_empty()
+
+
+def _known_schema(plan: ColumnPlan, previous: ColumnSchema | None) -> ColumnSchema:
+    """What the DataFrame's type tells of a column's dtype and sample shape; what it
+    leaves open (a struct's dtype, an array's dimensions) is taken from ``previous``
+    (the dataset's column), so that only what is known can disagree. Open dimensions of
+    a rank the dataset does not have show as -1."""
+    dtype = plan.target or (previous.dtype if previous else "")
+    if plan.shape is not None or plan.kind == "scalar":
+        sample = tuple(plan.shape or ())
+    elif previous is not None and (
+        plan.kind == "struct" or len(previous.sample_shape) == plan.depth
+    ):
+        sample = tuple(previous.sample_shape)
+    else:
+        sample = (-1,) * plan.depth
+    return ColumnSchema(dtype, sample, sample)

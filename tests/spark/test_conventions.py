@@ -1,0 +1,256 @@
+"""Spark's conventions for file sources, as the safetensors source follows (or refuses)
+them: append checked on the driver, no empty directory after a failed first write,
+several paths and manifest paths in ``load``, partitioning and catalog tables refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+from pyspark.sql import functions as F
+
+pytestmark = pytest.mark.spark
+
+BOOM = "computed although the append was refused"
+
+
+def write(df, path, mode="overwrite", **options):
+    w = df.write.format("safetensors").mode(mode)
+    for k, v in options.items():
+        w = w.option(k, v)
+    w.save(str(path))
+
+
+def frame(spark, n=4, dim=3):
+    return spark.range(n, numPartitions=2).select(
+        F.col("id"),
+        F.array(*[(F.col("id") + j).cast("float") for j in range(dim)]).alias("vec"),
+        F.col("id").cast("string").alias("key"),
+    )
+
+
+def exploding(df):
+    """``df`` whose every row fails when computed: an error from it proves a task ran."""
+    first = df.columns[0]
+    fail = F.raise_error(F.lit(BOOM))
+    return df.withColumn(first, F.when(F.spark_partition_id() >= 0, fail).otherwise(F.col(first)))
+
+
+def files(path) -> list[str]:
+    return sorted(p.name for p in Path(path).iterdir())
+
+
+# ------------------------------------------------------------ append, checked on the driver
+
+
+@pytest.mark.parametrize(
+    ("change", "options", "message"),
+    [
+        (
+            lambda df: df.withColumn("id", F.col("id").cast("int")),
+            {},
+            r"column 'id' is I64\[\] in one part and I32\[\]",
+        ),
+        (
+            lambda df: df,
+            {"dtype": '{"vec": "F16"}'},
+            r"column 'vec' is F32\[3\] in one part and F16\[3\]",
+        ),
+        (lambda df: df.drop("id"), {}, r"appended columns \['vec'\] differ .*missing \['id'\]"),
+        (
+            lambda df: df.withColumn("vec", F.array(F.col("vec"))),
+            {},
+            r"column 'vec' is F32\[3\] in one part and F32\[-1, -1\]",
+        ),
+        (lambda df: df, {"batch_size": "3"}, r"batch_size is 2, this write's is 3"),
+        (
+            lambda df: df,
+            {"shapes": '{"vec": [3, 1]}'},
+            r"column 'vec' is F32\[3\] in one part and F32\[3, 1\]",
+        ),
+    ],
+    ids=["dtype", "dtype-option", "missing-column", "rank", "batch_size", "shapes"],
+)
+def test_batch_append_is_refused_before_any_task(spark, tmp_path, change, options, message):
+    out = tmp_path / "ds"
+    write(frame(spark).select("id", "vec"), out, batch_size=2)
+    before = files(out)
+    df = exploding(change(frame(spark).select("id", "vec")))
+    with pytest.raises(Exception, match=message) as caught:
+        write(df, out, mode="append", **{"batch_size": "2", **options})
+    assert BOOM not in str(caught.value)
+    assert files(out) == before
+
+
+def test_kv_append_settings_are_checked_before_any_task(spark, tmp_path):
+    out = tmp_path / "kv"
+    write(frame(spark).select("key", "vec"), out, name_col="key")
+    before = files(out)
+    renamed = frame(spark).select(F.col("key").alias("name"), "vec")
+    for df, options, message in [
+        (renamed, {"name_col": "name"}, "name_col is 'key', this write's is 'name'"),
+        (
+            frame(spark).select("key", "vec"),
+            {"name_col": "key", "kv_separator": "::"},
+            "kv_separator is '__'",
+        ),
+        (
+            frame(spark).select("key", "vec"),
+            {"batch_size": "2", "columns": "vec"},
+            "cannot append batch-mode data to a kv-mode",
+        ),
+    ]:
+        with pytest.raises(Exception, match=message) as caught:
+            write(exploding(df), out, mode="append", **options)
+        assert BOOM not in str(caught.value)
+    assert files(out) == before
+
+
+def test_compatible_appends_pass_the_driver_check(spark, tmp_path):
+    # KV rows of other lengths, and batch arrays whose length the type leaves open: the
+    # driver lets them through; the commit still checks what the tasks wrote.
+    kv = tmp_path / "kv"
+    write(frame(spark).select("key", "vec"), kv, name_col="key")
+    longer = frame(spark, dim=5).select(F.concat(F.lit("b"), "key").alias("key"), "vec")
+    write(longer, kv, mode="append", name_col="key")
+    manifest = json.loads((kv / "dataset_manifest.json").read_text())
+    assert manifest["total_samples"] == 8 and manifest["schema"]["vec"]["sample_shape"] == [-1]
+    batch = tmp_path / "batch"
+    write(frame(spark).select("vec"), batch, batch_size=2)
+    with pytest.raises(Exception, match=r"column 'vec' is F32\[3\] in one part and F32\[5\]"):
+        write(frame(spark, dim=5).select("vec"), batch, mode="append", batch_size=2)
+    write(frame(spark).select("vec"), batch, mode="append", batch_size=2)
+    assert spark.read.format("safetensors").load(str(batch)).count() == 8
+
+
+# ------------------------------------------------------------ a failed first write leaves nothing
+
+
+def test_failed_write_into_a_new_path_leaves_no_directory(spark, tmp_path):
+    new = tmp_path / "new" / "ds"
+    with pytest.raises(Exception, match=BOOM):
+        write(exploding(frame(spark).select("id", "vec")), new, batch_size=2)
+    assert not new.exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(Exception, match=BOOM):
+        write(exploding(frame(spark).select("id", "vec")), existing, batch_size=2)
+    assert existing.is_dir() and files(existing) == []  # it was there before: it stays
+
+
+def test_failed_write_into_a_new_prefix_leaves_no_object(spark, s3_bucket, s3_endpoint):
+    uri = f"{s3_bucket}/new/ds"
+    w = exploding(frame(spark).select("id", "vec")).write.format("safetensors").mode("overwrite")
+    with pytest.raises(Exception, match=BOOM):
+        w.option("batch_size", 2).option("endpoint_url", s3_endpoint).save(uri)
+    scheme, _, host = s3_endpoint.partition("://")
+    fs = pafs.S3FileSystem(endpoint_override=host, scheme=scheme)
+    bucket = s3_bucket.removeprefix("s3://")
+    left = fs.get_file_info(pafs.FileSelector(bucket, recursive=True))
+    # the failed job's last task may still be deleting its own shard: wait for it briefly
+    import time
+
+    deadline = time.monotonic() + 30
+    while [
+        i.path for i in left if i.path.startswith(f"{bucket}/new/ds")
+    ] and time.monotonic() < deadline:
+        time.sleep(0.3)
+        left = fs.get_file_info(pafs.FileSelector(bucket, recursive=True))
+    assert [i.path for i in left if i.path.startswith(f"{bucket}/new/ds")] == []
+
+
+# ------------------------------------------------------------ load: several paths, manifests, files
+
+
+def test_several_paths_read_as_one_dataframe(spark, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write(frame(spark, n=4).select("id", "vec"), a, batch_size=2)
+    write(
+        frame(spark, n=3).withColumn("id", F.col("id") + 100).select("id", "vec"), b, batch_size=2
+    )
+    df = spark.read.format("safetensors").load([str(a), str(b / "dataset_manifest.json")])
+    assert sorted(r.id for r in df.collect()) == [0, 1, 2, 3, 100, 101, 102]
+    row = df.where("id = 101").first()
+    assert row.vec == [1.0, 2.0, 3.0]
+    kv_a, kv_b = tmp_path / "kv_a", tmp_path / "kv_b"
+    write(frame(spark).select("key", "vec"), kv_a, name_col="key")
+    write(
+        frame(spark).select(F.concat(F.lit("b"), "key").alias("key"), "vec"), kv_b, name_col="key"
+    )
+    keys = spark.read.format("safetensors").load([str(kv_a), str(kv_b)]).select("key").collect()
+    assert sorted(r.key for r in keys) == ["0", "1", "2", "3", "b0", "b1", "b2", "b3"]
+
+
+def test_several_paths_of_different_schemas_are_refused(spark, tmp_path):
+    a, b, kv = tmp_path / "a", tmp_path / "b", tmp_path / "kv"
+    write(frame(spark).select("id", "vec"), a, batch_size=2)
+    write(frame(spark).select(F.col("id").cast("int").alias("id"), "vec"), b, batch_size=2)
+    write(frame(spark).select("key", "vec"), kv, name_col="key")
+    reader = spark.read.format("safetensors")
+    with pytest.raises(
+        Exception, match=r"column 'id' is bigint in '.*a' and int in '.*b'.*unionByName"
+    ):
+        reader.load([str(a), str(b)])
+    with pytest.raises(Exception, match=r"read as view=rows, '.*kv' as view=kv"):
+        reader.load([str(a), str(kv)])
+
+
+def test_manifest_path_reads_its_dataset(spark, tmp_path):
+    out = tmp_path / "ds"
+    write(frame(spark).select("id", "vec"), out, batch_size=2)
+    df = spark.read.format("safetensors").load(str(out / "dataset_manifest.json"))
+    assert sorted(r.id for r in df.collect()) == [0, 1, 2, 3]
+
+
+def test_other_files_are_refused_when_loaded_not_in_a_task(spark, tmp_path):
+    out = tmp_path / "ds"
+    write(frame(spark).select("key", "vec"), out, name_col="key")
+    (index,) = out.glob("_tensor_index*.parquet")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    reader = spark.read.format("safetensors")
+    # .load() itself raises: the schema is inferred on the driver, before any task
+    with pytest.raises(
+        Exception, match=r"is a file but neither a \.safetensors file nor a dataset's"
+    ) as caught:
+        reader.load(str(index))
+    assert "Executor" not in str(caught.value)
+    with pytest.raises(Exception, match=r"broken\.safetensors") as caught:
+        reader.load(str(broken))
+    assert "Executor" not in str(caught.value)
+
+
+# ------------------------------------------------------------ partitioning and catalog tables
+
+
+def test_partition_by_and_bucket_by_are_refused_and_write_nothing(spark, tmp_path):
+    df = frame(spark).select("id", "vec")
+    out = tmp_path / "p"
+    w = df.write.format("safetensors").mode("overwrite").option("batch_size", 2)
+    # Spark refuses both before the source is asked: the source never sees them
+    with pytest.raises(Exception, match="partitioning or clustering columns do not match"):
+        w.partitionBy("id").save(str(out))
+    with pytest.raises(Exception, match="does not support bucketBy"):
+        w.bucketBy(2, "id").save(str(out))
+    assert not out.exists()
+
+
+def test_catalog_tables_get_no_path_and_say_what_to_do(spark, tmp_path):
+    df = frame(spark).select("id", "vec")
+    w = df.write.format("safetensors").mode("overwrite").option("batch_size", 2)
+    with pytest.raises(
+        Exception,
+        match=r"saveAsTable.*hand no path to a Python data source: write the dataset with .save\(path\)",
+    ):
+        w.saveAsTable("conventions_no_path")
+    # with a path the dataset is written, but the catalog entry cannot read it back
+    out = tmp_path / "t"
+    w.option("path", str(out)).saveAsTable("conventions_with_path")
+    try:
+        assert spark.read.format("safetensors").load(str(out)).count() == 4
+        with pytest.raises(Exception, match=r"A catalog table .* hands no path.*load\(path\)"):
+            spark.table("conventions_with_path").collect()
+    finally:
+        spark.sql("DROP TABLE IF EXISTS conventions_with_path")
