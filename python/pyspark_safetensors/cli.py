@@ -111,11 +111,24 @@ def pipeline(argv: list[str]) -> int:
 @dataclass(frozen=True)
 class ExtractCommand:
     out: str
-    """Output directory (published whole when the job succeeds)."""
+    """Output directory (published whole when the job succeeds), or a URI such as
+    s3://bucket/acts (extraction.json is written last there)."""
     master: str = "local[*]"
     """Spark master."""
     overwrite: bool = False
     """Replace an existing output directory."""
+    storage_option: tuple[str, ...] = ()
+    """KEY=VALUE ... for a URI output: endpoint_url, region, path_style, anonymous
+    (default: the AWS_* environment variables)."""
+
+    def storage_options(self) -> dict[str, str]:
+        options = {}
+        for item in self.storage_option:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise UsageError(f"--storage-option {item!r}: expected KEY=VALUE")
+            options[key.strip()] = value
+        return options
 
 
 def extract(argv: list[str]) -> int:
@@ -140,9 +153,14 @@ def extract(argv: list[str]) -> int:
         frozen=True,
     )
     args = _parse(args_type, argv, "extract", extract.__doc__)
+    storage_options = args.job.storage_options()
     spark = local_session(args.job.master)
     try:
-        print(run_extraction(spark, args.config, args.job.out, overwrite=args.job.overwrite))
+        summary = run_extraction(
+            spark, args.config, args.job.out, overwrite=args.job.overwrite,
+            storage_options=storage_options,
+        )  # fmt: skip
+        print(summary)
     finally:
         spark.stop()
     return 0

@@ -2,17 +2,23 @@
 running inside Spark (``mapInArrow``; the model is loaded once per Python worker). Only
 the DataFrame API is used, so the job runs on classic and Spark Connect sessions alike.
 
-Output directory (published whole: everything is written under a staging name first):
+Output directory (a local path or a URI such as ``s3://bucket/acts``):
 
     activations/{hook}/   token-level batch datasets: activation [B, H], sample_id,
                           token_pos, window
     samples/              sample-level KV dataset: key -> one [seq_len, H] per hook
-    samples_zarr/         (zarr_run=True) the same samples as a Zarr sharded run: one
-                          shard per Spark task, manifest.json written last by the driver
+    samples_zarr/         (zarr_run=True, local output only) the same samples as a Zarr
+                          sharded run: one shard per Spark task, manifest.json written
+                          last by the driver
     samples.parquet       one row per model input: sample_id, window, key, seq_len,
                           text_chars, source
     texts.jsonl           sample_id, key, source, text
-    extraction.json       the config, its hash, the summary
+    extraction.json       the config, its hash, the summary; written last, so its
+                          presence marks a finished extraction
+
+A local output is built under a staging name and published whole (one rename). An
+object store has no rename: each dataset is committed in place by its own manifest, and
+``extraction.json`` is put last.
 """
 
 from __future__ import annotations
@@ -21,20 +27,35 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
-from ..dataset import verify_dataset
-from ..dataset.publish import publish, staging_path
+from ..dataset import DatasetLocation
+from ..dataset.publish import publishing
+from ..format import get_dtype
 from .corpus import corpus_sha256, default_parallelism, load_corpus, number_texts
-from .model import ExtractionError, Extractor, ModelSource, resolve_model, weights_hash
+from .model import (
+    ExtractionError,
+    Extractor,
+    Hook,
+    ModelSource,
+    resolve_model,
+    weights_hash,
+)
 
-TENSOR_STRUCT = "struct<data: binary, shape: array<int>, dtype: string>"
+EXTRACTION_DOC = "extraction.json"
+"""Written last: its presence marks a finished extraction."""
+MODEL_BATCHES_PER_OUTPUT_BATCH = 8
+"""Texts per ``mapInArrow`` output batch, in model batches: bounds a worker's memory."""
+MAX_ZARR_SAMPLE_KEY = 64
+"""The longest ``sample_key`` a Zarr store takes; longer keys are stored as their sha256."""
 DEFAULT_HOOKS = (
     "encoder.layer.0.attention.self.query:input",
     "encoder.layer.0.intermediate.dense:input",
@@ -92,7 +113,8 @@ class ExtractConfig:
 
 @dataclass
 class ExtractionSummary:
-    out_dir: Path
+    out_dir: Path | str
+    """The output: a local directory, or the URI it was written to."""
     texts: int
     samples: int
     tokens: int
@@ -126,7 +148,9 @@ def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -
 
 
 def _samples_schema(hooks) -> str:
-    cols = ", ".join(f"`{h.column}` {TENSOR_STRUCT}" for h in hooks)
+    from ..spark.tensor_struct import TENSOR_STRUCT_DDL
+
+    cols = ", ".join(f"`{h.column}` {TENSOR_STRUCT_DDL}" for h in hooks)
     return (
         "sample_id long, window int, key string, seq_len int, text_chars int, "
         f"source string, {cols}"
@@ -138,15 +162,17 @@ def _run_model_fn(model: ModelSource, config: ExtractConfig, threads: int):
 
     def run(batches):
         extractor = _cached_extractor(str(model.local_dir()), config, threads)
-        chunk = config.batch_size * 8  # bounds memory and the size of each output batch
+        texts_per_batch = config.batch_size * MODEL_BATCHES_PER_OUTPUT_BATCH
         for big in batches:
-            for offset in range(0, big.num_rows, chunk):
-                yield _windows_batch(extractor, big.slice(offset, chunk), config.dtype)
+            for offset in range(0, big.num_rows, texts_per_batch):
+                yield _windows_batch(extractor, big.slice(offset, texts_per_batch), config.dtype)
 
     return run
 
 
 def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> pa.RecordBatch:
+    from ..spark.tensor_struct import tensor_structs_of_arrays
+
     texts = batch.column("text").to_pylist()
     windows = extractor.run(texts)
     ids = batch.column("sample_id").to_numpy()
@@ -168,14 +194,8 @@ def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> p
         "source": pa.array([sources[w.text_index] for w in windows], pa.string()),
     }
     for hook in extractor.hooks:
-        arrays = [w.activations[hook.name] for w in windows]
-        columns[hook.column] = pa.StructArray.from_arrays(
-            [
-                pa.array([a.tobytes() for a in arrays], pa.binary()),
-                pa.array([list(a.shape) for a in arrays], pa.list_(pa.int32())),
-                pa.repeat(pa.scalar(dtype), len(arrays)),
-            ],
-            names=["data", "shape", "dtype"],
+        columns[hook.column] = tensor_structs_of_arrays(
+            [w.activations[hook.name] for w in windows], dtype
         )
     return pa.RecordBatch.from_pydict(columns)
 
@@ -207,8 +227,9 @@ def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int) -> Ex
 def _explode_fn(column: str, width: int, dtype: str):
     """Sample rows ``[seq_len, H]`` -> one row per token, without copying the bytes: the
     samples' data buffers already hold the tokens back to back."""
-    itemsize = {"F16": 2, "BF16": 2, "F32": 4}[dtype]
-    row_bytes = width * itemsize
+    from ..spark.tensor_struct import assemble_tensor_structs
+
+    row_bytes = width * get_dtype(dtype).itemsize
 
     def explode(batches):
         for batch in batches:
@@ -230,16 +251,12 @@ def _explode_fn(column: str, width: int, dtype: str):
             shape = pa.ListArray.from_arrays(
                 pa.array(np.arange(n + 1, dtype=np.int32)), pa.array(np.full(n, width, np.int32))
             )
-            activation = pa.StructArray.from_arrays(
-                [token_data, shape, pa.repeat(pa.scalar(dtype), n)],
-                names=["data", "shape", "dtype"],
-            )
             sample_id = np.repeat(batch.column("sample_id").to_numpy(), seq_lens)
             window = np.repeat(batch.column("window").to_numpy(), seq_lens)
             firsts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
             token_pos = (np.arange(n) - firsts).astype(np.int32)
             yield pa.RecordBatch.from_pydict({
-                "activation": activation,
+                "activation": assemble_tensor_structs(token_data, shape, dtype),
                 "sample_id": pa.array(sample_id),
                 "token_pos": pa.array(token_pos),
                 "window": pa.array(window.astype(np.int32)),
@@ -252,7 +269,7 @@ def _zarr_shard_fn(run_dir: str, hooks, width: int, config: ExtractConfig, attrs
     """The function each Spark task runs: its sample rows -> one Zarr shard written by one
     writer (published whole under the partition's name), one row per sample out."""
 
-    def write(batches):
+    def write_partition_shard(batches):
         from pyspark import TaskContext
 
         from ..interop.zarr import StoreWriter, shard_path
@@ -276,11 +293,10 @@ def _zarr_shard_fn(run_dir: str, hooks, width: int, config: ExtractConfig, attrs
                 for row, n in enumerate(seq_lens):
                     acts = np.stack([_tensor(batch, h.column, row, n, width, config.dtype)
                                      for h in hooks])  # fmt: skip
-                    key = keys[row]
                     writer.add(
                         acts,
-                        sample_key=key if len(key) <= 64 else hashlib.sha256(key.encode()).hexdigest(),
-                        extra={"key": key, "sample_id": sids[row], "window": wins[row],
+                        sample_key=_zarr_sample_key(keys[row]),
+                        extra={"key": keys[row], "sample_id": sids[row], "window": wins[row],
                                "source": sources[row]},
                     )  # fmt: skip
                 ids += sids
@@ -298,7 +314,13 @@ def _zarr_shard_fn(run_dir: str, hooks, width: int, config: ExtractConfig, attrs
             "window": pa.array(windows, pa.int32()),
         })  # fmt: skip
 
-    return write
+    return write_partition_shard
+
+
+def _zarr_sample_key(key: str) -> str:
+    if len(key) <= MAX_ZARR_SAMPLE_KEY:
+        return key
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _tensor(batch, column, row, n, width, dtype) -> np.ndarray:
@@ -307,7 +329,7 @@ def _tensor(batch, column, row, n, width, dtype) -> np.ndarray:
     if dtype == "BF16":  # widen exactly; the store rounds to float16 (nearest even)
         bits = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32).reshape(n, width)
-    return np.frombuffer(data, np.float16 if dtype == "F16" else np.float32).reshape(n, width)
+    return np.frombuffer(data, get_dtype(dtype).numpy).reshape(n, width)
 
 
 def write_zarr_run(samples, hooks, widths: dict, config: ExtractConfig, run_dir: Path, attrs):
@@ -335,6 +357,35 @@ def write_zarr_run(samples, hooks, widths: dict, config: ExtractConfig, run_dir:
     write_run_manifest(run_dir, placement)
 
 
+# -- the job, step by step -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ModelPlan:
+    """The model and its hook points, checked on the driver before any task starts."""
+
+    source: ModelSource
+    hooks: tuple[Hook, ...]
+    widths: dict[str, int]
+    """Hidden width by hook name."""
+    weights_sha256: str
+
+
+@dataclass(frozen=True)
+class _ModelRun:
+    """The model's output: one persisted row per model input, and what it adds up to."""
+
+    samples: object
+    """The persisted sample rows (a DataFrame; the caller unpersists it)."""
+    info: pa.Table
+    """sample_id, window, key, seq_len, text_chars, source of every row."""
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return int(pc.sum(self.info.column("seq_len")).as_py())
+
+
 def run_extraction(
     spark,
     config: ExtractConfig,
@@ -342,151 +393,257 @@ def run_extraction(
     *,
     corpus=None,
     overwrite: bool = False,
+    storage_options: Mapping[str, str] | None = None,
 ) -> ExtractionSummary:
-    """Run the job; see the module docstring for the outputs. Nothing appears at
-    ``out_dir`` unless every part was written.
+    """Run the job; see the module docstring for the outputs. A reader never takes a
+    partial output for a finished one: a local ``out_dir`` appears whole or not at all; on
+    an object store ``extraction.json`` appears last (after deleting the previous
+    extraction, with ``overwrite=True``), and a failed job deletes what it wrote.
 
-    ``spark``: a classic or a Spark Connect session. ``corpus``: a DataFrame with the text
-    column ``config.text_column`` (and optionally ``source``) instead of
-    ``config.corpus``; the config hash then names its texts by content."""
-    from pyspark import StorageLevel
-
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExtractionError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    ``spark``: a classic or a Spark Connect session. ``out_dir``: a local path or a URI
+    (``s3://bucket/acts``, ``gs://``, ``abfss://``, ...; see ``DatasetLocation.of``).
+    ``corpus``: a DataFrame with the text column ``config.text_column`` (and optionally
+    ``source``) instead of ``config.corpus``; the config hash then names its texts by
+    content. ``storage_options``: for a URI, e.g. ``{"endpoint_url": ...}`` (the
+    writer's storage options; the usual ``AWS_*`` variables otherwise)."""
+    target = DatasetLocation.of(out_dir, storage_options=storage_options)
+    local = isinstance(target.fs, pafs.LocalFileSystem)
+    _check_target(target, local, config, overwrite)
     if corpus is not None:
         if config.corpus != ExtractConfig.corpus:
             raise ExtractionError(
                 f"corpus {config.corpus!r} in the config and a corpus DataFrame: give one"
             )
         config = dataclasses.replace(config, corpus="dataframe")
-    model = resolve_model(config.model)
-    model_dir = model.path
-    # Validate the model and the hooks on the driver before any task starts.
-    probe = _extractor(model_dir, config)
+    plan = _plan_model(config)
+    cores = default_parallelism(spark)
+    texts, stored = _numbered_texts(spark, config, corpus, config.partitions or cores)
+    run = None
+    try:
+        run = _run_model(texts, plan, config, threads=max(1, (os.cpu_count() or 1) // cores))
+        chash = _config_hash(config, plan, texts)
+        write = _OutputWriter(
+            config, plan, run, texts, chash, dict(storage_options or {}) if not local else {}
+        )
+        if local:
+            with publishing(target.root) as staging:
+                summary = write(DatasetLocation.of(staging))
+            return dataclasses.replace(summary, out_dir=Path(target.root))
+        return _write_in_place(target, write)
+    finally:
+        stored.unpersist()
+        if run is not None:
+            run.samples.unpersist()
+
+
+def _check_target(target: DatasetLocation, local: bool, config: ExtractConfig, overwrite: bool):
+    exists = os.path.exists(target.root) if local else target.exists()
+    if exists and not overwrite:
+        raise ExtractionError(f"{target} already exists; pass overwrite=True to replace it")
+    if config.zarr_run and not local:
+        raise ExtractionError(
+            f"zarr_run writes its Zarr stores to a local directory, not to {target}; "
+            "extract to a local path, or leave zarr_run off and convert the samples "
+            "dataset later (pyspark-safetensors convert)"
+        )
+
+
+def _plan_model(config: ExtractConfig) -> _ModelPlan:
+    """Load the model once on the driver: a bad model or hook point fails before any task."""
+    source = resolve_model(config.model)
+    probe = _extractor(source.path, config)
     widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
-    hooks = probe.hooks
     if config.zarr_run and len(set(widths.values())) != 1:
         raise ExtractionError(
             f"zarr_run needs hook points of one width (a store is (N, L, T_max, H)); got {widths}"
         )
-    model_hash = weights_hash(model_dir)
-    del probe
+    return _ModelPlan(source, tuple(probe.hooks), widths, weights_hash(source.path))
 
-    corpus = load_corpus(spark, config, corpus)
+
+def _numbered_texts(spark, config: ExtractConfig, corpus, partitions: int):
+    """(texts numbered by key, the stored rows to unpersist): see ``number_texts``."""
+    texts = load_corpus(spark, config, corpus)
     if config.max_texts:
-        corpus = corpus.orderBy("key").limit(config.max_texts)
-    cores = default_parallelism(spark)
+        texts = texts.orderBy("key").limit(config.max_texts)
     # sample_id: the text's rank by key, so ids do not depend on partitioning; stored
     # once: the model stage and texts.jsonl both read the texts
-    texts, stored = number_texts(corpus, config.partitions or cores)
-    threads = max(1, (os.cpu_count() or 1) // cores)
+    return number_texts(texts, partitions)
 
-    staging = staging_path(out_dir)
-    staging.mkdir(parents=True)
-    samples = None
+
+def _run_model(texts, plan: _ModelPlan, config: ExtractConfig, *, threads: int) -> _ModelRun:
+    """Run the model over every text (Spark's progress bar shows it), ``threads`` torch
+    threads per worker; the sample rows are persisted on disk: every output reads them."""
+    from pyspark import StorageLevel
+
+    started = time.perf_counter()
+    samples = texts.mapInArrow(
+        _run_model_fn(plan.source, config, threads), _samples_schema(plan.hooks)
+    ).persist(StorageLevel.DISK_ONLY)
     try:
-        started = time.perf_counter()
-        samples = texts.mapInArrow(
-            _run_model_fn(model, config, threads), _samples_schema(hooks)
-        ).persist(StorageLevel.DISK_ONLY)
-        n_samples = samples.count()  # runs the model (Spark's progress bar shows it)
-        if n_samples == 0:
+        if samples.count() == 0:
             raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
         seconds = time.perf_counter() - started
-        info = samples.select(
-            "sample_id", "window", "key", "seq_len", "text_chars", "source"
-        ).toArrow()
-        tokens = int(pa.compute.sum(info.column("seq_len")).as_py())
-        if config.corpus == "dataframe":  # name the texts by content
-            keys = texts.select("key").toArrow().column("key").to_pylist()
-            chash = config_hash(config, model_hash, corpus_sha256(keys))
-        else:
-            chash = config_hash(config, model_hash)
+        info = samples.select("sample_id", "window", "key", "seq_len", "text_chars", "source")
+        return _ModelRun(samples, info.toArrow(), seconds)
+    except BaseException:
+        samples.unpersist()
+        raise
+
+
+def _config_hash(config: ExtractConfig, plan: _ModelPlan, texts) -> str:
+    if config.corpus == "dataframe":  # name the texts by content
+        keys = texts.select("key").toArrow().column("key").to_pylist()
+        return config_hash(config, plan.weights_sha256, corpus_sha256(keys))
+    return config_hash(config, plan.weights_sha256)
+
+
+@dataclass
+class _OutputWriter:
+    """Writes every output of one extraction into a location, ``extraction.json`` last."""
+
+    config: ExtractConfig
+    plan: _ModelPlan
+    run: _ModelRun
+    texts: object
+    """The numbered texts (a DataFrame)."""
+    config_hash: str
+    storage_options: dict[str, str]
+    """Passed to the Spark writer as data-source options (empty for a local output)."""
+
+    def __call__(self, out: DatasetLocation) -> ExtractionSummary:
+        hooks = self.plan.hooks
+        for hook in hooks:
+            self._token_dataset(out, hook)
+        if self.config.kv_dataset:
+            self._save(
+                self.run.samples.select("key", *[h.column for h in hooks]).write.option(
+                    "name_col", "key"
+                ),
+                {"hook_points": json.dumps([h.name for h in hooks])},
+                out.display("samples"),
+            )
+        if self.config.zarr_run:  # a local output only (checked up front)
+            attrs = {**self._base_metadata(), "hook_points": [h.name for h in hooks]}
+            run_dir = Path(out.local_file("samples_zarr"))
+            write_zarr_run(self.run.samples, hooks, self.plan.widths, self.config, run_dir, attrs)
+        self._tables(out)
+        for hook in hooks:  # each dataset whole before the extraction is marked finished
+            self._location(out, _token_dataset_name(hook)).verify()
+        summary = self._summary(out)
+        out.put_json(EXTRACTION_DOC, self._extraction_doc(summary))  # last: marks it finished
+        return summary
+
+    def _base_metadata(self) -> dict[str, str]:
+        """What every dataset's manifest metadata says about the extraction."""
+        config = self.config
         tokenizer_settings = {"max_length": config.max_length, "long_texts": config.long_texts,
                               "padding": "excluded"}  # fmt: skip
-        base_meta = {
-            "model": model.name,
-            "model_weights_sha256": model_hash,
+        return {
+            "model": self.plan.source.name,
+            "model_weights_sha256": self.plan.weights_sha256,
             "dtype": config.dtype,
             "tokenizer": json.dumps(tokenizer_settings, sort_keys=True),
-            "config_hash": chash,
+            "config_hash": self.config_hash,
             "corpus": config.corpus,
         }
-        from pyspark.sql import functions as F
 
-        for hook in hooks:
-            tokens_df = samples.select("sample_id", "window", "seq_len", hook.column).mapInArrow(
-                _explode_fn(hook.column, widths[hook.name], config.dtype),
-                f"activation {TENSOR_STRUCT}, sample_id long, token_pos int, window int",
-            )
-            meta = {**base_meta, "hook_point": hook.name, "d_model": str(widths[hook.name])}
-            (
-                tokens_df.write.format("safetensors")
-                .option("batch_size", config.rows_per_shard)
-                .option("metadata", json.dumps(meta))
-                .mode("overwrite")
-                .save(str(staging / "activations" / hook.column))
-            )
-        if config.kv_dataset:
-            kv_meta = {**base_meta, "hook_points": json.dumps([h.name for h in hooks])}
-            (
-                samples.select("key", *[F.col(h.column) for h in hooks])
-                .write.format("safetensors")
-                .option("name_col", "key")
-                .option("metadata", json.dumps(kv_meta))
-                .mode("overwrite")
-                .save(str(staging / "samples"))
-            )
-        if config.zarr_run:
-            zarr_meta = {**base_meta, "hook_points": [h.name for h in hooks]}
-            write_zarr_run(samples, hooks, widths, config, staging / "samples_zarr", zarr_meta)
+    def _save(self, writer, metadata: dict[str, str], uri: str) -> None:
+        """One dataset through the Spark writer (its commit is atomic on any storage)."""
+        (
+            writer.format("safetensors")
+            .options(**self.storage_options)
+            .option("metadata", json.dumps({**self._base_metadata(), **metadata}))
+            .mode("overwrite")
+            .save(uri)
+        )
+
+    def _token_dataset(self, out: DatasetLocation, hook: Hook) -> None:
+        from ..spark.tensor_struct import TENSOR_STRUCT_DDL
+
+        width = self.plan.widths[hook.name]
+        tokens = self.run.samples.select("sample_id", "window", "seq_len", hook.column).mapInArrow(
+            _explode_fn(hook.column, width, self.config.dtype),
+            f"activation {TENSOR_STRUCT_DDL}, sample_id long, token_pos int, window int",
+        )
+        self._save(
+            tokens.write.option("batch_size", self.config.rows_per_shard),
+            {"hook_point": hook.name, "d_model": str(width)},
+            out.display(_token_dataset_name(hook)),
+        )
+
+    def _tables(self, out: DatasetLocation) -> None:
+        """samples.parquet and texts.jsonl, each written to a local file first (locally the
+        output's own; elsewhere a spool file uploaded in one stream: the texts may not fit
+        in memory)."""
         import pyarrow.parquet as pq
 
-        pq.write_table(info.sort_by("sample_id"), staging / "samples.parquet")
-        with open(staging / "texts.jsonl", "w") as f:
-            for row in (
-                texts.select("sample_id", "key", "source", "text")
-                .orderBy("sample_id")
-                .toLocalIterator()
-            ):
+        info = self.run.info.sort_by("sample_id")
+        out.write_shard("samples.parquet", lambda path: pq.write_table(info, path))
+        out.write_shard("texts.jsonl", self._write_texts)
+
+    def _write_texts(self, path: str) -> None:
+        rows = self.texts.select("sample_id", "key", "source", "text").orderBy("sample_id")
+        with open(path, "w") as f:
+            for row in rows.toLocalIterator():
                 f.write(json.dumps(row.asDict(), ensure_ascii=False) + "\n")
-        size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
-        summary = ExtractionSummary(
-            out_dir, texts=len(info.column("sample_id").unique()), samples=n_samples,
-            tokens=tokens, bytes=size, seconds=seconds, config_hash=chash, hooks=widths,
-        )  # fmt: skip
-        doc = {
-            "config": config.to_dict(),
-            "config_hash": chash,
-            "model": model.name,
-            "model_dir": model_dir,
-            "model_revision": model.revision,
-            "model_weights_sha256": model_hash,
+
+    def _location(self, out: DatasetLocation, name: str) -> DatasetLocation:
+        return DatasetLocation.of(out.display(name), storage_options=self.storage_options)
+
+    def _summary(self, out: DatasetLocation) -> ExtractionSummary:
+        files = out.list(recursive=True).values()
+        return ExtractionSummary(
+            Path(out.root) if out.local_file(EXTRACTION_DOC) else out.uri,
+            texts=len(self.run.info.column("sample_id").unique()),
+            samples=self.run.info.num_rows,
+            tokens=self.run.tokens,
+            bytes=sum(i.size for i in files if i.type == pafs.FileType.File),
+            seconds=self.run.seconds,
+            config_hash=self.config_hash,
+            hooks=dict(self.plan.widths),
+        )
+
+    def _extraction_doc(self, summary: ExtractionSummary) -> dict:
+        source, widths = self.plan.source, self.plan.widths
+        return {
+            "config": self.config.to_dict(),
+            "config_hash": self.config_hash,
+            "model": source.name,
+            "model_dir": source.path,
+            "model_revision": source.revision,
+            "model_weights_sha256": self.plan.weights_sha256,
             "hooks": {
                 h.name: {
-                    "dataset": f"activations/{h.column}",
+                    "dataset": _token_dataset_name(h),
                     "kv_column": h.column,
                     "width": widths[h.name],
                 }
-                for h in hooks
+                for h in self.plan.hooks
             },
             "summary": {
                 "texts": summary.texts,
-                "samples": n_samples,
-                "tokens": tokens,
-                "bytes": size,
-                "seconds": seconds,
+                "samples": summary.samples,
+                "tokens": summary.tokens,
+                "bytes": summary.bytes,
+                "seconds": summary.seconds,
                 "tokens_per_s": summary.tokens_per_s,
             },
         }
-        (staging / "extraction.json").write_text(json.dumps(doc, indent=2) + "\n")
-        for hook in hooks:
-            verify_dataset(staging / "activations" / hook.column)
-        publish(staging, out_dir)
-        return summary
-    finally:
-        stored.unpersist()
-        if samples is not None:
-            samples.unpersist()
-        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _token_dataset_name(hook: Hook) -> str:
+    return f"activations/{hook.column}"
+
+
+def _write_in_place(target: DatasetLocation, write: _OutputWriter) -> ExtractionSummary:
+    """An extraction straight into an object store (no rename there): the previous one's
+    ``extraction.json`` is deleted first, so it stops looking finished, then the rest of
+    it; ``write`` puts the new ``extraction.json`` last. A failure deletes what was written."""
+    target.delete([EXTRACTION_DOC])
+    target.delete(list(target.list()))
+    try:
+        return write(target)
+    except BaseException:
+        target.delete(list(target.list()))
+        target.remove_if_empty()
+        raise
