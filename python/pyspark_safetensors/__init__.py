@@ -7,7 +7,9 @@ layers (Spark, torch) load on first use. ``register(spark)`` registers the sourc
 explicitly and checks that Spark's workers can import the package.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
+
+__all__ = ["DefaultSource", "__version__", "register"]
 
 
 def __getattr__(name):

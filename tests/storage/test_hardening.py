@@ -124,7 +124,8 @@ def test_special_files_are_refused_before_opening(tmp_path, kind):
     loc = DatasetLocation.of(root)
     err = finishes(lambda: loc.open_shard(victim.name))
     assert isinstance(err, SpecialFileError) and "not a regular file" in str(err)
-    from pyspark_safetensors.spark.reader import ReaderOptions, resolve
+    from pyspark_safetensors.spark.options import ReaderOptions
+    from pyspark_safetensors.spark.reader import resolve
 
     err = finishes(lambda: resolve(ReaderOptions.parse({"path": str(root)})))
     assert err is not None and "not a regular file" in str(err)
@@ -183,7 +184,8 @@ def test_disk_full_names_dataset_and_file(tmp_path):
 
 
 def test_directory_of_an_uncommitted_write_is_not_served(tmp_path):
-    from pyspark_safetensors.spark.reader import ReaderOptions, ReadError, resolve
+    from pyspark_safetensors.spark.options import ReaderOptions
+    from pyspark_safetensors.spark.reader import ReadError, resolve
 
     root = make_batch_dataset(tmp_path / "ds", sizes=(10,))
     (root / "dataset_manifest.json").unlink()

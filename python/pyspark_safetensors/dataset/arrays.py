@@ -14,12 +14,15 @@ from .layout import MANIFEST, shard_name
 from .manifest import ColumnSchema, Manifest, ShardEntry, write_manifest
 from .verify import shard_crc32c
 
+DEFAULT_ROWS_PER_SHARD = 65_536
+"""Rows per shard when none is given: a few MB to a few hundred MB for activations."""
+
 
 def write_batch_dataset(
     root: str | os.PathLike,
     columns: Mapping[str, np.ndarray],
     *,
-    rows_per_shard: int = 65536,
+    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
     metadata: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Write ``columns`` (arrays sharing their first dim; dtypes stored as given, so cast

@@ -303,24 +303,15 @@ def commit_dataset(
     ``unique_keys`` (KV mode) refuses a tensor key that appears in two shards. Raises
     ``ConcurrentCommitError`` when another commit landed while this one ran.
     """
-    import crc32c
-
     location = DatasetLocation.of(location)
     where = f"dataset {location.uri!r}"
     staged = sorted(
         (s for r in results for s in r.shards), key=lambda s: (s.task_id, s.shard_index)
     )
-    varying = template.mode == "kv"
-    schema = merge_schemas([r.schema for r in results], where, varying=varying)
+    schema = merge_schemas([r.schema for r in results], where, varying=template.mode == "kv")
     new_index = [s.index for s in staged if s.index is not None]
 
-    previous = None
-    if location.has(MANIFEST):
-        try:
-            previous = location.load_manifest()
-        except ManifestError:
-            if not overwrite:
-                raise
+    previous = _previous_manifest(location, overwrite)
     kept: tuple[ShardEntry, ...] = ()
     kept_index: list[pa.Table] = []
     if previous is not None and not overwrite:
@@ -336,21 +327,12 @@ def commit_dataset(
             )
 
     commit_id = os.urandom(16).hex()
-    entries = list(kept)
-    first = sum(e.samples_count for e in kept)
-    for s in staged:
-        entries.append(ShardEntry(s.final_name, s.samples_count, s.bytes, first, s.crc32c))
-        first += s.samples_count
-    if kept and kept[0].first_sample is None:  # a dataset from another writer: number it now
-        entries = _renumber(entries)
-    index_file = index_crc = None
-    if generate_index:
-        data = _index_bytes(kept_index + new_index)
-        index_file, index_crc = index_name(commit_id), f"{crc32c.crc32c(data):08x}"
-        location.put_bytes(index_file, data)
+    index_file, index_crc = (
+        _put_index(location, commit_id, kept_index + new_index) if generate_index else (None, None)
+    )
     manifest = replace(
         template,
-        shards=tuple(entries),
+        shards=_shard_entries(kept, staged),
         schema=_full_shapes(schema, template.batch_size),
         index_file=index_file,
         index_crc32c=index_crc,
@@ -364,18 +346,64 @@ def commit_dataset(
         if index_file is not None:
             location.delete([index_file])
         raise
+    _clean_up(location, job_id, manifest, previous)
+    return manifest
 
+
+def _previous_manifest(location: DatasetLocation, overwrite: bool) -> Manifest | None:
+    """The dataset's current manifest, if any; an unreadable one is an error for an
+    append and replaced by an overwrite."""
+    if not location.has(MANIFEST):
+        return None
+    try:
+        return location.load_manifest()
+    except ManifestError:
+        if not overwrite:
+            raise
+        return None
+
+
+def _shard_entries(
+    kept: tuple[ShardEntry, ...], staged: list[StagedShard]
+) -> tuple[ShardEntry, ...]:
+    """The kept shards, then the new ones, each with its first global sample index."""
+    entries = list(kept)
+    first = sum(e.samples_count for e in kept)
+    for s in staged:
+        entries.append(ShardEntry(s.final_name, s.samples_count, s.bytes, first, s.crc32c))
+        first += s.samples_count
+    if kept and kept[0].first_sample is None:  # a dataset from another writer: number it now
+        entries = _renumber(entries)
+    return tuple(entries)
+
+
+def _put_index(
+    location: DatasetLocation, commit_id: str, tables: list[pa.Table]
+) -> tuple[str, str]:
+    """Put this commit's tensor index; returns (its name, its hex crc32c)."""
+    import crc32c
+
+    data = _index_bytes(tables)
+    name = index_name(commit_id)
+    location.put_bytes(name, data)
+    return name, f"{crc32c.crc32c(data):08x}"
+
+
+def _clean_up(
+    location: DatasetLocation, job_id: str, manifest: Manifest, previous: Manifest | None
+) -> None:
+    """After the commit point: drop the job's lease, reclaim what no manifest lists (the
+    replaced generation stays readable until the next commit) and mark ``_SUCCESS``."""
     keep = {e.shard_path for e in manifest.shards} | {MANIFEST, LOCK}
-    if index_file:
-        keep.add(index_file)
+    if manifest.index_file:
+        keep.add(manifest.index_file)
     location.delete([lease_name(job_id)])  # before the listing: see abort_dataset
-    if previous is not None:  # the replaced generation stays readable until the next commit
+    if previous is not None:
         keep |= {e.shard_path for e in previous.shards}
         if previous.index_file:
             keep.add(previous.index_file)
     reclaim(location, keep, own_job=job_id)
     location.put_bytes(SUCCESS, b"")
-    return manifest
 
 
 def _publish_manifest(

@@ -84,20 +84,6 @@ def split_kv_name(name: str, columns, separator: str) -> tuple[str, str] | None:
     return name[: len(name) - len(kv_suffix(best, separator))], best
 
 
-def local_path(path: str | os.PathLike) -> Path:
-    """A local filesystem path from a path or a ``file:`` URI."""
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    elif text.startswith("file:"):
-        text = text[len("file:") :]
-    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]+://", text):
-        raise ValueError(
-            f"{text!r}: only local paths (and file: URIs, FUSE mounts such as /dbfs or /Volumes) are supported here"
-        )
-    return Path(text)
-
-
 def resolve_inside(root: Path, relative: str, *, what: str = "shard path") -> Path:
     """``root / relative``, refusing absolute paths and anything that escapes ``root``."""
     if not relative or os.path.isabs(relative) or "\\" in relative:

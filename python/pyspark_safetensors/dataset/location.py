@@ -40,6 +40,10 @@ from .layout import MANIFEST
 from .manifest import Manifest, ManifestError, parse_manifest
 
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
+READ_COALESCING_BYTES = 1 << 20
+"""Rows requested together share one ranged read unless more than this many bytes of
+unwanted rows lie between them (a request costs about as much as reading ~1 MB)."""
+
 _CHUNK = 16 << 20
 
 # Hadoop spellings users copy from Spark jobs, and their pyarrow names.
@@ -726,7 +730,7 @@ class RemoteShard:
         row_bytes = info.nbytes // max(info.shape[0], 1)
         order = np.argsort(rows, kind="stable")
         ordered = rows[order]
-        gap = max(1, (1 << 20) // max(row_bytes, 1))  # a new read past ~1 MB of unwanted rows
+        gap = max(1, READ_COALESCING_BYTES // max(row_bytes, 1))
         cuts = np.flatnonzero(np.diff(ordered) > gap) + 1
         for run in np.split(np.arange(len(ordered)), cuts):
             lo, hi = int(ordered[run[0]]), int(ordered[run[-1]]) + 1

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .. import __version__
+from .._version import __version__
 from ..format import WRITABLE
 from .layout import MANIFEST, resolve_inside
 

@@ -16,33 +16,15 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    ByteType,
-    DataType,
-    DoubleType,
-    FloatType,
-    IntegerType,
-    LongType,
-    ShortType,
-    StringType,
-    StructType,
-)
+from pyspark.sql.types import ArrayType, DataType
 
 from ..format import CastError, PackedTensors, cast_array, get_dtype
+from .dtypes import SPARK_NUMERIC_TYPES, written_dtype
+from .tensor_struct import TENSOR_STRUCT_DDL, is_tensor_struct
 
-NUMERIC = {
-    FloatType: "F32",
-    DoubleType: "F64",
-    IntegerType: "I32",
-    LongType: "I64",
-    ShortType: "I16",
-    ByteType: "I8",
-}
 ACCEPTED = (
-    "array<float|double|int|long|short|byte> (nested arrays too), a numeric scalar, or a "
-    "Tensor Struct struct<data: binary, shape: array<int>, dtype: string>"
+    f"array<{'|'.join(SPARK_NUMERIC_TYPES)}> (nested arrays too), a numeric scalar, or a "
+    f"Tensor Struct {TENSOR_STRUCT_DDL}"
 )
 
 
@@ -68,19 +50,6 @@ class ColumnPlan:
     """Added to cast errors: how to change the dtype this column gets."""
 
 
-def is_tensor_struct(t: DataType) -> bool:
-    if not isinstance(t, StructType):
-        return False
-    fields = {f.name: f.dataType for f in t.fields}
-    return (
-        set(fields) == {"data", "shape", "dtype"}
-        and isinstance(fields["data"], BinaryType)
-        and isinstance(fields["shape"], ArrayType)
-        and isinstance(fields["shape"].elementType, (IntegerType, LongType))
-        and isinstance(fields["dtype"], StringType)
-    )
-
-
 def plan_column(name: str, t: DataType, options) -> ColumnPlan:
     shape = options.shapes.get(name)
     hint = (
@@ -95,7 +64,7 @@ def plan_column(name: str, t: DataType, options) -> ColumnPlan:
     depth, leaf = 0, t
     while isinstance(leaf, ArrayType):
         depth, leaf = depth + 1, leaf.elementType
-    source = NUMERIC.get(type(leaf))
+    source = written_dtype(leaf)
     if source is None:
         raise ColumnError(
             f"column {name!r} has type {t.simpleString()}, which cannot be written as a tensor; accepted: {ACCEPTED}"
@@ -139,13 +108,14 @@ def _naming_rows(plan: ColumnPlan, first_row: int = 0, keys: list[str] | None = 
         _fail(plan.name, e.detail, first_row + e.row)
 
 
-def _first_null(arr: pa.Array) -> int:
+def first_null(arr: pa.Array) -> int:
+    """The position of the first null of an Arrow array that has one."""
     return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
 
 
 def _no_nulls(arr: pa.Array, what: str, row_of=lambda i: i) -> None:
     if arr.null_count:
-        raise _BadRow(what, row_of(_first_null(arr)))
+        raise _BadRow(what, row_of(first_null(arr)))
 
 
 def _row_of(levels: list[np.ndarray], depth: int, position: int) -> int:

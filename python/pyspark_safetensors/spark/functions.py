@@ -27,22 +27,17 @@ import pyarrow.compute as pc
 
 from ..format.casts import cast_array
 from ..format.dtypes import DType, get_dtype
-from .columns import _first_null
+from .columns import first_null
+from .dtypes import ELEMENT_DTYPES
+from .tensor_struct import (
+    TENSOR_STRUCT_DDL,
+    assemble_tensor_structs,
+)
 
 SHIM_EXTENSIONS = "io.github.pysparksafetensors.SafetensorsExtensions"
 """The ``spark.sql.extensions`` class of the JVM shim."""
 
 SHIM_JAR_ENV = "PYSPARK_SAFETENSORS_SHIM_JAR"
-
-ELEMENT_DTYPES = {
-    "float": "F32", "double": "F64", "int": "I32", "long": "I64", "short": "I16", "byte": "I8",
-}  # fmt: skip
-"""Element types ``st_to_array`` returns, and the dtype each one holds."""
-
-TENSOR_STRUCT_DDL = "struct<data: binary, shape: array<int>, dtype: string>"
-_ARROW_STRUCT = pa.struct(
-    [("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]
-)
 
 
 class TensorFunctionError(ValueError):
@@ -247,12 +242,6 @@ def _shape_list(shape: tuple[int, ...], rows: int) -> pa.ListArray:
     return pa.ListArray.from_arrays(offsets, pa.array(np.tile(np.asarray(shape, np.int32), rows)))
 
 
-def _repeat_string(value: str, rows: int) -> pa.StringArray:
-    raw = value.encode()
-    offsets = pa.py_buffer((np.arange(rows + 1, dtype=np.int32) * len(raw)).tobytes())
-    return pa.StringArray.from_buffers(rows, offsets, pa.py_buffer(raw * rows))
-
-
 def encode_arrow(values: pa.Array, shape, dtype: str) -> pa.StructArray:
     """``arr_to_st`` on Arrow: a list array of numbers -> Tensor Structs of ``dtype``.
 
@@ -267,7 +256,7 @@ def encode_arrow(values: pa.Array, shape, dtype: str) -> pa.StructArray:
     )
     flat = values.flatten()
     if flat.null_count:
-        at, starts = _first_null(flat), _list_offsets(lengths)
+        at, starts = first_null(flat), _list_offsets(lengths)
         row = int(np.searchsorted(starts, at, side="right") - 1)
         raise TensorFunctionError(
             f"arr_to_st: null element at index {at - int(starts[row])} of row {row}; "
@@ -305,9 +294,7 @@ def encode_arrow(values: pa.Array, shape, dtype: str) -> pa.StructArray:
         rows,
         [None, pa.py_buffer(offsets.astype(np.int32).tobytes()), pa.py_buffer(data.view(np.uint8))],
     )
-    return pa.StructArray.from_arrays(
-        [binary, shapes, _repeat_string(dt.name, rows)], fields=list(_ARROW_STRUCT), mask=mask
-    )
+    return assemble_tensor_structs(binary, shapes, dt.name, mask)
 
 
 def _parts(structs: pa.StructArray, function: str):

@@ -1,11 +1,12 @@
-"""Writer options: parsed once, case-insensitively, into a frozen, validated object."""
+"""The source's options, writer's and reader's: parsed once, case-insensitively, into
+frozen, validated objects, by one parser per option."""
 
 from __future__ import annotations
 
 import difflib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,16 +16,19 @@ from ..format.dtypes import ALIAS_EXAMPLES
 TAIL_STRATEGIES = ("write", "drop", "pad")
 DUPLICATE_STRATEGIES = ("fail", "lastWin")
 CHECKSUMS = ("crc32c", "none")
+VIEWS = ("rows", "kv", "tensors")
+TENSOR_FORMATS = ("array", "struct")
+
+MIN_SHARD_MB, DEFAULT_SHARD_MB, MAX_SHARD_MB = 50, 300, 1000
+"""Bounds and default of ``target_shard_size_mb`` (KV shards): a task holds up to two
+shards in memory, and smaller shards make more files than readers want to open."""
+
+DEFAULT_ROWS_PER_PARTITION = 65_536
+"""Rows view: shards larger than this are read as several row ranges."""
 
 MAX_ROWS = 2**31 - 1
 """Largest row count or dimension an option may give: Spark arrays, the Tensor Struct's
 ``shape: array<int>`` and Arrow's list offsets hold 32-bit signed counts."""
-
-WRITER_OPTIONS = (
-    "path", "batch_size", "name_col", "dtype", "columns", "shapes", "tail_strategy",
-    "duplicatesStrategy", "kv_separator", "target_shard_size_mb", "generate_index",
-    "metadata", "checksum",
-)  # fmt: skip
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -33,7 +37,11 @@ class OptionError(ValueError):
     """An unknown option or a bad option value."""
 
 
-def _bool(name: str, value: str) -> bool:
+# ------------------------------------------------------------------ value parsers
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """A boolean option: true/false, 1/0, yes/no (any case)."""
     v = value.strip().lower()
     if v in ("true", "1", "yes"):
         return True
@@ -42,7 +50,7 @@ def _bool(name: str, value: str) -> bool:
     raise OptionError(f"option {name}={value!r}: expected true or false")
 
 
-def _int(name: str, value: str, lo: int, hi: int = MAX_ROWS) -> int:
+def parse_int(name: str, value: str, lo: int, hi: int = MAX_ROWS) -> int:
     """An integer option within ``lo..hi`` (by default what a 32-bit count holds)."""
     text = str(value).strip()
     if not re.fullmatch(r"[+-]?[0-9]{1,30}", text):
@@ -51,6 +59,44 @@ def _int(name: str, value: str, lo: int, hi: int = MAX_ROWS) -> int:
     if not lo <= n <= hi:
         raise OptionError(f"option {name}={n}: must be between {lo} and {hi}")
     return n
+
+
+def parse_json(name: str, value: str, example: str):
+    """A JSON option (no NaN/Infinity, no lone surrogates); errors show ``example``."""
+
+    def refuse(constant):
+        raise OptionError(f"option {name}: {constant} is not JSON; example: {example}")
+
+    try:
+        parsed = json.loads(value, parse_constant=refuse)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"option {name}: not valid JSON ({e.msg}); example: {example}") from None
+    except RecursionError:
+        raise OptionError(f"option {name}: JSON nested too deeply; example: {example}") from None
+    if _SURROGATE.search(json.dumps(parsed, ensure_ascii=False)):
+        raise OptionError(f"option {name}: a string holds a lone UTF-16 surrogate (not UTF-8)")
+    return parsed
+
+
+def parse_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (any case), spelled as the choice is."""
+    for c in choices:
+        if value.lower() == c.lower():
+            return c
+    raise OptionError(f"option {name}={value!r}: valid values are {', '.join(choices)}")
+
+
+def parse_dtype(value) -> str:
+    """A writable dtype named any usual way, as its canonical name."""
+    try:
+        return canonical_dtype(str(value), writable=True)
+    except DTypeNameError as e:
+        why = f"{e.read_only} can be read but not written; " if e.read_only else ""
+        hint = f"; did you mean {e.closest}?" if e.closest else ""
+        raise OptionError(
+            f"option dtype={value!r}: {why}valid dtypes are {', '.join(WRITABLE)} (or their "
+            f"usual names: {ALIAS_EXAMPLES}){hint}"
+        ) from None
 
 
 def unknown_option_error(unknown: list[str], known: tuple[str, ...]) -> OptionError:
@@ -68,26 +114,88 @@ def unknown_option_error(unknown: list[str], known: tuple[str, ...]) -> OptionEr
     )
 
 
-def _json(name: str, value: str, example: str):
-    def refuse(constant):
-        raise OptionError(f"option {name}: {constant} is not JSON; example: {example}")
-
-    try:
-        parsed = json.loads(value, parse_constant=refuse)
-    except json.JSONDecodeError as e:
-        raise OptionError(f"option {name}: not valid JSON ({e.msg}); example: {example}") from None
-    except RecursionError:
-        raise OptionError(f"option {name}: JSON nested too deeply; example: {example}") from None
-    if _SURROGATE.search(json.dumps(parsed, ensure_ascii=False)):
-        raise OptionError(f"option {name}: a string holds a lone UTF-16 surrogate (not UTF-8)")
-    return parsed
+# ------------------------------------------------------------------ writer options
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    for c in choices:
-        if value.lower() == c.lower():
-            return c
-    raise OptionError(f"option {name}={value!r}: valid values are {', '.join(choices)}")
+def _non_empty(name: str, value: str) -> str:
+    if not value:
+        raise OptionError(f"option {name} is empty")
+    return value
+
+
+def _dtype_option(value: str) -> dict:
+    raw = value.strip()
+    if not raw.startswith("{"):
+        return {"dtype": parse_dtype(raw)}
+    mapping = parse_json("dtype", raw, '{"activation": "F16", "token_pos": "I32"}')
+    if not isinstance(mapping, dict):
+        raise OptionError("option dtype: a JSON object of column -> dtype")
+    return {"column_dtypes": {str(c): parse_dtype(v) for c, v in mapping.items()}}
+
+
+def _columns_option(value: str) -> dict:
+    cols = tuple(c.strip() for c in value.split(",") if c.strip())
+    if not cols:
+        raise OptionError("option columns is empty; give a comma-separated list of column names")
+    return {"columns": cols}
+
+
+def _is_dimension(d) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ROWS
+
+
+def _shapes_option(value: str) -> dict:
+    shapes = parse_json("shapes", value, '{"image": [3, 224, 224]}')
+    if not isinstance(shapes, dict) or not all(
+        isinstance(s, list) and all(_is_dimension(d) for d in s) for s in shapes.values()
+    ):
+        raise OptionError(
+            "option shapes: a JSON object of column -> list of ints in 0.."
+            f'{MAX_ROWS}, e.g. {{"image": [3, 224, 224]}}'
+        )
+    return {"shapes": {str(c): tuple(s) for c, s in shapes.items()}}
+
+
+def _metadata_option(value: str) -> dict:
+    md = parse_json(
+        "metadata", value, '{"model": "all-MiniLM-L6-v2", "hook_point": "encoder.layer.0"}'
+    )
+    if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
+        raise OptionError("option metadata: a JSON object of string keys to string values")
+    return {"metadata": md}
+
+
+_WRITER_PARSERS: dict[str, Callable[[str], dict]] = {
+    "batch_size": lambda v: {"batch_size": parse_int("batch_size", v, 1)},
+    "name_col": lambda v: {"name_col": _non_empty("name_col", v)},
+    "dtype": _dtype_option,
+    "columns": _columns_option,
+    "shapes": _shapes_option,
+    "tail_strategy": lambda v: {"tail_strategy": parse_choice("tail_strategy", v, TAIL_STRATEGIES)},
+    "duplicatesStrategy": lambda v: {
+        "duplicates_strategy": parse_choice("duplicatesStrategy", v, DUPLICATE_STRATEGIES)
+    },
+    "kv_separator": lambda v: {"kv_separator": _non_empty("kv_separator", v)},
+    "target_shard_size_mb": lambda v: {
+        "target_shard_size_mb": parse_int("target_shard_size_mb", v, MIN_SHARD_MB, MAX_SHARD_MB)
+    },
+    "generate_index": lambda v: {"generate_index": parse_bool("generate_index", v)},
+    "metadata": _metadata_option,
+    "checksum": lambda v: {"checksum": parse_choice("checksum", v, CHECKSUMS)},
+}
+"""One parser per writer option (besides ``path``), in the order they are checked: each
+returns the ``WriterOptions`` fields it sets."""
+
+WRITER_OPTIONS = ("path", *_WRITER_PARSERS)
+
+
+def _lowered(options: Mapping[str, str], known: tuple[str, ...], shown: tuple[str, ...]):
+    """The options by lower-case name; unknown names are refused with the closest."""
+    opts = {k.lower(): v for k, v in options.items()}
+    unknown = sorted(set(opts) - {k.lower() for k in known})
+    if unknown:
+        raise unknown_option_error([k for k in options if k.lower() in unknown], shown)
+    return opts
 
 
 @dataclass(frozen=True)
@@ -107,7 +215,7 @@ class WriterOptions:
     tail_strategy: Literal["write", "drop", "pad"] = "write"
     duplicates_strategy: Literal["fail", "lastWin"] = "fail"
     kv_separator: str = "__"
-    target_shard_size_mb: int = 300
+    target_shard_size_mb: int = DEFAULT_SHARD_MB
     generate_index: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     checksum: Literal["crc32c", "none"] = "crc32c"
@@ -118,14 +226,7 @@ class WriterOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriterOptions:
-        opts = {k.lower(): v for k, v in options.items()}
-        known = {k.lower() for k in WRITER_OPTIONS}
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise unknown_option_error(
-                [k for k in options if k.lower() in unknown],
-                tuple(k for k in WRITER_OPTIONS if k != "path"),
-            )
+        opts = _lowered(options, WRITER_OPTIONS, tuple(_WRITER_PARSERS))
         if not opts.get("path"):
             raise OptionError(
                 "no path: use .save(path) or .option('path', ...). saveAsTable, insertInto "
@@ -134,73 +235,11 @@ class WriterOptions:
             )
         if ("batch_size" in opts) == ("name_col" in opts):
             raise OptionError("set exactly one of batch_size (batch mode) or name_col (KV mode)")
-        kw: dict = {"path": opts["path"]}
-        if "batch_size" in opts:
-            kw["batch_size"] = _int("batch_size", opts["batch_size"], 1)
-        if "name_col" in opts:
-            if not opts["name_col"]:
-                raise OptionError("option name_col is empty")
-            kw["name_col"] = opts["name_col"]
-        if "dtype" in opts:
-            raw = opts["dtype"].strip()
-            if raw.startswith("{"):
-                mapping = _json("dtype", raw, '{"activation": "F16", "token_pos": "I32"}')
-                if not isinstance(mapping, dict):
-                    raise OptionError("option dtype: a JSON object of column -> dtype")
-                kw["column_dtypes"] = {str(c): _dtype(v) for c, v in mapping.items()}
-            else:
-                kw["dtype"] = _dtype(raw)
-        if "columns" in opts:
-            cols = tuple(c.strip() for c in opts["columns"].split(",") if c.strip())
-            if not cols:
-                raise OptionError(
-                    "option columns is empty; give a comma-separated list of column names"
-                )
-            kw["columns"] = cols
-        if "shapes" in opts:
-            shapes = _json("shapes", opts["shapes"], '{"image": [3, 224, 224]}')
-            if not isinstance(shapes, dict) or not all(
-                isinstance(s, list)
-                and all(
-                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ROWS for d in s
-                )
-                for s in shapes.values()
-            ):
-                raise OptionError(
-                    "option shapes: a JSON object of column -> list of ints in 0.."
-                    f'{MAX_ROWS}, e.g. {{"image": [3, 224, 224]}}'
-                )
-            kw["shapes"] = {str(c): tuple(s) for c, s in shapes.items()}
-        if "tail_strategy" in opts:
-            kw["tail_strategy"] = _choice("tail_strategy", opts["tail_strategy"], TAIL_STRATEGIES)
-        if "duplicatesstrategy" in opts:
-            kw["duplicates_strategy"] = _choice(
-                "duplicatesStrategy", opts["duplicatesstrategy"], DUPLICATE_STRATEGIES
-            )
-        if "kv_separator" in opts:
-            if not opts["kv_separator"]:
-                raise OptionError("option kv_separator is empty")
-            kw["kv_separator"] = opts["kv_separator"]
-        if "target_shard_size_mb" in opts:
-            kw["target_shard_size_mb"] = _int(
-                "target_shard_size_mb", opts["target_shard_size_mb"], 50, 1000
-            )
-        kw["generate_index"] = (
-            _bool("generate_index", opts["generate_index"])
-            if "generate_index" in opts
-            else "name_col" in opts
-        )
-        if "metadata" in opts:
-            md = _json(
-                "metadata",
-                opts["metadata"],
-                '{"model": "all-MiniLM-L6-v2", "hook_point": "encoder.layer.0"}',
-            )
-            if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
-                raise OptionError("option metadata: a JSON object of string keys to string values")
-            kw["metadata"] = md
-        if "checksum" in opts:
-            kw["checksum"] = _choice("checksum", opts["checksum"], CHECKSUMS)
+        # The index is on by default in KV mode, where keys are looked up one by one.
+        kw: dict = {"path": opts["path"], "generate_index": "name_col" in opts}
+        for name, parse_value in _WRITER_PARSERS.items():
+            if name.lower() in opts:
+                kw.update(parse_value(opts[name.lower()]))
         return cls(**kw)
 
     def target_dtype(self, column: str, source: str) -> str:
@@ -209,13 +248,70 @@ class WriterOptions:
         return self.column_dtypes.get(column) or self.dtype or source
 
 
-def _dtype(value) -> str:
+# ------------------------------------------------------------------ reader options
+
+
+def _paths_option(value: str) -> list[str]:
+    """What Spark passes for ``load([p1, p2])``: a JSON list of paths."""
     try:
-        return canonical_dtype(str(value), writable=True)
-    except DTypeNameError as e:
-        why = f"{e.read_only} can be read but not written; " if e.read_only else ""
-        hint = f"; did you mean {e.closest}?" if e.closest else ""
-        raise OptionError(
-            f"option dtype={value!r}: {why}valid dtypes are {', '.join(WRITABLE)} (or their "
-            f"usual names: {ALIAS_EXAMPLES}){hint}"
-        ) from None
+        listed = json.loads(value)
+    except json.JSONDecodeError:
+        listed = None
+    if isinstance(listed, str):
+        listed = [listed]
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        raise OptionError(f"option paths={value!r}: expected a JSON list of paths")
+    return listed
+
+
+_READER_PARSERS: dict[str, Callable[[str], dict]] = {
+    "view": lambda v: {"view": parse_choice("view", v, VIEWS)},
+    "tensor_format": lambda v: {"tensor_format": parse_choice("tensor_format", v, TENSOR_FORMATS)},
+    "include_data": lambda v: {"include_data": parse_bool("include_data", v)},
+    "rows_per_partition": lambda v: {"rows_per_partition": parse_int("rows_per_partition", v, 1)},
+}
+"""One parser per read option (besides the paths)."""
+
+READER_OPTIONS = ("path", "paths", *_READER_PARSERS)
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """The ``safetensors`` reader's options (see ``SafetensorsDataSource`` for the manual)."""
+
+    path: str
+    """The first (or only) path, as given."""
+    view: str | None = None
+    tensor_format: str = "array"
+    include_data: bool = True
+    rows_per_partition: int = DEFAULT_ROWS_PER_PARTITION
+    paths: tuple[str, ...] = ()
+    """Every path given (``load([p1, p2])``); read as one DataFrame."""
+
+    def __post_init__(self):
+        if not self.paths:
+            object.__setattr__(self, "paths", (self.path,))
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
+        opts = {k.lower(): v for k, v in options.items()}
+        unknown = sorted(set(opts) - set(READER_OPTIONS))
+        if unknown:
+            raise OptionError(
+                f"unknown read option(s) {', '.join(unknown)}; valid: {', '.join(_READER_PARSERS)}"
+            )
+        paths = [opts["path"]] if opts.get("path") else []
+        if "paths" in opts:
+            paths += _paths_option(opts["paths"])
+        if not paths:
+            raise OptionError(
+                "no path: use .load(path) or .load([path, ...]). A catalog table (saveAsTable, "
+                "CREATE TABLE ... USING safetensors) hands no path to a Python data source: "
+                "read the dataset with spark.read.format('safetensors').load(path), or "
+                "CREATE TEMPORARY VIEW ... USING safetensors OPTIONS (path '...')"
+            )
+        kw: dict = {"path": paths[0], "paths": tuple(paths)}
+        for name, parse_value in _READER_PARSERS.items():
+            if name in opts:
+                kw.update(parse_value(opts[name]))
+        return cls(**kw)

@@ -11,7 +11,6 @@ Views:
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,21 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 from pyspark.sql.datasource import DataSourceReader, EqualTo, In, InputPartition
-from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    BooleanType,
-    ByteType,
-    DataType,
-    DoubleType,
-    FloatType,
-    IntegerType,
-    LongType,
-    ShortType,
-    StringType,
-    StructField,
-    StructType,
-)
+from pyspark.sql.types import ArrayType, DataType, LongType, StringType, StructField, StructType
 
 from ..dataset import (
     MANIFEST,
@@ -49,97 +34,24 @@ from ..dataset import (
 from ..dataset.layout import SHARD_NAME
 from ..dataset.verify import check_shard
 from ..format.errors import SafetensorsFormatError
-from .options import OptionError, _bool, _choice, _int
-
-VIEWS = ("rows", "kv", "tensors")
-
-# dtype -> (Spark type, numpy dtype the values are converted to). Half floats widen to float.
-SPARK_TYPES: dict[str, tuple[DataType, np.dtype]] = {
-    "F16": (FloatType(), np.dtype(np.float32)),
-    "BF16": (FloatType(), np.dtype(np.float32)),
-    "F32": (FloatType(), np.dtype(np.float32)),
-    "F64": (DoubleType(), np.dtype(np.float64)),
-    "I8": (ByteType(), np.dtype(np.int8)),
-    "U8": (ShortType(), np.dtype(np.int16)),
-    "I16": (ShortType(), np.dtype(np.int16)),
-    "U16": (IntegerType(), np.dtype(np.int32)),
-    "I32": (IntegerType(), np.dtype(np.int32)),
-    "U32": (LongType(), np.dtype(np.int64)),
-    "I64": (LongType(), np.dtype(np.int64)),
-    "U64": (LongType(), np.dtype(np.int64)),
-    "BOOL": (BooleanType(), np.dtype(bool)),
-}
-TENSOR_STRUCT = StructType(
-    [
-        StructField("data", BinaryType()),
-        StructField("shape", ArrayType(IntegerType())),
-        StructField("dtype", StringType()),
-    ]
+from .compat import pushdown_enabled
+from .dtypes import READ_TYPES
+from .options import OptionError, ReaderOptions
+from .tensor_struct import (
+    TENSOR_STRUCT_ARROW,
+    TENSOR_STRUCT_TYPE,
+    TensorStructError,
+    struct_shape,
+    tensor_structs_of_rows,
 )
 
-ARROW_TENSOR_STRUCT = pa.struct(
-    [("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]
-)
+TENSORS_VIEW_PARTITIONS = 64
+"""The tensors view groups its files into about this many partitions (files are small:
+one task per file would cost more than reading it)."""
 
 
 class ReadError(ValueError):
     """An input that cannot be read: missing, corrupt, or disagreeing with its manifest."""
-
-
-@dataclass(frozen=True)
-class ReaderOptions:
-    path: str
-    """The first (or only) path, as given."""
-    view: str | None = None
-    tensor_format: str = "array"
-    include_data: bool = True
-    rows_per_partition: int = 65_536
-    paths: tuple[str, ...] = ()
-    """Every path given (``load([p1, p2])``); read as one DataFrame."""
-
-    def __post_init__(self):
-        if not self.paths:
-            object.__setattr__(self, "paths", (self.path,))
-
-    @classmethod
-    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
-        opts = {k.lower(): v for k, v in options.items()}
-        known = {"path", "paths", "view", "tensor_format", "include_data", "rows_per_partition"}
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise OptionError(
-                f"unknown read option(s) {', '.join(unknown)}; valid: view, tensor_format, include_data, rows_per_partition"
-            )
-        paths = [opts["path"]] if opts.get("path") else []
-        if "paths" in opts:  # what Spark passes for load([p1, p2]): a JSON list
-            try:
-                listed = json.loads(opts["paths"])
-            except json.JSONDecodeError:
-                listed = None
-            if isinstance(listed, str):
-                listed = [listed]
-            if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
-                raise OptionError(f"option paths={opts['paths']!r}: expected a JSON list of paths")
-            paths += listed
-        if not paths:
-            raise OptionError(
-                "no path: use .load(path) or .load([path, ...]). A catalog table (saveAsTable, "
-                "CREATE TABLE ... USING safetensors) hands no path to a Python data source: "
-                "read the dataset with spark.read.format('safetensors').load(path), or "
-                "CREATE TEMPORARY VIEW ... USING safetensors OPTIONS (path '...')"
-            )
-        kw: dict = {"path": paths[0], "paths": tuple(paths)}
-        if "view" in opts:
-            kw["view"] = _choice("view", opts["view"], VIEWS)
-        if "tensor_format" in opts:
-            kw["tensor_format"] = _choice(
-                "tensor_format", opts["tensor_format"], ("array", "struct")
-            )
-        if "include_data" in opts:
-            kw["include_data"] = _bool("include_data", opts["include_data"])
-        if "rows_per_partition" in opts:
-            kw["rows_per_partition"] = _int("rows_per_partition", opts["rows_per_partition"], 1)
-        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -257,8 +169,8 @@ def default_view(source: Source, requested: str | None) -> str:
 
 def _column_type(dtype: str, rank: int, tensor_format: str) -> DataType:
     if tensor_format == "struct":
-        return TENSOR_STRUCT
-    t = SPARK_TYPES[dtype][0]
+        return TENSOR_STRUCT_TYPE
+    t = READ_TYPES[dtype][0]
     for _ in range(rank):
         t = ArrayType(t)
     return t
@@ -273,7 +185,7 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
             StructField("shape", ArrayType(LongType())),
         ]
         if options.include_data:
-            fields.append(StructField("data", TENSOR_STRUCT))
+            fields.append(StructField("data", TENSOR_STRUCT_TYPE))
         return StructType(fields)
     manifest = source.manifest
     schema = manifest.schema
@@ -322,13 +234,16 @@ class SafetensorsReader(DataSourceReader):
         sources: Source | tuple[Source, ...],
         view: str,
         schema: StructType,
+        *,
+        inferred: StructType | None = None,
     ):
         self.options = options
         self.sources = sources if isinstance(sources, tuple) else (sources,)
         """One per loaded path, all of one view and one schema."""
         self.view = view
         self.schema = schema
-        inferred = infer_schema(self.sources[0], view, options)
+        if inferred is None:
+            inferred = infer_schema(self.sources[0], view, options)
         missing = [f.name for f in schema.fields if f.name not in inferred.fieldNames()]
         if missing:
             raise ReadError(
@@ -353,7 +268,7 @@ class SafetensorsReader(DataSourceReader):
 
     def _partitions(self, source: Source, i: int) -> list[InputPartition]:
         if self.view == "tensors":
-            per = max(1, len(source.files) // 64)  # small files: several per partition
+            per = max(1, len(source.files) // TENSORS_VIEW_PARTITIONS)
             return [
                 FilesPartition(source.files[a : a + per], i)
                 for a in range(0, len(source.files), per)
@@ -486,14 +401,7 @@ class SafetensorsReader(DataSourceReader):
                     raise ReadError(f"file {file!r}: key {k!r} has no tensor for column {col!r}")
                 if self.options.tensor_format == "struct":
                     out[col] = pa.array(
-                        [_tensor_struct(f.raw(i), i) for i in infos],
-                        type=pa.struct(
-                            [
-                                ("data", pa.binary()),
-                                ("shape", pa.list_(pa.int32())),
-                                ("dtype", pa.string()),
-                            ]
-                        ),
+                        [_tensor_struct(f.raw(i), i) for i in infos], type=TENSOR_STRUCT_ARROW
                     )
                 else:
                     arrays = [_convert(f.tensor(i.name), i.dtype.name, file, col) for i in infos]
@@ -530,25 +438,8 @@ class PushdownSafetensorsReader(SafetensorsReader):
                 yield f
 
 
-def _pushdown_enabled() -> bool:
-    """Whether Spark's planning worker was told that filter pushdown is on.
-
-    The setting reaches the planning worker but not the data source, and Spark fails the
-    read if a reader implements ``pushFilters`` while it is off; so look for the flag in
-    the worker's planning frame. When it cannot be found, no filters are pushed (correct,
-    only slower)."""
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_main" and "enable_pushdown" in frame.f_locals:
-            return bool(frame.f_locals["enable_pushdown"])
-        frame = frame.f_back
-    return False
-
-
 def _convert(t: np.ndarray, dtype: str, file: str, column: str) -> np.ndarray:
-    target = SPARK_TYPES[dtype][1]
+    target = READ_TYPES[dtype][1]
     if dtype == "U64" and t.size and t.max() > np.iinfo(np.int64).max:
         raise ReadError(
             f"file {file!r}: column {column!r} holds U64 values above 2^63-1, which Spark's long cannot hold"
@@ -589,40 +480,21 @@ def _ragged_lists(arrays: list[np.ndarray], rank: int) -> pa.Array:
     return arr
 
 
-INT32_MAX = 2**31 - 1
-
-
-def _struct_shape(shape, where: str) -> list[int]:
-    """A shape the Tensor Struct's ``array<int>`` can hold (valid safetensors dimensions
-    go up to 2^64 - 1; only empty tensors can have such dimensions in practice)."""
-    if any(d > INT32_MAX for d in shape):
-        raise ReadError(
-            f"{where}: shape {list(shape)} has a dimension above 2^31 - 1, which the Tensor "
-            "Struct's array<int> shape cannot hold; read it with view=tensors (array<long>)"
-        )
-    return list(shape)
-
-
 def _tensor_struct(raw: memoryview, info) -> dict:
-    shape = _struct_shape(info.shape, f"tensor {info.name!r}")
+    """One stored tensor as a Tensor Struct value (its bytes as they are)."""
+    try:
+        shape = struct_shape(info.shape, f"tensor {info.name!r}")
+    except TensorStructError as e:
+        raise ReadError(str(e)) from None
     return {"data": bytes(raw), "shape": shape, "dtype": info.dtype.name}
 
 
 def _struct_rows(chunk: np.ndarray, dtype: str) -> pa.Array:
-    rows = chunk.shape[0]
-    per = chunk[0].nbytes if rows else 0
-    flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
-    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * per)
-    data = pa.BinaryArray.from_buffers(
-        pa.binary(), rows, [None, offsets.buffers()[1], pa.py_buffer(flat)]
-    )
-    sample = _struct_shape(chunk.shape[1:], "a column's samples")
-    shape = pa.ListArray.from_arrays(
-        pa.array(np.arange(rows + 1, dtype=np.int32) * len(sample)),
-        pa.array(np.tile(np.array(sample, np.int32), rows), pa.int32()),
-    )
-    dtypes = pa.array([dtype] * rows, pa.string())
-    return pa.StructArray.from_arrays([data, shape, dtypes], names=["data", "shape", "dtype"])
+    """The rows of a batch-mode tensor as Tensor Structs, over its buffer."""
+    try:
+        return tensor_structs_of_rows(chunk, dtype)
+    except TensorStructError as e:
+        raise ReadError(str(e)) from None
 
 
 def _batch(names, file, infos, data) -> pa.RecordBatch:
@@ -633,18 +505,43 @@ def _batch(names, file, infos, data) -> pa.RecordBatch:
         "shape": pa.array([list(t.shape) for t in infos], pa.list_(pa.int64())),
     }
     if data is not None:
-        cols["data"] = pa.array(
-            data,
-            type=pa.struct(
-                [("data", pa.binary()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string())]
-            ),
-        )
+        cols["data"] = pa.array(data, type=TENSOR_STRUCT_ARROW)
     return pa.record_batch([cols[n] for n in names], names=names)
 
 
-def make_reader(
-    options_map: Mapping[str, str], schema: StructType | None
-) -> tuple[StructType, SafetensorsReader | None]:
+@dataclass
+class ReadPlan:
+    """What a read resolved to on the driver: the sources (manifests loaded, shards
+    stat-ed), the view and the inferred schema. Made once by ``DataSource.schema()`` and
+    reused by ``reader()`` while every manifest is unchanged."""
+
+    options: ReaderOptions
+    sources: tuple[Source, ...]
+    view: str
+    schema: StructType
+
+    def is_current(self) -> bool:
+        """Whether the datasets are still what this plan saw (one manifest read each; a
+        DataFrame may run long after it was loaded). Loose files are always listed again."""
+        for source in self.sources:
+            if source.manifest is None:
+                return False
+            try:
+                if source.location.load_manifest() != source.manifest:
+                    return False
+            except (ManifestError, OSError):
+                return False  # planning again raises the error with its message
+        return True
+
+    def reader(self, schema: StructType) -> SafetensorsReader:
+        """The reader of ``schema`` (the inferred one or the user's, checked against it)."""
+        cls = PushdownSafetensorsReader if pushdown_enabled() else SafetensorsReader
+        return cls(self.options, self.sources, self.view, schema, inferred=self.schema)
+
+
+def plan_read(options_map: Mapping[str, str]) -> ReadPlan:
+    """Resolve every path of a read (storage options split off), on the driver: each must
+    be readable with one view and give one schema."""
     storage, rest = split_storage_options(options_map)
     options = ReaderOptions.parse(rest)
     sources, view, inferred = [], None, None
@@ -661,10 +558,15 @@ def make_reader(
             )
         sources.append(source)
         view, inferred = this_view, this_schema
-    if schema is None:
-        return inferred, None
-    cls = PushdownSafetensorsReader if _pushdown_enabled() else SafetensorsReader
-    return schema, cls(options, tuple(sources), view, schema)
+    return ReadPlan(options, tuple(sources), view, inferred)
+
+
+def make_reader(
+    options_map: Mapping[str, str], schema: StructType | None
+) -> tuple[StructType, SafetensorsReader | None]:
+    """(the inferred schema, a reader of ``schema`` or None when it is None)."""
+    plan = plan_read(options_map)
+    return plan.schema, plan.reader(schema) if schema is not None else None
 
 
 def _disagreement(first: str, other: str, a, b) -> str:
@@ -693,4 +595,11 @@ def _schema_difference(first: str, other: str, a: StructType, b: StructType) -> 
     return f"{first!r} has columns {a.fieldNames()}, {other!r} has {b.fieldNames()}"
 
 
-__all__ = ["ReadError", "ReaderOptions", "SafetensorsReader", "make_reader"]
+__all__ = [
+    "ReadError",
+    "ReadPlan",
+    "ReaderOptions",
+    "SafetensorsReader",
+    "make_reader",
+    "plan_read",
+]

@@ -83,8 +83,10 @@ class SafetensorsDataSource(DataSource):
     driver's commit, which writes the manifest last; a failed job leaves nothing.
 
     Reading (``spark.read.format("safetensors").load(path)``): a dataset directory (shards
-    listed by its manifest, never globbed), a single ``.safetensors`` file, or a directory
-    or glob of arbitrary safetensors files. Read options:
+    listed by its manifest, never globbed) or its ``dataset_manifest.json``, a single
+    ``.safetensors`` file, or a directory or glob of arbitrary safetensors files;
+    ``load([path, ...])`` reads several of one view and schema as one DataFrame. Other
+    files are refused on the driver. Read options:
 
     ============================  ========================================================
     ``view``                      ``rows`` (batch datasets: one row per sample), ``kv`` (KV
@@ -111,14 +113,21 @@ class SafetensorsDataSource(DataSource):
         return "safetensors"
 
     def schema(self) -> StructType:
-        from .reader import make_reader
-
-        return make_reader(self.options, None)[0]
+        return self._read_plan().schema
 
     def reader(self, schema: StructType):
-        from .reader import make_reader
+        return self._read_plan().reader(schema)
 
-        return make_reader(self.options, schema)[1]
+    def _read_plan(self):
+        """The read's plan, made once per query: Spark pickles this instance after
+        ``schema()`` and calls ``reader()`` on the copy, so the plan (manifests loaded,
+        shards stat-ed) travels with it; it is made again only when a manifest changed."""
+        from .reader import plan_read
+
+        plan = self.__dict__.get("_plan")
+        if plan is None or not plan.is_current():
+            plan = self._plan = plan_read(self.options)
+        return plan
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
         storage, options = split_storage_options(self.options)

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import WriterCommitMessage
 
-from .. import __version__
+from .._version import __version__
 from ..dataset import (
     FORMAT_VERSION,
     ColumnSchema,
