@@ -3,15 +3,16 @@ glob the directory; writers replace it last, atomically, so it is the commit poi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 from .._version import __version__
-from ..format import WRITABLE
 from .layout import MANIFEST, resolve_inside
 
 FORMAT_VERSION = "1.0"
@@ -105,40 +106,26 @@ class Manifest:
 
     @classmethod
     def from_json(cls, doc: object, where: str) -> Manifest:
-        """Parse and check a manifest document; errors name ``where`` and the field."""
+        """Parse and check a manifest document against ``manifest-jsonschema.json`` plus
+        what a schema cannot say (unique shard paths, totals equal to the sums); errors
+        name ``where`` and the field."""
 
         def fail(msg):
             raise ManifestError(f"{where}: {msg}")
 
-        if not isinstance(doc, dict):
-            fail("the manifest is not a JSON object")
-        for key in ("format_version", "total_samples", "total_bytes", "shards", "schema"):
-            if key not in doc:
-                fail(f"missing required field {key!r}")
-        if not str(doc["format_version"]).startswith("1."):
-            fail(f"format_version {doc['format_version']!r} is not supported (1.x expected)")
-        shards = []
-        for i, s in enumerate(
-            doc["shards"] if isinstance(doc["shards"], list) else fail("'shards' is not a list")
-        ):
-            if not isinstance(s, dict) or not {"shard_path", "samples_count", "bytes"} <= s.keys():
-                fail(f"shards[{i}] lacks shard_path, samples_count or bytes")
-            if not all(
-                isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0
-                for k in ("samples_count", "bytes")
-            ):
-                fail(f"shards[{i}] samples_count and bytes must be non-negative integers")
-            if not isinstance(s["shard_path"], str):
-                fail(f"shards[{i}].shard_path must be a string")
-            shards.append(
-                ShardEntry(
-                    str(s["shard_path"]),
-                    s["samples_count"],
-                    s["bytes"],
-                    s.get("first_sample"),
-                    s.get("crc32c"),
-                )
+        problem = schema_problem(doc)
+        if problem:
+            fail(problem)
+        shards = tuple(
+            ShardEntry(
+                s["shard_path"],
+                s["samples_count"],
+                s["bytes"],
+                s.get("first_sample"),
+                s.get("crc32c"),
             )
+            for s in doc["shards"]
+        )
         seen: set[str] = set()
         for i, s in enumerate(shards):
             if s.shard_path in seen:
@@ -146,26 +133,14 @@ class Manifest:
                     f"shards[{i}] lists {s.shard_path!r} a second time; each shard may appear once"
                 )
             seen.add(s.shard_path)
-        for key in ("index_file", "index_crc32c", "commit_id", "parent_commit"):
-            if doc.get(key) is not None and not isinstance(doc[key], str):
-                fail(f"{key!r} must be a string")
-        schema = {}
-        for name, c in (
-            doc["schema"] if isinstance(doc["schema"], dict) else fail("'schema' is not an object")
-        ).items():
-            if (
-                not isinstance(c, dict)
-                or c.get("dtype") not in WRITABLE
-                or not isinstance(c.get("shape"), list)
-            ):
-                fail(
-                    f"schema entry {name!r} needs a dtype of {', '.join(WRITABLE)} and a shape list"
-                )
-            schema[name] = ColumnSchema(
+        schema = {
+            name: ColumnSchema(
                 c["dtype"], tuple(c["shape"]), tuple(c.get("sample_shape", c["shape"][1:]))
             )
+            for name, c in doc["schema"].items()
+        }
         manifest = cls(
-            shards=tuple(shards),
+            shards=shards,
             schema=schema,
             mode=doc.get("mode", "kv" if doc.get("name_col") else "batch"),
             batch_size=doc.get("batch_size"),
@@ -189,6 +164,50 @@ class Manifest:
     def shard_paths(self, root: Path) -> list[Path]:
         """Absolute shard paths, each checked to stay inside ``root``."""
         return [resolve_inside(root, s.shard_path) for s in self.shards]
+
+
+MANIFEST_SCHEMA = "manifest-jsonschema.json"
+"""The JSON Schema of ``dataset_manifest.json``, shipped beside this module."""
+
+
+@functools.cache
+def _validator():
+    import jsonschema
+
+    schema = json.loads((resources.files(__package__) / MANIFEST_SCHEMA).read_text())
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def _field(path) -> str:
+    """A JSON path as users read it: ``shards[2].bytes``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def schema_problem(doc: object) -> str | None:
+    """What makes ``doc`` break ``manifest-jsonschema.json`` (the most relevant error),
+    or None."""
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_validator().iter_errors(doc))
+    if error is None:
+        return None
+    field = _field(error.absolute_path)
+    if error.validator == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return f"missing required field {_field([*error.absolute_path, missing])!r}"
+    if field.endswith(".shard_path") and error.validator == "pattern":
+        return (
+            f"{field} {error.instance!r} must be a relative name inside the dataset, "
+            "ending in .safetensors"
+        )
+    if field == "format_version":
+        return f"format_version {error.instance!r} is not supported (1.x expected)"
+    if error.validator == "type" and not field:
+        return "the manifest is not a JSON object"
+    return f"{field or 'the manifest'}: {error.message}"
 
 
 def parse_manifest(read, root: str, path: str) -> Manifest:
