@@ -24,6 +24,14 @@ except ModuleNotFoundError:  # Python 3.10
 #: FVU and the dead latents beat sparsify's defaults (``docs/sae.md``).
 LR_BASE = 2.8e-3
 
+#: Adam's betas. A latent's gradient is non-zero only on the tokens that select it, and
+#: which latents those are keeps changing; a 1000-step second-moment memory (0.999)
+#: outlasts short runs and keeps the scales of the first steps. A 50-step memory and
+#: lighter momentum lowered the held-out FVU by 13 % and the dead latents from 1.8 % to
+#: 0.8 % at 3072 latents (``docs/sae.md``); sparsify's Signum goes further still (no
+#: second moment at all).
+ADAM_BETAS = (0.8, 0.98)
+
 
 @dataclass(frozen=True)
 class SAEConfig:
@@ -73,7 +81,7 @@ class SAEConfig:
     """Adam learning rate; 0 = LR_BASE / sqrt(n_latents / 16384): the dictionary-size
     scaling of Gao et al. and sparsify, with the base measured on real activations
     (``docs/sae.md``)."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_betas: tuple[float, float] = ADAM_BETAS
     adam_eps: float = 6.25e-10
     warmup_fraction: float = 0.05
     """The learning rate warms up linearly over this first fraction of the steps."""
