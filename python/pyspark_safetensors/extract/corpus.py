@@ -14,6 +14,11 @@ from pathlib import Path
 from .model import ExtractionError
 
 DEMO_PASSAGE_CHARS = 400
+PARALLELISM_PROBE_ROWS = 1 << 16
+"""Rows of the ``range()`` whose partition count gives the default parallelism (more
+rows than any session has cores, so every partition is used)."""
+MONOTONIC_ID_PARTITION_SHIFT = 33
+"""``monotonically_increasing_id()`` is ``partition << 33 | row within the partition``."""
 
 
 def demo_passages(max_chars: int = DEMO_PASSAGE_CHARS) -> list[tuple[str, str]]:
@@ -117,7 +122,7 @@ def default_parallelism(spark) -> int:
     ``sparkContext`` to ask)."""
     from pyspark.sql import functions as F
 
-    parts = spark.range(0, 1 << 16).select(F.spark_partition_id().alias("p"))
+    parts = spark.range(0, PARALLELISM_PROBE_ROWS).select(F.spark_partition_id().alias("p"))
     (last,) = parts.agg(F.max("p")).first()
     return int(last) + 1
 
@@ -137,14 +142,14 @@ def number_texts(texts, partitions: int):
     ranged = (
         texts.repartitionByRange(partitions, "key")
         .sortWithinPartitions("key")
-        .withColumn("_row", F.monotonically_increasing_id())  # partition << 33 | row
+        .withColumn("_row", F.monotonically_increasing_id())
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    part = F.shiftright(F.col("_row"), 33)
+    part = F.shiftright(F.col("_row"), MONOTONIC_ID_PARTITION_SHIFT)
     counts = dict(tuple(r) for r in ranged.groupBy(part.alias("p")).count().collect())
     shift, offset = [], 0
     for p, n in sorted(counts.items()):
-        shift += [F.lit(p), F.lit(offset - (p << 33))]
+        shift += [F.lit(p), F.lit(offset - (p << MONOTONIC_ID_PARTITION_SHIFT))]
         offset += n
     if not shift:  # an empty corpus
         return ranged.withColumn("sample_id", F.col("_row")).drop("_row"), ranged

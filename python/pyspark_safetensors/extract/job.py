@@ -54,6 +54,8 @@ EXTRACTION_DOC = "extraction.json"
 """Written last: its presence marks a finished extraction."""
 MODEL_BATCHES_PER_OUTPUT_BATCH = 8
 """Texts per ``mapInArrow`` output batch, in model batches: bounds a worker's memory."""
+SHORTEST_SECONDS = 1e-9
+"""A duration too short to measure counts as this, so rates stay finite."""
 MAX_ZARR_SAMPLE_KEY = 64
 """The longest ``sample_key`` a Zarr store takes; longer keys are stored as their sha256."""
 DEFAULT_HOOKS = (
@@ -125,7 +127,7 @@ class ExtractionSummary:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
+        return self.tokens / max(self.seconds, SHORTEST_SECONDS)
 
     def __str__(self) -> str:
         return (
@@ -326,10 +328,9 @@ def _zarr_sample_key(key: str) -> str:
 def _tensor(batch, column, row, n, width, dtype) -> np.ndarray:
     """One sample's ``[n, width]`` activations of one hook point, as stored in the row."""
     data = batch.column(column).field("data")[row].as_buffer()
-    if dtype == "BF16":  # widen exactly; the store rounds to float16 (nearest even)
-        bits = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(n, width)
-    return np.frombuffer(data, get_dtype(dtype).numpy).reshape(n, width)
+    values = np.frombuffer(data, get_dtype(dtype).numpy).reshape(n, width)
+    # bfloat16 widens exactly; the store rounds to float16 (nearest even)
+    return values.astype(np.float32) if dtype == "BF16" else values
 
 
 def write_zarr_run(samples, hooks, widths: dict, config: ExtractConfig, run_dir: Path, attrs):

@@ -28,6 +28,8 @@ DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 """The model ``default_model_dir()`` holds."""
 MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken")
 """What a Hub download fetches: config, safetensors weights and tokenizer files."""
+HASH_CHUNK_BYTES = 16 << 20
+"""Read size while hashing weights: large enough for full-speed reads, small in memory."""
 
 
 class ExtractionError(ValueError):
@@ -137,7 +139,7 @@ def weights_hash(model_dir: str | os.PathLike) -> str:
     for path in files:
         h.update(path.name.encode())
         with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
+            while chunk := f.read(HASH_CHUNK_BYTES):
                 h.update(chunk)
     return h.hexdigest()
 

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
 import torch
 
 from ..dataset.publish import publish
@@ -29,10 +27,13 @@ from ..format import SafetensorsFile, write_shard
 from ..format.dtypes import canonical_dtype
 from ..sae.checkpoint import CheckpointError
 from ..sae.ecosystem import read_sae
+from ..torch.dtypes import TORCH_DTYPES, to_numpy
 from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
 
-STORE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+STORE_DTYPES = {name: TORCH_DTYPES[name] for name in ("F16", "BF16")}
 """Storage dtypes of LUT files, by canonical name (any alias: float16, fp16, bfloat16...)."""
+SHORTEST_SECONDS = 1e-9
+"""A duration too short to measure counts as this, so FLOP/s stays finite."""
 
 
 class ModelWeights:
@@ -135,14 +136,6 @@ def _sae_info(path: str | os.PathLike) -> tuple[SAEInfo, dict[str, torch.Tensor]
     return SAEInfo(path, n, d, info["k"]), tensors
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as numpy (bfloat16 through ml_dtypes), sharing memory."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
 def folded_encoder_bias(sae: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``b_enc - W_enc b_dec`` in float64 then float32: the bias under which the LUT's
     ``ReLU(x W_enc^T + b)`` equals the trainer's ``ReLU(W_enc (x - b_dec) + b_enc)``."""
@@ -215,41 +208,14 @@ def precompute_lut(
     Everything is checked before any matmul: layer names (close matches suggested),
     SAE widths against layer inputs, one ``num_basis`` for all SAEs. Returns the
     metadata plus a ``timing`` entry (seconds, FLOP/s)."""
-    try:
-        dtype = canonical_dtype(dtype)
-    except ValueError as e:
-        raise LUTError(f"LUT dtype: {e}") from None
-    if dtype not in STORE_DTYPES:
-        raise LUTError(f"LUT dtype must be F16 or BF16 (float16, bfloat16), got {dtype}")
+    dtype = _store_dtype(dtype)
     if not saes:
         raise LUTError("no layers given")
     model = ModelWeights(model_dir)
     out_dir = Path(out_dir) if out_dir is not None else model.dir / "lut"
     if out_dir.exists() and not overwrite:
         raise LUTError(f"{out_dir} already exists; pass overwrite=True to replace it")
-    files = {layer: layer_file(layer) for layer in saes}
-    loaded = {}  # one read per SAE, however many layers share it
-    for path in dict.fromkeys(map(str, saes.values())):
-        loaded[path] = _sae_info(path)
-    infos = {layer: loaded[str(path)][0] for layer, path in saes.items()}
-    layers = {}
-    for layer, info in infos.items():
-        input_dim, output_dim = model.dims(layer)
-        if info.input_dim != input_dim:
-            raise LUTError(
-                f"SAE {info.path} has input dim {info.input_dim}, layer {layer!r} takes {input_dim}"
-            )
-        layers[layer] = {"input_dim": input_dim, "output_dim": output_dim, "file": files[layer]}
-    bases = {i.num_basis for i in infos.values()}
-    if len(bases) != 1:
-        raise LUTError(f"the SAEs disagree on num_basis {sorted(bases)}; metadata has one")
-    (num_basis,) = bases
-    ks = {i.k for i in infos.values() if i.k is not None}
-    k = k_active or (ks.pop() if len(ks) == 1 else None)
-    if k is None:
-        raise LUTError(f"pass k_active: the SAEs record k values {sorted(ks) or 'none'}")
-    if not 0 < k <= num_basis:
-        raise LUTError(f"k_active {k} outside 1..num_basis {num_basis}")
+    plan = _plan(model, saes, k_active)
 
     rank, world = _rank_world()
     staging = out_dir.with_name(f".{out_dir.name}.staging")  # one name: every rank writes here
@@ -257,26 +223,108 @@ def precompute_lut(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    mine = list(layers)[rank::world]
-    flops, started = 0, time.perf_counter()
+    started = time.perf_counter()
+    flops = _write_layer_files(
+        staging, model, plan, list(plan.layers)[rank::world],
+        store_dtype=STORE_DTYPES[dtype], compute_dtype=compute_dtype, device=device,
+        progress=progress and rank == 0,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    _barrier()
+    meta = _metadata(model, plan, source_model)
+    if rank == 0:
+        (staging / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        validate_lut(staging)
+        publish(staging, out_dir)
+    _barrier()
+    return {
+        **meta,
+        "timing": {"seconds": seconds, "flops_per_s": flops / max(seconds, SHORTEST_SECONDS)},
+    }
+
+
+def _store_dtype(dtype: str) -> str:
+    """The canonical name of a LUT storage dtype (F16 or BF16, named any usual way)."""
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise LUTError(f"LUT dtype: {e}") from None
+    if dtype not in STORE_DTYPES:
+        raise LUTError(f"LUT dtype must be F16 or BF16 (float16, bfloat16), got {dtype}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class _LUTPlan:
+    """What a LUT will hold, checked before any matmul."""
+
+    layers: dict[str, dict]
+    """metadata.json's ``layers``: ``{layer: {input_dim, output_dim, file}}``."""
+    saes: dict[str, tuple[SAEInfo, dict[str, torch.Tensor]]]
+    """Each layer's SAE (one read per checkpoint, however many layers share it)."""
+    num_basis: int
+    k_active: int
+
+
+def _plan(model: ModelWeights, saes: Mapping[str, str | os.PathLike], k_active: int | None):
+    """Read every SAE once and check it against its layer and the others."""
+    files = {layer: layer_file(layer) for layer in saes}
+    loaded = {path: _sae_info(path) for path in dict.fromkeys(map(str, saes.values()))}
+    by_layer = {layer: loaded[str(path)] for layer, path in saes.items()}
+    layers = {}
+    for layer, (info, _) in by_layer.items():
+        input_dim, output_dim = model.dims(layer)
+        if info.input_dim != input_dim:
+            raise LUTError(
+                f"SAE {info.path} has input dim {info.input_dim}, layer {layer!r} takes {input_dim}"
+            )
+        layers[layer] = {"input_dim": input_dim, "output_dim": output_dim, "file": files[layer]}
+    infos = [info for info, _ in by_layer.values()]
+    bases = {i.num_basis for i in infos}
+    if len(bases) != 1:
+        raise LUTError(f"the SAEs disagree on num_basis {sorted(bases)}; metadata has one")
+    (num_basis,) = bases
+    ks = {i.k for i in infos if i.k is not None}
+    k = k_active or (ks.pop() if len(ks) == 1 else None)
+    if k is None:
+        raise LUTError(f"pass k_active: the SAEs record k values {sorted(ks) or 'none'}")
+    if not 0 < k <= num_basis:
+        raise LUTError(f"k_active {k} outside 1..num_basis {num_basis}")
+    return _LUTPlan(layers, by_layer, num_basis, k)
+
+
+def _write_layer_files(
+    staging: Path,
+    model: ModelWeights,
+    plan: _LUTPlan,
+    layers: list[str],
+    *,
+    store_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    device: str,
+    progress: bool,
+) -> int:
+    """One ``.lut.safetensors`` file per layer of ``layers`` into ``staging`` (deleted on
+    failure); returns the FLOPs spent."""
+    flops = 0
     bar = None
-    if progress and rank == 0:
+    if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(mine), desc="LUT layers", unit="layer")
+        bar = tqdm(total=len(layers), desc="LUT layers", unit="layer")
     try:
-        for layer in mine:
+        for layer in layers:
             tensors = precompute_layer(
                 model.weight(layer),
-                loaded[str(saes[layer])][1],
-                store_dtype=STORE_DTYPES[dtype],
+                plan.saes[layer][1],
+                store_dtype=store_dtype,
                 compute_dtype=compute_dtype,
                 device=device,
             )
-            d_in, d_out = layers[layer]["input_dim"], layers[layer]["output_dim"]
-            flops += 2 * (num_basis + 1) * d_in * d_out
+            d_in, d_out = plan.layers[layer]["input_dim"], plan.layers[layer]["output_dim"]
+            flops += 2 * (plan.num_basis + 1) * d_in * d_out
             write_shard(
-                staging / files[layer],
+                staging / plan.layers[layer]["file"],
                 {n: to_numpy(t) for n, t in tensors.items()},
                 {"format": "lut", "version": VERSION, "layer": layer},
             )
@@ -288,32 +336,29 @@ def precompute_lut(
     finally:
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - started
-    _barrier()
+    return flops
+
+
+_MODEL_CONFIG_KEYS = (
+    ("model_type", "model_type"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("hidden_size", "hidden_size"),
+)
+"""(metadata.json's ``model_config`` key, the Hugging Face config key it comes from)."""
+
+
+def _metadata(model: ModelWeights, plan: _LUTPlan, source_model: str | None) -> dict:
+    """metadata.json (the LUT specification's fields)."""
     config = model.config()
-    meta = {
+    return {
         "version": VERSION,
-        "sae_config": {"num_basis": num_basis, "k_active": k},
-        "model_config": {
-            key: config[src]
-            for key, src in (
-                ("model_type", "model_type"),
-                ("num_layers", "num_hidden_layers"),
-                ("num_attention_heads", "num_attention_heads"),
-                ("hidden_size", "hidden_size"),
-            )
-            if src in config
-        },
-        "layers": layers,
+        "sae_config": {"num_basis": plan.num_basis, "k_active": plan.k_active},
+        "model_config": {key: config[src] for key, src in _MODEL_CONFIG_KEYS if src in config},
+        "layers": plan.layers,
         "creation_info": {
             "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "source_model": source_model or config.get("_name_or_path") or model.dir.name,
-            "sae_model": ", ".join(sorted({i.path.name for i in infos.values()})),
+            "sae_model": ", ".join(sorted({info.path.name for info, _ in plan.saes.values()})),
         },
     }
-    if rank == 0:
-        (staging / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
-        validate_lut(staging)
-        publish(staging, out_dir)
-    _barrier()
-    return {**meta, "timing": {"seconds": seconds, "flops_per_s": flops / max(seconds, 1e-9)}}

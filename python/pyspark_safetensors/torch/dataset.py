@@ -17,31 +17,7 @@ import torch
 
 from ..dataset import DatasetLocation, Manifest, ManifestError, split_kv_name
 from ..dataset.location import ShardReader
-
-_TORCH_DTYPES = {
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-}  # fmt: skip
-
-
-def as_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """A torch view of a numpy array holding ``dtype``'s bytes (bfloat16 included)."""
-    target = _TORCH_DTYPES[dtype]
-    if array.dtype.kind in "fiub" and array.dtype.itemsize == target.itemsize and dtype != "BF16":
-        return torch.from_numpy(array)
-    raw = torch.from_numpy(
-        array.view(
-            np.uint8
-            if target.itemsize == 1
-            else np.int16
-            if target.itemsize == 2
-            else np.int32
-            if target.itemsize == 4
-            else np.int64
-        )
-    )
-    return raw.view(target)
+from .dtypes import TORCH_DTYPES, as_torch
 
 
 class _OpenShards:
@@ -204,7 +180,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         raw = np.frombuffer(self._shards.get(loc.file).byte_range(loc.begin, loc.end), np.uint8)
         if not raw.flags.writeable:
             raw = raw.copy()
-        d = _TORCH_DTYPES[loc.dtype]
+        d = TORCH_DTYPES[loc.dtype]
         return (
             as_torch(raw, "U8").view(d).reshape(loc.shape)
             if raw.size

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..format.dtypes import get_dtype
-from .dataset import SafetensorsDataset, as_torch
+from .dataset import SafetensorsDataset
+from .dtypes import as_torch
 
 
 @dataclass(frozen=True)
