@@ -80,6 +80,7 @@ def test_attempt_finishing_after_its_job_ended_leaves_nothing(tmp_path, end):
     with pytest.raises(JobEndedError, match=r"ended .* before this task finished"):
         w.write(iter([batch(0, 10)]))  # a straggler Spark no longer waits for
     assert files(root) == before
+    assert root.exists() == (end == "commit")  # an aborted first write leaves no directory
 
 
 def test_racing_commits_are_detected(tmp_path):

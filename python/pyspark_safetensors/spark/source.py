@@ -210,6 +210,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
             task_id,
             attempt_id,
             self.job_id,
+            made_directory=self.created,
         )
 
     def _template(self) -> Manifest:

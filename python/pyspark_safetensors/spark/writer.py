@@ -375,9 +375,13 @@ def write_partition(
     task_id: int,
     attempt_id: int,
     job_id: str,
+    *,
+    made_directory: bool = False,
 ) -> TaskCommit:
     """Write one partition of job ``job_id``; on any error this attempt's files are deleted
-    and it re-raises."""
+    and it re-raises. ``made_directory``: the job created the dataset's directory, so an
+    attempt that outlived a failed job removes it again when it is left empty (while the
+    job lives its lease keeps the directory non-empty)."""
     sink = _ShardSink(
         options, location, task_id, attempt_id, attempt_uuid(job_id), lease_name(job_id)
     )
@@ -390,4 +394,7 @@ def write_partition(
         return TaskCommit(sink.result())
     except BaseException:
         sink.discard()
+        if made_directory:
+            with contextlib.suppress(OSError):  # best effort, as the discard above
+                location.remove_if_empty()
         raise
