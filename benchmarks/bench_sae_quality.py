@@ -8,7 +8,8 @@ on the same texts.
     python -m benchmarks sae_quality            # SAE_QUALITY_DATA=dataset dir to reuse one
 
 Each trainer sees the same batches (our loader, same seed) and its own initialisation and
-optimiser defaults: ours (Adam, lr 2.8e-3/sqrt(n/16384), warm-up 5 %, decay 20 %,
+optimiser defaults: ours (Adam with betas 0.8/0.98 — and, for comparison, 0.9/0.999 —,
+lr 2.8e-3/sqrt(n/16384), warm-up 5 %, decay 20 %,
 geometric-median b_dec, AuxK); sparsify's ``Trainer`` step (Signum in ScheduleFree,
 lr 5e-3/sqrt(n/2^14), mean b_dec, no AuxK); SAELens' ``SAETrainer`` (``TopKTrainingSAE``,
 Adam 3e-4 constant).
@@ -69,15 +70,20 @@ def _batches(train: Path, seed: int, steps: int):
                 return
 
 
-def train_ours(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
+def train_ours(train: Path, val: Path, seed: int, steps: int, out: Path, **overrides) -> Path:
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae.train import Trainer
 
     config = SAEConfig(dataset=str(train), n_latents=N_LATENTS, k=K, batch_size=BATCH,
                        tokens=steps * BATCH, seed=seed, out_dir=str(out), checkpoints=0,
-                       progress=False, log_every=1000)  # fmt: skip
+                       progress=False, log_every=1000, **overrides)  # fmt: skip
     Trainer(config).fit()
     return out / "sae.safetensors"
+
+
+def train_ours_adam_defaults(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
+    """Ours with Adam's textbook betas (0.9, 0.999), the defaults before (0.8, 0.98)."""
+    return train_ours(train, val, seed, steps, out, adam_betas=(0.9, 0.999))
 
 
 def train_sparsify(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
@@ -122,7 +128,12 @@ def train_saelens(train: Path, val: Path, seed: int, steps: int, out: Path) -> P
 
 HEADER = ["trainer", "seed", "held-out FVU", "L0", "dead", "dense (>10 %)", "train tokens/s",
           "LUT rel. L2"]  # fmt: skip
-TRAINERS = {"ours (defaults)": train_ours, "sparsify": train_sparsify, "SAELens": train_saelens}
+TRAINERS = {
+    "ours (defaults)": train_ours,
+    "ours (Adam betas 0.9/0.999, the previous defaults)": train_ours_adam_defaults,
+    "sparsify": train_sparsify,
+    "SAELens": train_saelens,
+}
 NEEDS = {"sparsify": "sparsify", "SAELens": "sae_lens"}
 
 

@@ -32,6 +32,9 @@ from .mesh import (
     reduce_from_model,
 )
 
+#: Floor of a variance or norm we divide by (an all-constant batch, a zero row).
+TINY = 1e-12
+
 #: BatchTopK keeps at most this many times k latents in one row (its per-row candidates).
 BATCH_TOPK_ROW_CAP = 4
 
@@ -233,7 +236,7 @@ class TopKSAE(nn.Module):
 
     @torch.no_grad()
     def normalize_decoder(self) -> None:
-        self.decoder_weight /= self.decoder_weight.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        self.decoder_weight /= self.decoder_weight.norm(dim=1, keepdim=True).clamp_min(TINY)
 
     @torch.no_grad()
     def remove_parallel_gradient(self) -> None:

@@ -50,7 +50,7 @@ from .mesh import (
     mesh_dim_size,
     mesh_rank,
 )
-from .model import PLACEMENT, TopKSAE, geometric_median
+from .model import PLACEMENT, TINY, TopKSAE, geometric_median
 from .sinks import MetricSinks, check_sinks
 
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
@@ -101,6 +101,45 @@ def check_run_dir(config: SAEConfig) -> None:
         )
 
 
+def _row_shape(ds, config: SAEConfig) -> tuple[int, ...]:
+    """The training column's row shape ``(d,)``, checked against ``config.d``."""
+    if config.column not in ds.columns:
+        raise ValueError(f"{config.dataset}: no column {config.column!r}; it has {ds.columns}")
+    shape = ds.manifest.schema[config.column].sample_shape
+    if len(shape) != 1:
+        raise ValueError(
+            f"{config.dataset}: column {config.column!r} has samples of shape {list(shape)}; "
+            "the SAE needs token-level rows [d]"
+        )
+    if config.d and config.d != shape[0]:
+        raise ValueError(
+            f"config d={config.d} but the dataset's {config.column!r} has width {shape[0]}"
+        )
+    return shape
+
+
+def _check_mesh(mesh, config: SAEConfig) -> None:
+    data, model = mesh_dim_size(mesh, DATA), mesh_dim_size(mesh, MODEL)
+    if (data, model) != (config.data_parallel_size, config.model_parallel_size):
+        raise ValueError(
+            f"the mesh is data={data} x model={model}, "
+            f"the config asks for {config.data_parallel_size} x {config.model_parallel_size}"
+        )
+
+
+def _check_val_dataset(config: SAEConfig, shape: tuple[int, ...]) -> None:
+    val = open_dataset(config.val_dataset)
+    width = (
+        val.manifest.schema[config.column].sample_shape if config.column in val.columns else None
+    )
+    if width != shape:
+        raise ValueError(
+            f"val_dataset {config.val_dataset}: column {config.column!r} "
+            f"{'has rows of shape ' + str(list(width)) if width is not None else 'is missing'}"
+            f", the training data's rows are {list(shape)}"
+        )
+
+
 class Trainer:
     """One rank's share of a training run. ``train_step`` is one optimizer step on this
     rank's slice of the global batch; ``fit`` loops over the dataset with logging and
@@ -111,68 +150,21 @@ class Trainer:
             raise ValueError("config.dataset is empty: give the activation dataset directory")
         check_run_dir(config)
         check_sinks(config.log_to)
-        ds = open_activations(config)
-        if config.column not in ds.columns:
-            raise ValueError(f"{config.dataset}: no column {config.column!r}; it has {ds.columns}")
-        shape = ds.manifest.schema[config.column].sample_shape
-        if len(shape) != 1:
-            raise ValueError(
-                f"{config.dataset}: column {config.column!r} has samples of shape {list(shape)}; "
-                "the SAE needs token-level rows [d]"
-            )
-        if config.d and config.d != shape[0]:
-            raise ValueError(
-                f"config d={config.d} but the dataset's {config.column!r} has width {shape[0]}"
-            )
+        self.dataset = ds = open_activations(config)
+        shape = _row_shape(ds, config)
         self.config = config = dataclasses.replace(
             config,
             d=shape[0],
             hook_point=config.hook_point or ds.metadata.get("hook_point", ""),
         )
-        self.mesh = mesh
-        if (
-            mesh_dim_size(mesh, DATA) != config.data_parallel_size
-            or mesh_dim_size(mesh, MODEL) != config.model_parallel_size
-        ):
-            raise ValueError(
-                f"the mesh is data={mesh_dim_size(mesh, DATA)} x model={mesh_dim_size(mesh, MODEL)}, "
-                f"the config asks for {config.data_parallel_size} x {config.model_parallel_size}"
-            )
-        self.dataset = ds
+        _check_mesh(mesh, config)
         if config.val_dataset:
-            val = open_dataset(config.val_dataset)
-            width = (
-                val.manifest.schema[config.column].sample_shape
-                if config.column in val.columns
-                else None
-            )
-            if width != shape:
-                raise ValueError(
-                    f"val_dataset {config.val_dataset}: column {config.column!r} "
-                    f"{'has rows of shape ' + str(list(width)) if width is not None else 'is missing'}"
-                    f", the training data's rows are {list(shape)}"
-                )
+            _check_val_dataset(config, shape)
+        self.mesh = mesh
         self.val_frequency = None
         self.device = _device(config.device)
         self.dp = config.data_parallel_size
-        self.sae = TopKSAE(
-            config.d,
-            config.latents,
-            config.k,
-            mesh=mesh,
-            seed=config.seed,
-            device=self.device,
-            activation=config.activation,
-        )
-        if config.init_from:
-            tensors, _ = read_sae(config.init_from)
-            got = tuple(tensors["encoder_weight"].shape)
-            if got != (config.latents, config.d):
-                raise ValueError(
-                    f"init_from {config.init_from}: an SAE of {got[0]} latents x {got[1]} inputs; "
-                    f"this run has n_latents={config.latents}, d={config.d}"
-                )
-            self.sae.load_full_state(tensors)
+        self.sae = self._build_sae()
         self.optimizer = torch.optim.Adam(
             self.sae.parameters(),
             lr=config.learning_rate,
@@ -207,6 +199,22 @@ class Trainer:
         self.tokens_seen = 0
         self.history: list[dict] = []
         self.out_dir = Path(config.out_dir)
+
+    def _build_sae(self) -> TopKSAE:
+        """A fresh SAE, or the one ``init_from`` names (its shape must match)."""
+        c = self.config
+        sae = TopKSAE(c.d, c.latents, c.k, mesh=self.mesh, seed=c.seed, device=self.device,
+                      activation=c.activation)  # fmt: skip
+        if c.init_from:
+            tensors, _ = read_sae(c.init_from)
+            got = tuple(tensors["encoder_weight"].shape)
+            if got != (c.latents, c.d):
+                raise ValueError(
+                    f"init_from {c.init_from}: an SAE of {got[0]} latents x {got[1]} inputs; "
+                    f"this run has n_latents={c.latents}, d={c.d}"
+                )
+            sae.load_full_state(tensors)
+        return sae
 
     # --- schedules -------------------------------------------------------------------------
 
@@ -280,31 +288,18 @@ class Trainer:
             residual = -err.detach()  # what the dead latents are asked to explain
             if use_aux:
                 aux_err = sae.decode_latents(out.aux_values, out.aux_indices).float() - residual
-        e = residual
-        # One collective for everything the global-batch normalisers need.
-        stats = torch.cat([x.sum(0), (x * x).sum()[None], e.sum(0), (e * e).sum()[None]]).double()
-        stats = torch.cat([stats, stats.new_tensor([x.shape[0]])])
-        all_reduce(stats, self.mesh, DATA)
+        var_x, var_e, n_tokens = self._global_variances(x, residual)
         d = x.shape[1]
-        n_tokens = stats[-1]
-        var_x = stats[d] - stats[:d].pow(2).sum() / n_tokens
-        var_e = stats[2 * d + 1] - stats[d + 1 : 2 * d + 1].pow(2).sum() / n_tokens
         sq = err.pow(2).sum()
         # x dp: gradients are averaged over the data ranks, so each rank's share of the
         # global FVU is scaled up by dp.
-        loss = sq * (self.dp / var_x.clamp_min(1e-12).float())
+        loss = sq * (self.dp / var_x.clamp_min(TINY).float())
         aux_sq = torch.zeros((), device=self.device)
         if use_aux:
             aux_sq = aux_err.pow(2).sum()
-            loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(1e-12).float())
-        if sae.last_threshold is not None:  # BatchTopK: inference threshold, a 10-step EMA
-            cut = all_reduce(
-                sae.last_threshold.detach().float().reshape(1), self.mesh, DATA, op="mean"
-            )
-            with torch.no_grad():
-                first = self.step == 0 or not float(sae.threshold)
-                sae.threshold.copy_(cut[0] if first else 0.9 * sae.threshold + 0.1 * cut[0])
-            sae.last_threshold = None
+            loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(TINY).float())
+        if sae.last_threshold is not None:
+            self._update_threshold()
         l0 = (out.values > 0).sum()
         totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double()])
         all_reduce(totals, self.mesh, DATA)
@@ -337,6 +332,28 @@ class Trainer:
             "lr": lr,
             "k": k,
         }
+
+    def _global_variances(self, x: torch.Tensor, e: torch.Tensor):
+        """Total variance of the global batch ``x`` and of the residual ``e`` (the FVU's and
+        AuxK's normalisers) and the global token count, in one collective."""
+        stats = torch.cat([x.sum(0), (x * x).sum()[None], e.sum(0), (e * e).sum()[None]]).double()
+        stats = torch.cat([stats, stats.new_tensor([x.shape[0]])])
+        all_reduce(stats, self.mesh, DATA)
+        d = x.shape[1]
+        n_tokens = stats[-1]
+        var_x = stats[d] - stats[:d].pow(2).sum() / n_tokens
+        var_e = stats[2 * d + 1] - stats[d + 1 : 2 * d + 1].pow(2).sum() / n_tokens
+        return var_x, var_e, n_tokens
+
+    @torch.no_grad()
+    def _update_threshold(self) -> None:
+        """BatchTopK's inference threshold: a 10-step EMA of the smallest value each
+        training batch kept, averaged over the data ranks."""
+        sae = self.sae
+        cut = all_reduce(sae.last_threshold.detach().float().reshape(1), self.mesh, DATA, op="mean")
+        first = self.step == 0 or not float(sae.threshold)
+        sae.threshold.copy_(cut[0] if first else 0.9 * sae.threshold + 0.1 * cut[0])
+        sae.last_threshold = None
 
     def _sync_gradients(self) -> None:
         if self.dp == 1:
