@@ -20,6 +20,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {t: name for name, t in TORCH_DTYPES.items()}
 """safetensors name by torch dtype."""
 
+_NUMPY_OWN = frozenset(
+    name for name in TORCH_DTYPES if DTYPES[name].numpy.type.__module__ == "numpy"
+)
+"""Dtypes numpy has itself (the others come from ml_dtypes): torch converts these directly."""
 _INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 """An integer type both numpy and torch have, by item size: how raw bytes cross over."""
 _TORCH_INT_OF_SIZE = {n: TORCH_DTYPES[get_dtype(t).name] for n, t in _INT_OF_SIZE.items()}
@@ -36,7 +40,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def as_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
     """A torch view of a numpy array holding ``dtype``'s bytes (bfloat16 included)."""
     target, stored = TORCH_DTYPES[dtype], get_dtype(dtype).numpy
-    if array.dtype == stored and stored.kind != "V":  # a type torch.from_numpy takes
+    if array.dtype == stored and dtype in _NUMPY_OWN:
         return torch.from_numpy(array)
     return torch.from_numpy(array.view(_INT_OF_SIZE[target.itemsize])).view(target)
 
@@ -45,8 +49,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A tensor's values as numpy on the CPU, sharing memory when it is a contiguous CPU
     tensor; bfloat16 and the 8-bit floats as their ``ml_dtypes`` types."""
     t = t.detach().cpu().contiguous()
-    numpy_dtype = get_dtype(SAFETENSORS_DTYPES[t.dtype]).numpy
-    if numpy_dtype.kind != "V":  # a type numpy has itself
+    name = SAFETENSORS_DTYPES[t.dtype]
+    numpy_dtype = get_dtype(name).numpy
+    if name in _NUMPY_OWN:
         return t.numpy()
     return t.view(_TORCH_INT_OF_SIZE[t.element_size()]).numpy().view(numpy_dtype)
 
