@@ -80,7 +80,12 @@ class SafetensorsDataSource(DataSource):
     scalars and Tensor Structs ``struct<data: binary, shape: array<int>, dtype: string>``.
 
     Writes are transactional: shards are staged per task attempt and published by the
-    driver's commit, which writes the manifest last; a failed job leaves nothing.
+    driver's commit, which writes the manifest last; a failed job leaves nothing (not even
+    the directory, when it made it). An append is checked against the dataset's manifest
+    on the driver before any task runs (columns, dtypes, ranks, batch size, key settings)
+    and again at commit. A dataset has no partition columns, buckets or catalog entry:
+    Spark refuses ``partitionBy`` and ``bucketBy`` on ``save()``, and ``saveAsTable`` or a
+    catalog table hands a Python source no path; use ``save(path)`` and ``load(path)``.
 
     Reading (``spark.read.format("safetensors").load(path)``): a dataset directory (shards
     listed by its manifest, never globbed) or its ``dataset_manifest.json``, a single
