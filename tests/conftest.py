@@ -88,19 +88,15 @@ def s3_bucket(s3_endpoint, request) -> str:
     return f"s3://{name}"
 
 
-def spark_session(master: str, app_name: str, **conf):
-    """A local Spark session for a module fixture (``yield from`` it): started with a quiet
-    console, stopped when the fixture ends."""
-    from pyspark_safetensors.spark.session import local_session
-
-    session = local_session(
-        master, app_name=app_name, **{"spark.ui.showConsoleProgress": "false", **conf}
-    )
-    yield session
-    session.stop()
-
-
 @pytest.fixture(scope="module")
 def spark():
     """One local Spark session per test module (local[2]; task retries for retry tests)."""
-    yield from spark_session("local[2, 4]", "pyspark-safetensors-tests")
+    from pyspark_safetensors.spark.session import local_session
+
+    session = local_session(
+        "local[2, 4]",
+        app_name="pyspark-safetensors-tests",
+        **{"spark.ui.showConsoleProgress": "false"},
+    )
+    yield session
+    session.stop()

@@ -11,7 +11,6 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from conftest import spark_session
 from pyspark_safetensors.format.casts import cast_array
 from pyspark_safetensors.format.dtypes import WRITABLE, get_dtype
 from pyspark_safetensors.functions import (
@@ -46,9 +45,19 @@ SPECIAL = np.array(
 @pytest.fixture(scope="module")
 def spark():
     """A session with the shim loaded (the jar must have been built by the set-up)."""
-    yield from spark_session("local[2]", "pyspark-safetensors-functions",
-                             **{"spark.jars": str(shim_jar()),
-                                "spark.sql.extensions": SHIM_EXTENSIONS})  # fmt: skip
+    from pyspark_safetensors.spark.session import local_session
+
+    session = local_session(
+        "local[2]",
+        app_name="pyspark-safetensors-functions",
+        **{
+            "spark.jars": str(shim_jar()),
+            "spark.sql.extensions": SHIM_EXTENSIONS,
+            "spark.ui.showConsoleProgress": "false",
+        },
+    )
+    yield session
+    session.stop()
 
 
 def frame(spark, rows: list[np.ndarray], element: str):

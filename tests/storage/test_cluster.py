@@ -7,7 +7,6 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
-from conftest import spark_session
 from pyspark_safetensors.dataset import MANIFEST, DatasetLocation
 from pyspark_safetensors.torch import open_dataset
 
@@ -16,8 +15,15 @@ pytestmark = pytest.mark.spark
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from spark_session("local-cluster[2,1,1024]", "pyspark-safetensors-cluster-tests",
-                             **{"spark.task.maxFailures": "2"})  # fmt: skip
+    from pyspark_safetensors.spark.session import local_session
+
+    session = local_session(
+        "local-cluster[2,1,1024]",
+        app_name="pyspark-safetensors-cluster-tests",
+        **{"spark.ui.showConsoleProgress": "false", "spark.task.maxFailures": "2"},
+    )
+    yield session
+    session.stop()
 
 
 def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_endpoint):
