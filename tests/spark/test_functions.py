@@ -281,3 +281,15 @@ def test_writer_and_reader_round_trip(spark, tmp_path):
     assert sorted(map(tuple, got)) == sorted(map(tuple, (w.tolist() for w in want)))
     shapes = back.select(st_shape("t"), st_dtype("t"), st_numel("t")).distinct().collect()
     assert [tuple(r) for r in shapes] == [([3, 4], "BF16", 12)]
+
+
+def test_scala_connector_spelling(spark):
+    # arr_to_st(array, shape_array, dtype) with the shape as an array literal, and
+    # st_to_array giving array<float>: SQL written for the Scala connector runs as it is.
+    df = spark.sql(
+        "SELECT st_to_array(arr_to_st(array(1.0f, 2.0f, 3.0f, 4.0f), array(4), 'F32')) AS a, "
+        "arr_to_st(array(1.0f, 2.0f, 3.0f, 4.0f), array(2, 2), 'BF16') AS t"
+    )
+    assert df.schema["a"].dataType.simpleString() == "array<float>"
+    row = df.first()
+    assert row.a == [1.0, 2.0, 3.0, 4.0] and row.t.shape == [2, 2] and row.t.dtype == "BF16"

@@ -16,7 +16,7 @@ from ..format.dtypes import ALIAS_EXAMPLES
 TAIL_STRATEGIES = ("write", "drop", "pad")
 DUPLICATE_STRATEGIES = ("fail", "lastWin")
 CHECKSUMS = ("crc32c", "none")
-VIEWS = ("rows", "kv", "tensors")
+VIEWS = ("rows", "kv", "tensors", "files")
 TENSOR_FORMATS = ("array", "struct")
 
 MIN_SHARD_MB, DEFAULT_SHARD_MB, MAX_SHARD_MB = 50, 300, 1000
@@ -123,6 +123,16 @@ def _non_empty(name: str, value: str) -> str:
     return value
 
 
+def _kv_separator_option(value: str) -> dict:
+    if not value:
+        raise OptionError(
+            "option kv_separator is empty: with no separator a tensor name cannot be split "
+            "back into key and column; use one that no key contains, such as '__' (the "
+            "default), '/' or '::'"
+        )
+    return {"kv_separator": value}
+
+
 def _dtype_option(value: str) -> dict:
     raw = value.strip()
     if not raw.startswith("{"):
@@ -175,13 +185,16 @@ _WRITER_PARSERS: dict[str, Callable[[str], dict]] = {
     "duplicatesStrategy": lambda v: {
         "duplicates_strategy": parse_choice("duplicatesStrategy", v, DUPLICATE_STRATEGIES)
     },
-    "kv_separator": lambda v: {"kv_separator": _non_empty("kv_separator", v)},
+    "kv_separator": _kv_separator_option,
     "target_shard_size_mb": lambda v: {
         "target_shard_size_mb": parse_int("target_shard_size_mb", v, MIN_SHARD_MB, MAX_SHARD_MB)
     },
     "generate_index": lambda v: {"generate_index": parse_bool("generate_index", v)},
     "metadata": _metadata_option,
     "checksum": lambda v: {"checksum": parse_choice("checksum", v, CHECKSUMS)},
+    "keep_previous_generation": lambda v: {
+        "keep_previous_generation": parse_bool("keep_previous_generation", v)
+    },
 }
 """One parser per writer option (besides ``path``), in the order they are checked: each
 returns the ``WriterOptions`` fields it sets."""
@@ -219,6 +232,9 @@ class WriterOptions:
     generate_index: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     checksum: Literal["crc32c", "none"] = "crc32c"
+    keep_previous_generation: bool = False
+    """Overwrite only: keep the replaced generation's files until the next commit, so
+    readers that opened the old manifest can finish (default: deleted at commit)."""
 
     @property
     def mode(self) -> Literal["batch", "kv"]:
@@ -252,15 +268,18 @@ class WriterOptions:
 
 
 def _paths_option(value: str) -> list[str]:
-    """What Spark passes for ``load([p1, p2])``: a JSON list of paths."""
+    """What Spark passes for ``load([p1, p2])`` (a JSON list of paths), or a
+    comma-separated list given as ``option("paths", "a,b")``."""
     try:
         listed = json.loads(value)
     except json.JSONDecodeError:
-        listed = None
+        listed = [p.strip() for p in value.split(",") if p.strip()]
     if isinstance(listed, str):
         listed = [listed]
-    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
-        raise OptionError(f"option paths={value!r}: expected a JSON list of paths")
+    if not listed or not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        raise OptionError(
+            f"option paths={value!r}: expected a JSON list or a comma-separated list of paths"
+        )
     return listed
 
 
@@ -269,6 +288,9 @@ _READER_PARSERS: dict[str, Callable[[str], dict]] = {
     "tensor_format": lambda v: {"tensor_format": parse_choice("tensor_format", v, TENSOR_FORMATS)},
     "include_data": lambda v: {"include_data": parse_bool("include_data", v)},
     "rows_per_partition": lambda v: {"rows_per_partition": parse_int("rows_per_partition", v, 1)},
+    # Spark's own file sources and the Scala connector take it; a safetensors header always
+    # holds the schema, so it only picks the files view for plain files (see default_view).
+    "inferSchema": lambda v: {"infer_schema": parse_bool("inferSchema", v)},
 }
 """One parser per read option (besides the paths)."""
 
@@ -287,6 +309,8 @@ class ReaderOptions:
     rows_per_partition: int = DEFAULT_ROWS_PER_PARTITION
     paths: tuple[str, ...] = ()
     """Every path given (``load([p1, p2])``); read as one DataFrame."""
+    infer_schema: bool = False
+    """``inferSchema=true``: plain files default to the ``files`` view."""
 
     def __post_init__(self):
         if not self.paths:
@@ -294,12 +318,7 @@ class ReaderOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
-        opts = {k.lower(): v for k, v in options.items()}
-        unknown = sorted(set(opts) - set(READER_OPTIONS))
-        if unknown:
-            raise OptionError(
-                f"unknown read option(s) {', '.join(unknown)}; valid: {', '.join(_READER_PARSERS)}"
-            )
+        opts = _lowered(options, READER_OPTIONS, tuple(_READER_PARSERS))
         paths = [opts["path"]] if opts.get("path") else []
         if "paths" in opts:
             paths += _paths_option(opts["paths"])
@@ -312,6 +331,6 @@ class ReaderOptions:
             )
         kw: dict = {"path": paths[0], "paths": tuple(paths)}
         for name, parse_value in _READER_PARSERS.items():
-            if name in opts:
-                kw.update(parse_value(opts[name]))
+            if name.lower() in opts:
+                kw.update(parse_value(opts[name.lower()]))
         return cls(**kw)

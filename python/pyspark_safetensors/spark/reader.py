@@ -6,6 +6,9 @@ Views:
 - ``kv``: KV datasets; one row per key, the key column restored from the tensor names.
 - ``tensors``: any safetensors files; one row per tensor (``file, name, dtype, shape,
   data``), ``data`` left out with ``include_data=false`` (header-only: no tensor bytes read).
+- ``files``: any safetensors files; one row per file, one Tensor Struct column per tensor
+  name (the read model of the Scala safetensors connector; a file without a tensor gives
+  null there).
 """
 
 from __future__ import annotations
@@ -41,13 +44,21 @@ from .tensor_struct import (
     TENSOR_STRUCT_ARROW,
     TENSOR_STRUCT_TYPE,
     TensorStructError,
+    is_tensor_struct,
     struct_shape,
     tensor_structs_of_rows,
 )
 
 TENSORS_VIEW_PARTITIONS = 64
-"""The tensors view groups its files into about this many partitions (files are small:
-one task per file would cost more than reading it)."""
+"""The tensors and files views group their files into about this many partitions (files
+are small: one task per file would cost more than reading it)."""
+
+MAX_FILES_VIEW_COLUMNS = 10_000
+"""The files view makes one column per distinct tensor name: past this many (a KV dataset
+names a tensor per key) the view is refused in favour of ``kv`` or ``tensors``."""
+
+FILE_VIEWS = ("tensors", "files")
+"""Views that read any safetensors file, with or without a manifest."""
 
 
 class ReadError(ValueError):
@@ -150,19 +161,21 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
     raise ReadError(f"{location.uri!r}: no such file or directory")
 
 
-def default_view(source: Source, requested: str | None) -> str:
+def default_view(source: Source, requested: str | None, infer_schema: bool = False) -> str:
+    """The view asked for, checked against the source, or the default: the dataset's mode
+    (``rows``/``kv``), and for plain files ``tensors`` — ``files`` with ``inferSchema``."""
     if source.manifest is None:
-        if requested not in (None, "tensors"):
+        if requested not in (None, *FILE_VIEWS):
             raise OptionError(
-                f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files support view=tensors"
+                f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files support view=tensors or view=files"
             )
-        return "tensors"
+        return requested or ("files" if infer_schema else "tensors")
     mode_view = "kv" if source.manifest.mode == "kv" else "rows"
     if requested is None:
         return mode_view
-    if requested != "tensors" and requested != mode_view:
+    if requested not in FILE_VIEWS and requested != mode_view:
         raise OptionError(
-            f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view} or tensors"
+            f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view}, tensors or files"
         )
     return requested
 
@@ -176,7 +189,27 @@ def _column_type(dtype: str, rank: int, tensor_format: str) -> DataType:
     return t
 
 
+def _files_schema(source: Source) -> StructType:
+    """One nullable Tensor Struct column per tensor name of any file, sorted by name."""
+    manifest = source.manifest
+    if manifest is not None and manifest.mode != "kv" and manifest.schema:
+        names = set(manifest.schema)  # every shard of a batch dataset holds these
+    else:
+        names = set()
+        for file in source.files:
+            names.update(t.name for t in source.location.read_header(file).tensors)
+            if len(names) > MAX_FILES_VIEW_COLUMNS:
+                raise OptionError(
+                    f"view=files: {source.location.uri!r} holds over {MAX_FILES_VIEW_COLUMNS} "
+                    "distinct tensor names, one column each; read it with view=kv (a KV "
+                    "dataset: one row per key) or view=tensors (one row per tensor)"
+                )
+    return StructType([StructField(n, TENSOR_STRUCT_TYPE) for n in sorted(names)])
+
+
 def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructType:
+    if view == "files":
+        return _files_schema(source)
     if view == "tensors":
         fields = [
             StructField("file", StringType()),
@@ -250,10 +283,15 @@ class SafetensorsReader(DataSourceReader):
                 f"schema names column(s) {missing} that {options.path!r} does not have; it has {inferred.fieldNames()}"
             )
         for f in schema.fields:
-            if f.dataType != inferred[f.name].dataType:
+            # simpleString ignores nullability: a schema that declares its fields not null
+            # (the Scala connector's Tensor Struct does) reads the same data.
+            if f.dataType.simpleString() != inferred[f.name].dataType.simpleString():
                 raise ReadError(
                     f"column {f.name!r}: the given schema says {f.dataType.simpleString()}, the data is {inferred[f.name].dataType.simpleString()}"
                 )
+        # Spark checks returned batches against the schema's Arrow form, nullability
+        # included: a schema declaring not-null fields gets batches cast to it.
+        self._cast_to = None if schema == _nullable(schema) else _arrow_schema(schema)
 
     @property
     def source(self) -> Source:
@@ -267,7 +305,7 @@ class SafetensorsReader(DataSourceReader):
         return parts or [FilesPartition(())]
 
     def _partitions(self, source: Source, i: int) -> list[InputPartition]:
-        if self.view == "tensors":
+        if self.view in FILE_VIEWS:
             per = max(1, len(source.files) // TENSORS_VIEW_PARTITIONS)
             return [
                 FilesPartition(source.files[a : a + per], i)
@@ -286,8 +324,17 @@ class SafetensorsReader(DataSourceReader):
         return parts
 
     def read(self, partition) -> Iterator[pa.RecordBatch]:
+        batches = self._read(partition)
+        if self._cast_to is None:
+            yield from batches
+        else:
+            yield from (b.cast(self._cast_to) for b in batches)
+
+    def _read(self, partition) -> Iterator[pa.RecordBatch]:
         if self.view == "tensors":
             yield from self._read_tensors(partition)
+        elif self.view == "files":
+            yield from self._read_files(partition)
         elif isinstance(partition, ShardPartition):
             yield from (
                 self._read_rows(partition) if self.view == "rows" else self._read_kv(partition)
@@ -307,6 +354,29 @@ class SafetensorsReader(DataSourceReader):
                     yield _batch(names, shown, infos, data)
             else:  # header only: no tensor byte is read
                 yield _batch(names, shown, self._keep(location.read_header(file).tensors), None)
+
+    # -- files view
+
+    def _read_files(self, partition: FilesPartition):
+        """One row per file: each schema column the file's tensor of that name, as it is
+        stored (checked against the manifest entry when the file belongs to a dataset)."""
+        source = self.sources[partition.source]
+        entries = {e.shard_path: e for e in source.manifest.shards} if source.manifest else {}
+        names = [f.name for f in self.schema.fields]
+        for file in partition.files:
+            with source.location.open_shard(file, whole=True) as f:
+                entry = entries.get(file)
+                problems = entry and check_shard(source.manifest, entry, entry.bytes, f.header)
+                if problems:
+                    raise ReadError(f"dataset {source.location.uri!r}: {'; '.join(problems[:5])}")
+                row = [
+                    pa.array(
+                        [_tensor_struct(f.raw(f.header[n]), f.header[n]) if n in f.header else None],
+                        type=TENSOR_STRUCT_ARROW,
+                    )
+                    for n in names
+                ]
+            yield pa.record_batch(row, names=names)
 
     def _keep(self, infos):
         return [
@@ -438,6 +508,21 @@ class PushdownSafetensorsReader(SafetensorsReader):
                 yield f
 
 
+def _nullable(t: DataType) -> DataType:
+    """``t`` with every field and element nullable (what the views produce)."""
+    if isinstance(t, StructType):
+        return StructType([StructField(f.name, _nullable(f.dataType)) for f in t.fields])
+    if isinstance(t, ArrayType):
+        return ArrayType(_nullable(t.elementType))
+    return t
+
+
+def _arrow_schema(schema: StructType) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema, timezone="UTC")
+
+
 def _convert(t: np.ndarray, dtype: str, file: str, column: str) -> np.ndarray:
     target = READ_TYPES[dtype][1]
     if dtype == "U64" and t.size and t.max() > np.iinfo(np.int64).max:
@@ -534,9 +619,23 @@ class ReadPlan:
         return True
 
     def reader(self, schema: StructType) -> SafetensorsReader:
-        """The reader of ``schema`` (the inferred one or the user's, checked against it)."""
+        """The reader of ``schema`` (the inferred one or the user's, checked against it).
+        Plain files read with a given schema of Tensor Struct columns (the Scala
+        connector's way) take the files view unless a view was asked for."""
         cls = PushdownSafetensorsReader if pushdown_enabled() else SafetensorsReader
-        return cls(self.options, self.sources, self.view, schema, inferred=self.schema)
+        view, inferred = self.view, self.schema
+        if view == "tensors" and self.options.view is None and _names_tensors(schema, inferred):
+            view, inferred = "files", infer_schema(self.sources[0], "files", self.options)
+        return cls(self.options, self.sources, view, schema, inferred=inferred)
+
+
+def _names_tensors(schema: StructType, tensors_view: StructType) -> bool:
+    """Whether a given schema is of Tensor Struct columns named otherwise than the tensors
+    view's columns."""
+    return bool(schema.fields) and all(
+        f.name not in tensors_view.fieldNames() and is_tensor_struct(f.dataType)
+        for f in schema.fields
+    )
 
 
 def plan_read(options_map: Mapping[str, str]) -> ReadPlan:
@@ -550,7 +649,7 @@ def plan_read(options_map: Mapping[str, str]) -> ReadPlan:
             source = resolve_path(path, storage)
         except ManifestError as e:
             raise ReadError(str(e)) from None
-        this_view = default_view(source, options.view)
+        this_view = default_view(source, options.view, options.infer_schema)
         this_schema = infer_schema(source, this_view, options)
         if sources and (this_view, this_schema) != (view, inferred):
             raise ReadError(

@@ -72,6 +72,9 @@ class SafetensorsDataSource(DataSource):
     ``metadata``                  JSON object of strings, stored in every shard's
                                   ``__metadata__`` and in the manifest
     ``checksum``                  ``crc32c`` (default) per shard in the manifest, or ``none``
+    ``keep_previous_generation``  overwrite only: ``true`` keeps the replaced dataset's
+                                  files until the next commit, so readers that opened it
+                                  can finish (default ``false``: deleted at commit)
     ============================  ========================================================
 
     Unknown options are refused with the closest valid name.
@@ -96,8 +99,13 @@ class SafetensorsDataSource(DataSource):
     ============================  ========================================================
     ``view``                      ``rows`` (batch datasets: one row per sample), ``kv`` (KV
                                   datasets: one row per key), ``tensors`` (any file: one row
-                                  per tensor ``file, name, dtype, shape, data``). Default:
-                                  the dataset's mode, ``tensors`` for plain files.
+                                  per tensor ``file, name, dtype, shape, data``), ``files``
+                                  (any file: one row per file, one Tensor Struct column per
+                                  tensor name). Default: the dataset's mode; for plain files
+                                  ``tensors``, or ``files`` with ``inferSchema=true`` or a
+                                  given schema of Tensor Struct columns.
+    ``inferSchema``               accepted (the header always gives the schema); ``true``
+                                  picks the files view for plain files
     ``tensor_format``             ``array`` (default; F16/BF16 widen to float) or
                                   ``struct`` (Tensor Structs with the stored bytes)
     ``include_data``              tensors view: ``false`` lists headers only, reading no
