@@ -103,12 +103,12 @@ def test_dtype_inferred_when_absent(spark, tmp_path):
 
 def test_integer_casts_are_exact(spark, tmp_path):
     over = spark.createDataFrame([([300.0],)], "x array<double>")
-    with pytest.raises(Exception, match="300.*overflows U8"):
+    with pytest.raises(Exception, match=r"300.*overflows U8"):
         over.write.format("safetensors").option("batch_size", 1).option("dtype", "U8").mode(
             "overwrite"
         ).save(str(tmp_path / "a"))
     fraction = spark.createDataFrame([([2.7],)], "x array<double>")
-    with pytest.raises(Exception, match="2.7"):
+    with pytest.raises(Exception, match=r"2\.7"):
         fraction.write.format("safetensors").option("batch_size", 1).option("dtype", "I32").mode(
             "overwrite"
         ).save(str(tmp_path / "b"))
@@ -122,22 +122,22 @@ def test_integer_casts_are_exact(spark, tmp_path):
 def test_ragged_rows_in_batch_mode_are_refused(spark, tmp_path):
     df = spark.createDataFrame([([1.0, 2.0],), ([3.0],)], "x array<float>").coalesce(1)
     with pytest.raises(Exception, match=r"column 'x'.*row 1"):
-        df.write.format("safetensors").option("batch_size", 2).mode("overwrite").save(
-            str(tmp_path)
-        )
+        df.write.format("safetensors").option("batch_size", 2).mode("overwrite").save(str(tmp_path))
     assert not list(tmp_path.glob("*.safetensors"))
 
 
 def test_validation_on_read_and_the_plain_files_way_round_it(spark, tmp_path):
-    spark.range(8).select(F.array(F.col("id").cast("float")).alias("x")).repartition(2).write.format(
-        "safetensors"
-    ).option("batch_size", 4).mode("overwrite").save(str(tmp_path))
+    spark.range(8).select(F.array(F.col("id").cast("float")).alias("x")).repartition(
+        2
+    ).write.format("safetensors").option("batch_size", 4).mode("overwrite").save(str(tmp_path))
     shards = sorted(tmp_path.glob("*.safetensors"))
     shards[0].unlink()
     with pytest.raises(Exception, match="is missing"):
         spark.read.format("safetensors").load(str(tmp_path)).collect()
-    plain = spark.read.format("safetensors").option("inferSchema", "true").load(
-        str(tmp_path / "*.safetensors")
+    plain = (
+        spark.read.format("safetensors")
+        .option("inferSchema", "true")
+        .load(str(tmp_path / "*.safetensors"))
     )
     assert plain.count() == len(shards) - 1
 
@@ -183,7 +183,7 @@ def test_failed_overwrite_keeps_the_old_dataset(spark, tmp_path):
 
 def test_empty_kv_separator_is_refused_with_what_to_use(spark, tmp_path):
     df = spark.createDataFrame([("a", [1.0])], "k string, x array<float>")
-    with pytest.raises(Exception, match="kv_separator is empty.*'/'"):
+    with pytest.raises(Exception, match=r"kv_separator is empty.*'/'"):
         df.write.format("safetensors").option("name_col", "k").option("kv_separator", "").mode(
             "overwrite"
         ).save(str(tmp_path))
@@ -200,7 +200,9 @@ def test_paths_option_and_load_of_several(spark, tmp_path):
 
 def test_their_read_model_is_the_files_view(spark, tmp_path):
     x = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
-    save_file({"embedding": x, "label": np.arange(3, dtype=np.int64)}, str(tmp_path / "a.safetensors"))
+    save_file(
+        {"embedding": x, "label": np.arange(3, dtype=np.int64)}, str(tmp_path / "a.safetensors")
+    )
     save_file({"embedding": x[:1]}, str(tmp_path / "b.safetensors"))
     df = spark.read.format("safetensors").option("inferSchema", "true").load(str(tmp_path))
     assert df.columns == ["embedding", "label"]
@@ -209,8 +211,10 @@ def test_their_read_model_is_the_files_view(spark, tmp_path):
     assert np.array_equal(np.asarray(rows[3, 4].v, np.float32), x.reshape(-1))  # bit-exact
     assert rows[1, 4].label is None  # b.safetensors has no label
     # a given schema of their Tensor Structs selects the same view
-    given = spark.read.format("safetensors").schema(f"embedding {THEIR_TENSOR_STRUCT}").load(
-        str(tmp_path / "a.safetensors")
+    given = (
+        spark.read.format("safetensors")
+        .schema(f"embedding {THEIR_TENSOR_STRUCT}")
+        .load(str(tmp_path / "a.safetensors"))
     )
     (row,) = given.collect()
     assert row.embedding.dtype == "F32" and bytes(row.embedding.data) == x.tobytes()
@@ -252,9 +256,13 @@ def test_their_write_options_keep_their_meaning(spark, tmp_path):
     )
     tensors = shard_tensors(tmp_path / "kv")
     assert list(tensors) == ["a/image"]
-    assert tensors["a/image"].dtype == np.float64 and tensors["a/image"].tolist() == [[5, 6], [7, 8]]
+    assert tensors["a/image"].dtype == np.float64 and tensors["a/image"].tolist() == [
+        [5, 6],
+        [7, 8],
+    ]
     (
-        df.select("image").write.format("safetensors")
+        df.select("image")
+        .write.format("safetensors")
         .option("batch_size", "3")
         .option("tail_strategy", "PAD")
         .mode("overwrite")

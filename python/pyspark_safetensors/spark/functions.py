@@ -18,9 +18,6 @@ integer overflow, unknown dtype). A null array or struct gives null.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,66 +26,15 @@ from ..format.casts import cast_array
 from ..format.dtypes import DType, get_dtype
 from .columns import first_null
 from .dtypes import ELEMENT_DTYPES
+from .shim import SHIM_EXTENSIONS, shim_loaded
 from .tensor_struct import (
     TENSOR_STRUCT_DDL,
     assemble_tensor_structs,
 )
 
-SHIM_EXTENSIONS = "io.github.pysparksafetensors.SafetensorsExtensions"
-"""The ``spark.sql.extensions`` class of the JVM shim."""
-
-SHIM_JAR_ENV = "PYSPARK_SAFETENSORS_SHIM_JAR"
-
 
 class TensorFunctionError(ValueError):
     """Bad input to a tensor function; the message starts with the function's name."""
-
-
-# ---------------------------------------------------------------- the JVM shim
-
-
-def shim_jar() -> Path:
-    """The shim jar: ``$PYSPARK_SAFETENSORS_SHIM_JAR``, else the one an installed wheel
-    ships, else the one ``jvm-shim/build.sh`` built in a checkout. Raises
-    ``FileNotFoundError`` saying how to build it."""
-    from .session import packaged_files
-
-    if os.environ.get(SHIM_JAR_ENV):
-        path = Path(os.environ[SHIM_JAR_ENV])
-        if not path.is_file():
-            raise FileNotFoundError(f"{SHIM_JAR_ENV}={path} is not a file")
-        return path
-    jars = packaged_files("pyspark-safetensors-shim-*.jar", "jvm-shim/target")
-    if not jars:
-        raise FileNotFoundError(
-            "no shim jar in this installation; build it with jvm-shim/build.sh in a checkout "
-            "(offline, needs Java) "
-            f"or 'sbt shim/package', or point {SHIM_JAR_ENV} at a jar"
-        )
-    return jars[-1]
-
-
-def with_shim(builder, *, jars: list[str] = (), extensions: list[str] = ()):
-    """``builder`` with the shim jar on ``spark.jars`` and its extension on
-    ``spark.sql.extensions`` (plus any other ``jars`` / ``extensions`` you need, since
-    both settings are replaced). Call before ``getOrCreate()``."""
-    return builder.config("spark.jars", ",".join([str(shim_jar()), *jars])).config(
-        "spark.sql.extensions", ",".join([SHIM_EXTENSIONS, *extensions])
-    )
-
-
-def shim_loaded(spark=None) -> bool:
-    """Whether the session (default: the active one) has the shim's SQL functions."""
-    return _session(spark).catalog.functionExists("arr_to_st")
-
-
-def _session(spark):
-    from pyspark.sql import SparkSession
-
-    spark = spark or SparkSession.getActiveSession()
-    if spark is None:
-        raise RuntimeError("no active SparkSession: create one before using the tensor functions")
-    return spark
 
 
 def _jvm(jvm: bool | None) -> bool:

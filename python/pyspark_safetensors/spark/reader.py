@@ -371,7 +371,11 @@ class SafetensorsReader(DataSourceReader):
                     raise ReadError(f"dataset {source.location.uri!r}: {'; '.join(problems[:5])}")
                 row = [
                     pa.array(
-                        [_tensor_struct(f.raw(f.header[n]), f.header[n]) if n in f.header else None],
+                        [
+                            _tensor_struct(f.raw(f.header[n]), f.header[n])
+                            if n in f.header
+                            else None
+                        ],
                         type=TENSOR_STRUCT_ARROW,
                     )
                     for n in names

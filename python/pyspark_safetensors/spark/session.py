@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import resources
 from pathlib import Path
+
+from .shim import packaged_files, shim_jar
 
 CONF_DIR_ENV = "PYSPARK_SAFETENSORS_CONF_DIR"
 """A directory whose ``spark-defaults.conf`` / ``log4j2.properties`` replace the shipped ones."""
-
-_CHECKOUT = Path(__file__).resolve().parents[3]
-
-
-def packaged_files(pattern: str, checkout_dir: str) -> list[Path]:
-    """Files the package ships, sorted: an installed wheel's copies under
-    ``pyspark_safetensors/spark/resources/`` (put there by the build), else those of a source
-    checkout or editable install (``checkout_dir`` relative to the repository root)."""
-    shipped = resources.files(__package__) / "resources"
-    if shipped.is_dir() and (found := sorted(Path(str(shipped)).glob(pattern))):
-        return found
-    if (_CHECKOUT / "pyproject.toml").is_file():
-        return sorted((_CHECKOUT / checkout_dir).glob(pattern))
-    return []
 
 
 def conf_file(name: str) -> Path | None:
@@ -52,8 +39,6 @@ def _shim_classpath() -> dict[str, str]:
     when the process's first session starts the JVM, so every session carries the jar and a
     later one can enable the extension (``spark.sql.extensions``); the jar alone registers
     nothing."""
-    from .functions import shim_jar
-
     try:
         return {"spark.jars": str(shim_jar())}
     except FileNotFoundError:
