@@ -5,11 +5,12 @@ can import this package: Spark imports every ``pyspark_*`` module at session sta
 registers its ``DefaultSource``. Importing this package is therefore kept cheap; heavy
 layers (Spark, torch) load on first use. ``register(spark)`` registers the source
 explicitly and checks that Spark's workers can import the package.
+``PysparkSafetensorsError`` is the base of every error raised for a user.
 """
 
 from ._version import __version__
 
-__all__ = ["DefaultSource", "__version__", "register"]
+__all__ = ["DefaultSource", "PysparkSafetensorsError", "__version__", "register"]
 
 
 def __getattr__(name):
@@ -21,4 +22,8 @@ def __getattr__(name):
         from .spark.register import register
 
         return register
+    if name == "PysparkSafetensorsError":  # through format's package, which loads numpy
+        from .errors import PysparkSafetensorsError
+
+        return PysparkSafetensorsError
     raise AttributeError(f"module 'pyspark_safetensors' has no attribute {name!r}")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format import dtype_of, write_shard
+from ..format.errors import InvalidArgumentError
 from .layout import MANIFEST, shard_name
 from .manifest import ColumnSchema, Manifest, ShardEntry, write_manifest
 from .verify import shard_crc32c
@@ -35,12 +36,12 @@ def write_batch_dataset(
     if (root / MANIFEST).exists():
         raise FileExistsError(f"{root} already holds a dataset ({MANIFEST})")
     if not columns:
-        raise ValueError("no columns to write")
+        raise InvalidArgumentError("no columns to write")
     lengths = {name: len(a) for name, a in columns.items()}
     if len(set(lengths.values())) != 1:
-        raise ValueError(f"columns disagree on their number of rows: {lengths}")
+        raise InvalidArgumentError(f"columns disagree on their number of rows: {lengths}")
     if rows_per_shard < 1:
-        raise ValueError("rows_per_shard must be >= 1")
+        raise InvalidArgumentError("rows_per_shard must be >= 1")
     total = next(iter(lengths.values()))
     root.mkdir(parents=True, exist_ok=True)
     entries = []

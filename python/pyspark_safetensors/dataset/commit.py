@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
 from .index import INDEX_SCHEMA
 from .layout import (
     INDEX_NAME,
@@ -54,7 +55,7 @@ LOCK = "_commit.lock"
 _LOCK_WAIT_SECONDS = 30.0
 
 
-class ConcurrentCommitError(RuntimeError):
+class ConcurrentCommitError(PysparkSafetensorsError, RuntimeError):
     """Another write committed to the same dataset while this one was committing."""
 
 
@@ -108,14 +109,14 @@ def merge_schemas(
                 )
                 merged[name] = ColumnSchema(col.dtype, dims, dims)
             else:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{where}: column {name!r} is {seen.dtype}{list(seen.sample_shape)} in one part and "
                     f"{col.dtype}{list(col.sample_shape)} in another; every row must have the same shape and dtype"
                 )
     return merged
 
 
-class AppendError(ValueError):
+class AppendError(PysparkSafetensorsError, ValueError):
     """Data that cannot be appended to a dataset: another mode, other columns, dtypes,
     sample shapes, batch size or key settings."""
 
@@ -322,7 +323,7 @@ def commit_dataset(
     if unique_keys:
         dups = _find_duplicate_keys(kept_index + new_index)
         if dups:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where}: duplicate tensor keys across shards: {', '.join(map(repr, dups))} (keys must be unique in a KV dataset)"
             )
 

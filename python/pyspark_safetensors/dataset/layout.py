@@ -7,6 +7,8 @@ import re
 import uuid
 from pathlib import Path
 
+from ..format.errors import InvalidArgumentError
+
 MANIFEST = "dataset_manifest.json"
 INDEX = "_tensor_index.parquet"
 SUCCESS = "_SUCCESS"
@@ -64,7 +66,7 @@ def check_kv_columns(columns: list[str] | tuple[str, ...], separator: str) -> No
     for a in columns:
         for b in columns:
             if a != b and suffixes[a].endswith(suffixes[b]):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"KV columns {b!r} and {a!r} cannot be told apart in tensor names "
                     f"'<key>{separator}<column>' (a key ending in {a[: len(a) - len(b)]!r}... is ambiguous); "
                     "rename one of them or choose another kv_separator"
@@ -87,8 +89,12 @@ def split_kv_name(name: str, columns, separator: str) -> tuple[str, str] | None:
 def resolve_inside(root: Path, relative: str, *, what: str = "shard path") -> Path:
     """``root / relative``, refusing absolute paths and anything that escapes ``root``."""
     if not relative or os.path.isabs(relative) or "\\" in relative:
-        raise ValueError(f"{what} {relative!r} in {str(root)!r} must be a relative file name")
+        raise InvalidArgumentError(
+            f"{what} {relative!r} in {str(root)!r} must be a relative file name"
+        )
     candidate = (root / relative).resolve()
     if not candidate.is_relative_to(root.resolve()):
-        raise ValueError(f"{what} {relative!r} escapes the dataset directory {str(root)!r}")
+        raise InvalidArgumentError(
+            f"{what} {relative!r} escapes the dataset directory {str(root)!r}"
+        )
     return candidate

@@ -34,6 +34,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..format import SafetensorsFile, SafetensorsFormatError
+from ..format.errors import InvalidArgumentError, InvalidTypeError, PysparkSafetensorsError
 from ..format.header import Header, decode_header, read_header_length
 from .index import INDEX_SCHEMA
 from .layout import MANIFEST
@@ -54,7 +55,7 @@ STORAGE_OPTIONS = ("endpoint_url", "region", "path_style", "anonymous")
 ``DatasetLocation.of``)."""
 
 
-class StorageError(OSError):
+class StorageError(PysparkSafetensorsError, OSError):
     """An I/O error while reading or writing a dataset, naming the dataset and the file."""
 
 
@@ -91,14 +92,14 @@ def _truthy(name: str, value) -> bool:
         return True
     if v in ("false", "0", "no"):
         return False
-    raise ValueError(f"storage option {name}={value!r}: expected true or false")
+    raise InvalidArgumentError(f"storage option {name}={value!r}: expected true or false")
 
 
 def _s3_filesystem(options: Mapping[str, str]) -> pafs.S3FileSystem:
     kw: dict = {}
     unknown = sorted(set(options) - set(STORAGE_OPTIONS))
     if unknown:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"unknown storage option(s) {unknown}; valid: {', '.join(STORAGE_OPTIONS)}"
         )
     endpoint = (
@@ -171,7 +172,7 @@ class DatasetLocation:
         if scheme == "s3":
             bucket_path = rest.lstrip("/")
             if not bucket_path:
-                raise ValueError(f"{text!r}: an s3 URI needs a bucket: s3://bucket/path")
+                raise InvalidArgumentError(f"{text!r}: an s3 URI needs a bucket: s3://bucket/path")
             return cls(_s3_filesystem(options), bucket_path, text)
         if scheme in ("gs", "gcs", "abfs", "hdfs", "viewfs") and not options:
             try:
@@ -182,7 +183,7 @@ class DatasetLocation:
         try:
             import fsspec
         except ImportError:  # pragma: no cover - fsspec ships with the torch extra
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{text!r}: pyarrow has no filesystem for {scheme}:// and fsspec is not installed"
             ) from None
         fs, root = fsspec.core.url_to_fs(text, **options)
@@ -599,7 +600,7 @@ def as_arrow_filesystem(filesystem) -> pafs.FileSystem:
         ):
             return pafs.LocalFileSystem()
         return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
-    raise TypeError(
+    raise InvalidTypeError(
         f"expected a pyarrow.fs.FileSystem or an fsspec filesystem, got {type(filesystem).__name__}"
     )
 
@@ -688,7 +689,7 @@ class RemoteShard:
 
     def byte_range(self, begin: int, end: int):
         if not 0 <= begin <= end <= self.size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"file {self.path!r}: byte range [{begin}, {end}) outside its {self.size} bytes"
             )
         if self._data is not None:

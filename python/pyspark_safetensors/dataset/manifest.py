@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Literal
 
 from .._version import __version__
+from ..format.errors import PysparkSafetensorsError
 from .layout import MANIFEST, resolve_inside
 
 FORMAT_VERSION = "1.0"
 SAFETENSORS_VERSION = "1.0"
 
 
-class ManifestError(ValueError):
+class ManifestError(PysparkSafetensorsError, ValueError):
     """A manifest is missing, malformed or disagrees with the files it lists."""
 
 

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from .dtypes import DType, get_dtype
-from .errors import CastError
+from .errors import CastError, InvalidArgumentError, InvalidTypeError
 
 try:  # the compiled kernel is optional: without it the numpy twins do the work
     from . import _fastcast
@@ -157,7 +157,7 @@ def _cast(x: np.ndarray, dtype: DType | str, where: str) -> np.ndarray:
         dtype = get_dtype(dtype)
     target = dtype.numpy
     if target is None:
-        raise ValueError(f"cannot cast to {dtype}: it has no numpy representation")
+        raise InvalidArgumentError(f"cannot cast to {dtype}: it has no numpy representation")
     x = np.asarray(x)
     src = x.dtype
     if src == target:
@@ -169,7 +169,7 @@ def _cast(x: np.ndarray, dtype: DType | str, where: str) -> np.ndarray:
             return _cast(x.astype(np.float32), dtype, where)
         if src in (F16, BF16):
             return _cast(x.astype(np.float32), dtype, where)
-        raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
+        raise InvalidTypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
     if dtype.is_integer:
         if src.kind == "b":
             return x.astype(target)
@@ -196,11 +196,11 @@ def _cast(x: np.ndarray, dtype: DType | str, where: str) -> np.ndarray:
                     f"value {bad.item()!r}{_describe(where)} overflows {dtype} (range {info.min}..{info.max})"
                 )
             return xf.astype(target)
-        raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
+        raise InvalidTypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
     if dtype.is_float:
         if src.kind in "fiub" or src in (F16, BF16):
             return x.astype(target)
-        raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
+        raise InvalidTypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
     if dtype.name == "BOOL":
         return x.astype(bool)
-    raise TypeError(f"cannot cast {src}{_describe(where)} to {dtype}")
+    raise InvalidTypeError(f"cannot cast {src}{_describe(where)} to {dtype}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .errors import InvalidTypeError, PysparkSafetensorsError
+
 
 @dataclass(frozen=True)
 class DType:
@@ -129,7 +131,7 @@ _NAMES = {name.lower(): name for name in DTYPES} | {
 _PREFIXES = ("torch.", "numpy.", "np.")
 
 
-class DTypeNameError(ValueError):
+class DTypeNameError(PysparkSafetensorsError, ValueError):
     """A dtype name that names no safetensors dtype (or none that can be written)."""
 
     def __init__(self, message: str, *, read_only: str | None = None, closest: str | None = None):
@@ -192,5 +194,5 @@ def dtype_of(array: np.ndarray) -> DType:
     """The safetensors dtype whose bytes a numpy array holds."""
     d = _BY_NUMPY.get(array.dtype) or _BY_NUMPY.get(array.dtype.newbyteorder("<"))
     if d is None:
-        raise TypeError(f"numpy dtype {array.dtype} has no safetensors equivalent")
+        raise InvalidTypeError(f"numpy dtype {array.dtype} has no safetensors equivalent")
     return d

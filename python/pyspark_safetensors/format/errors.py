@@ -1,4 +1,10 @@
-"""Typed errors of the format layer: one class per rule, all of them ``ValueError``s.
+"""Typed errors of the format layer: one class per rule, all of them ``ValueError``s, and
+the package's error base.
+
+``PysparkSafetensorsError`` is the base of every error the package raises for its users
+(re-exported as ``pyspark_safetensors.PysparkSafetensorsError``). It lives here, in the
+lowest layer, because every layer may import ``format`` and ``format`` imports nothing of
+the package: a base anywhere higher would make ``format`` import upward.
 
 Every message names the file (when known), the tensor (when there is one) and the rule
 that was broken, so a user can find and fix the offending input.
@@ -7,7 +13,23 @@ that was broken, so a user can find and fix the offending input.
 from __future__ import annotations
 
 
-class SafetensorsFormatError(ValueError):
+class PysparkSafetensorsError(Exception):
+    """Something the user gave (a file, a dataset, an option, a config value) breaks a rule
+    of the package; the message says which and how to fix it. The command line prints it
+    as one line and exits with code 2. Each error also derives from the built-in it
+    replaced (``ValueError``, ``TypeError``, ``OSError``, ...), so ``except ValueError``
+    keeps working."""
+
+
+class InvalidArgumentError(PysparkSafetensorsError, ValueError):
+    """A value outside what a function or a config accepts (a size, a name, a choice)."""
+
+
+class InvalidTypeError(PysparkSafetensorsError, TypeError):
+    """A value of a type an operation cannot take (a dtype with no cast to the target)."""
+
+
+class SafetensorsFormatError(PysparkSafetensorsError, ValueError):
     """A safetensors file or header breaks a rule of the format."""
 
     rule = "safetensors format"
@@ -76,6 +98,6 @@ class FileSizeError(SafetensorsFormatError):
     rule = "8 + N + last end == file size"
 
 
-class CastError(ValueError):
+class CastError(PysparkSafetensorsError, ValueError):
     """A value cannot be represented exactly in the target dtype (integer overflow,
     a fraction or a non-finite value cast to an integer dtype)."""

@@ -23,7 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from .dtypes import DType, dtype_of
-from .errors import NotRegularFileError, ShapeError, TruncatedFileError
+from .errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotRegularFileError,
+    ShapeError,
+    TruncatedFileError,
+)
 from .header import (
     Header,
     HeaderLayout,
@@ -57,9 +63,9 @@ class ChunkedTensor:
     def __post_init__(self):
         for p in self.parts:
             if dtype_of(p) != self.dtype:
-                raise TypeError(f"chunk of dtype {p.dtype} in a {self.dtype} tensor")
+                raise InvalidTypeError(f"chunk of dtype {p.dtype} in a {self.dtype} tensor")
         if sum(p.size for p in self.parts) != math.prod(self.shape):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"chunks hold {sum(p.size for p in self.parts)} elements, shape {list(self.shape)} needs {math.prod(self.shape)}"
             )
 
@@ -166,7 +172,9 @@ def write_packed(
     spec_of, buffer_of, starts = [], [], []
     for i, (group_names, packed) in enumerate(groups):
         if len(group_names) != len(packed):
-            raise ValueError(f"group {i}: {len(group_names)} names for {len(packed)} tensors")
+            raise InvalidArgumentError(
+                f"group {i}: {len(group_names)} names for {len(packed)} tensors"
+            )
         remap = np.array([ids.setdefault(s, len(ids)) for s in packed.specs] or [0], np.int64)
         names.extend(group_names)
         spec_of.append(remap[packed.spec_of])
@@ -308,7 +316,7 @@ class SafetensorsFile:
         """Bytes ``[begin, end)`` of the file (absolute offsets, as in the tensor index)
         as a view of the mapping."""
         if not 0 <= begin <= end <= len(self._mmap):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"file {self.path!r}: byte range [{begin}, {end}) outside its {len(self._mmap)} bytes"
             )
         return memoryview(self._mmap)[begin:end]

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Literal
 
 from ..dataset.layout import MANIFEST
+from ..format.errors import PysparkSafetensorsError
 
 Source = Literal["safetensors", "saev", "zarr", "zarr-run"]
 Target = Literal["safetensors", "saev", "zarr"]
 TARGETS: tuple[Target, ...] = ("safetensors", "saev", "zarr")
 
 
-class ConversionError(ValueError):
+class ConversionError(PysparkSafetensorsError, ValueError):
     """A conversion that cannot be done: the message names the file or key at fault."""
 
 

@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 from ..format import SafetensorsFile
+from ..format.errors import PysparkSafetensorsError
 
 VERSION = "1.0"
 METADATA = "metadata.json"
@@ -26,7 +27,7 @@ TENSORS = {
 }
 
 
-class LUTError(ValueError):
+class LUTError(PysparkSafetensorsError, ValueError):
     """A LUT directory or file breaks the format, or its inputs do not fit together."""
 
 

@@ -36,6 +36,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ..dataset.publish import publishing
+from ..format.errors import PysparkSafetensorsError
 
 MARKER = ".pyspark-safetensors-pipeline"
 DEFAULT_HOOKS = {
@@ -48,7 +49,7 @@ DEFAULT_HOOKS = {
 }
 
 
-class PipelineError(ValueError):
+class PipelineError(PysparkSafetensorsError, ValueError):
     """A pipeline that cannot run as configured; the message says what to change."""
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..dataset.publish import publishing
 from ..format import SafetensorsFile, write_shard
+from ..format.errors import PysparkSafetensorsError
 
 SAE_FILE = "sae.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -25,7 +26,7 @@ SAE_TENSORS = ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias
 CHECKPOINT_VERSION = "1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PysparkSafetensorsError, ValueError):
     """A checkpoint is missing, incomplete or does not fit."""
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..format.errors import InvalidArgumentError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -126,36 +128,38 @@ class SAEConfig:
         positive = ["expansion_factor", "k", "batch_size", "log_every", "init_samples"]
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ["d", "n_latents", "k_start", "k_aux", "tokens", "checkpoints", "num_workers",
                      "val_tokens"]:  # fmt: skip
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.data_parallel_size < 1 or self.model_parallel_size < 1:
-            raise ValueError("data_parallel_size and model_parallel_size must be >= 1")
+            raise InvalidArgumentError("data_parallel_size and model_parallel_size must be >= 1")
         if self.batch_size % self.data_parallel_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"batch_size {self.batch_size} does not split over {self.data_parallel_size} data-parallel ranks"
             )
         if self.lr < 0 or self.grad_clip < 0 or self.aux_coef < 0:
-            raise ValueError("lr, grad_clip and aux_coef must be >= 0")
+            raise InvalidArgumentError("lr, grad_clip and aux_coef must be >= 0")
         for name in ("decay_fraction", "k_anneal_fraction", "warmup_fraction"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise InvalidArgumentError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.dead_tokens < 0:
-            raise ValueError("warmup_steps and dead_tokens must be >= 0")
+            raise InvalidArgumentError("warmup_steps and dead_tokens must be >= 0")
         for name, choices in [
             ("b_dec_init", ("geometric_median", "mean", "zeros")),
             ("device", ("auto", "cpu", "cuda")),
             ("activation", ("topk", "batchtopk")),
         ]:
             if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+                raise InvalidArgumentError(
+                    f"{name} must be one of {choices}, got {getattr(self, name)!r}"
+                )
         n = self.n_latents or self.expansion_factor * self.d
         if self.d and self.k > n:
-            raise ValueError(f"k {self.k} exceeds n_latents {n}")
+            raise InvalidArgumentError(f"k {self.k} exceeds n_latents {n}")
         if self.d and n % self.model_parallel_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"n_latents {n} is not divisible by model_parallel_size {self.model_parallel_size}"
             )
 
@@ -215,7 +219,7 @@ class SAEConfig:
         for item in overrides:
             key, sep, raw = item.partition("=")
             if not sep:
-                raise ValueError(f"override {item!r} is not key=value")
+                raise InvalidArgumentError(f"override {item!r} is not key=value")
             values[key.strip().replace("-", "_")] = _parse(key.strip(), raw.strip())
         return cls.from_dict(values)
 
@@ -224,7 +228,7 @@ class SAEConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:
-            raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(fields)}")
+            raise InvalidArgumentError(f"unknown config key(s) {unknown}; known: {sorted(fields)}")
         hints = typing.get_type_hints(cls)
         return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
 
@@ -246,22 +250,24 @@ def _coerce(key: str, value, hint):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key} must be a list, got {value!r}")
+            raise InvalidArgumentError(f"{key} must be a list, got {value!r}")
         return tuple(str(v) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(hint)):
-            raise ValueError(f"{key} must be a list of {len(typing.get_args(hint))} numbers")
+            raise InvalidArgumentError(
+                f"{key} must be a list of {len(typing.get_args(hint))} numbers"
+            )
         return tuple(float(v) for v in value)
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{key} must be true or false, got {value!r}")
+            raise InvalidArgumentError(f"{key} must be true or false, got {value!r}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
+            raise InvalidArgumentError(f"{key} must be an integer, got {value!r}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key} must be a number, got {value!r}")
+            raise InvalidArgumentError(f"{key} must be a number, got {value!r}")
         return float(value)
     return str(value)

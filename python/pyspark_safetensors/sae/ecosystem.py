@@ -31,6 +31,7 @@ import torch
 
 from ..dataset.publish import publishing
 from ..format import SafetensorsFile, write_shard
+from ..format.errors import InvalidArgumentError
 from .checkpoint import SAE_FILE, SAE_TENSORS, CheckpointError, load_sae
 
 SAELENS_WEIGHTS, SPARSIFY_WEIGHTS, FOREIGN_CONFIG = (
@@ -221,7 +222,7 @@ def export_sae(
         }  # fmt: skip
         weights_file = SPARSIFY_WEIGHTS
     else:
-        raise ValueError(f"layout must be 'saelens' or 'sparsify', got {layout!r}")
+        raise InvalidArgumentError(f"layout must be 'saelens' or 'sparsify', got {layout!r}")
     out = Path(out_dir)
     with publishing(out) as tmp:
         write_shard(tmp / weights_file, weights, {"format": "pt"})

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..format.errors import InvalidArgumentError
 from ..torch import ShuffledBatches, open_dataset
 from .mesh import MODEL, all_reduce
 from .model import PLACEMENT, TopKSAE
@@ -26,7 +27,7 @@ def held_out_batches(
     as float32 ``[<=batch, d]`` tensors (every rank reads the same rows)."""
     ds = open_dataset(dataset)
     if column not in ds.columns:
-        raise ValueError(f"{dataset}: no column {column!r}; it has {ds.columns}")
+        raise InvalidArgumentError(f"{dataset}: no column {column!r}; it has {ds.columns}")
     reader = ShuffledBatches(ds, batch, columns=[column], shuffle=False, dp_rank=0, dp_size=1)
     n = min(len(ds), tokens) if tokens else len(ds)
     for start in range(0, n, batch):
@@ -66,7 +67,7 @@ def _evaluate(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh) -> dict:
         fired += torch.bincount(local, minlength=sae.n_local).double()
     n = float(sums[d + 3])
     if n == 0:
-        raise ValueError("no held-out rows to evaluate on")
+        raise InvalidArgumentError("no held-out rows to evaluate on")
     l0 = all_reduce(sums[d + 2 : d + 3].clone(), mesh, MODEL)[0]
     var = float(sums[d] - sums[:d].pow(2).sum() / n)
     freq = (PLACEMENT["encoder_bias"].gather(fired, mesh) / n).cpu().numpy()
@@ -93,10 +94,10 @@ def split_by_sample(
     from ..dataset import write_batch_dataset
 
     if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise InvalidArgumentError(f"val_fraction must be in (0, 1), got {val_fraction}")
     ds = open_dataset(dataset)
     if sample_column not in ds.columns:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{dataset}: no column {sample_column!r} to split by; it has {ds.columns} "
             "(give sample_column, or a separate held-out dataset)"
         )
@@ -105,7 +106,9 @@ def split_by_sample(
     samples = np.unique(columns[sample_column])
     n_val = max(1, round(len(samples) * val_fraction))
     if n_val >= len(samples):
-        raise ValueError(f"{dataset}: {len(samples)} sample(s) are too few to hold some out")
+        raise InvalidArgumentError(
+            f"{dataset}: {len(samples)} sample(s) are too few to hold some out"
+        )
     held = np.random.default_rng(seed).choice(samples, size=n_val, replace=False)
     is_val = np.isin(columns[sample_column], held)
     out = Path(out_dir)

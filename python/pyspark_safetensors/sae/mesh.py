@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from ..format.errors import InvalidArgumentError
+
 DATA, MODEL = "data", "model"
 
 
@@ -178,7 +180,7 @@ def make_mesh(data_parallel_size: int, model_parallel_size: int) -> DeviceMesh |
     for a single process. Initialises the process group: nccl with CUDA, else gloo."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if data_parallel_size * model_parallel_size != world:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"data_parallel_size {data_parallel_size} x model_parallel_size "
             f"{model_parallel_size} = {data_parallel_size * model_parallel_size}, but the "
             f"world has {world} processes (torchrun --nproc-per-node)"

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..format.errors import InvalidArgumentError
 from .mesh import (
     MODEL,
     DimMap,
@@ -136,15 +137,19 @@ class TopKSAE(nn.Module):
     ):
         super().__init__()
         if activation not in ("topk", "batchtopk"):
-            raise ValueError(f"activation must be 'topk' or 'batchtopk', got {activation!r}")
+            raise InvalidArgumentError(
+                f"activation must be 'topk' or 'batchtopk', got {activation!r}"
+            )
         self.activation = activation
         self.register_buffer("threshold", torch.zeros((), device=device))
         self.last_threshold: torch.Tensor | None = None
         if not 0 < k <= n_latents:
-            raise ValueError(f"k must be in 1..n_latents ({n_latents}), got {k}")
+            raise InvalidArgumentError(f"k must be in 1..n_latents ({n_latents}), got {k}")
         tp = mesh_dim_size(mesh, MODEL)
         if n_latents % tp:
-            raise ValueError(f"n_latents {n_latents} is not divisible by model_parallel_size {tp}")
+            raise InvalidArgumentError(
+                f"n_latents {n_latents} is not divisible by model_parallel_size {tp}"
+            )
         self.d, self.n_latents, self.k, self.mesh = d, n_latents, k, mesh
         self.n_local = n_latents // tp
         self.offset = mesh_rank(mesh, MODEL) * self.n_local
@@ -269,7 +274,7 @@ class TopKSAE(nn.Module):
             want = self.full_shapes()[name]
             got = tuple(state[name].shape)
             if got != want:
-                raise ValueError(f"{name}: checkpoint shape {got}, this SAE needs {want}")
+                raise InvalidArgumentError(f"{name}: checkpoint shape {got}, this SAE needs {want}")
             p.copy_(PLACEMENT[name].distribute(state[name].to(torch.float32), self.mesh))
 
 

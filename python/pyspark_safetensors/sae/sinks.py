@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from ..format.errors import InvalidArgumentError
+
 SINKS = ("tensorboard", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -15,9 +17,11 @@ def check_sinks(names: tuple[str, ...]) -> None:
     """Refuse an unknown sink, or one whose package is not installed, before training."""
     for name in names:
         if name not in SINKS:
-            raise ValueError(f"log_to: unknown sink {name!r}; choose from {', '.join(SINKS)}")
+            raise InvalidArgumentError(
+                f"log_to: unknown sink {name!r}; choose from {', '.join(SINKS)}"
+            )
         if importlib.util.find_spec(_PACKAGES[name]) is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"log_to includes {name!r} but the {_PACKAGES[name]} package is not installed "
                 f"(pip install {_PACKAGES[name]})"
             )

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..dataset.layout import MANIFEST
+from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
 from ..torch import ActivationLoader, open_dataset
 from .checkpoint import (
     CheckpointError,
@@ -58,14 +59,14 @@ SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_
 LATENTS = DimMap({MODEL: 0})  # per-latent trainer state is sharded like the encoder bias
 
 
-class NonFiniteLoss(FloatingPointError):
+class NonFiniteLoss(PysparkSafetensorsError, FloatingPointError):
     """The loss became NaN or infinite; the last good state was checkpointed."""
 
 
 def _device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available")
+            raise InvalidArgumentError("device='cuda' but CUDA is not available")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -95,7 +96,7 @@ def check_run_dir(config: SAEConfig) -> None:
         n for n in ("metrics.jsonl", "sae.safetensors", "checkpoints") if (out / n).exists()
     ]
     if previous and not config.resume and not config.overwrite:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"out_dir {out} already holds a training run ({', '.join(previous)}); "
             "resume it (--resume auto), choose another --out-dir, or pass --overwrite"
         )
@@ -104,15 +105,17 @@ def check_run_dir(config: SAEConfig) -> None:
 def _row_shape(ds, config: SAEConfig) -> tuple[int, ...]:
     """The training column's row shape ``(d,)``, checked against ``config.d``."""
     if config.column not in ds.columns:
-        raise ValueError(f"{config.dataset}: no column {config.column!r}; it has {ds.columns}")
+        raise InvalidArgumentError(
+            f"{config.dataset}: no column {config.column!r}; it has {ds.columns}"
+        )
     shape = ds.manifest.schema[config.column].sample_shape
     if len(shape) != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{config.dataset}: column {config.column!r} has samples of shape {list(shape)}; "
             "the SAE needs token-level rows [d]"
         )
     if config.d and config.d != shape[0]:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"config d={config.d} but the dataset's {config.column!r} has width {shape[0]}"
         )
     return shape
@@ -121,7 +124,7 @@ def _row_shape(ds, config: SAEConfig) -> tuple[int, ...]:
 def _check_mesh(mesh, config: SAEConfig) -> None:
     data, model = mesh_dim_size(mesh, DATA), mesh_dim_size(mesh, MODEL)
     if (data, model) != (config.data_parallel_size, config.model_parallel_size):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the mesh is data={data} x model={model}, "
             f"the config asks for {config.data_parallel_size} x {config.model_parallel_size}"
         )
@@ -133,7 +136,7 @@ def _check_val_dataset(config: SAEConfig, shape: tuple[int, ...]) -> None:
         val.manifest.schema[config.column].sample_shape if config.column in val.columns else None
     )
     if width != shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"val_dataset {config.val_dataset}: column {config.column!r} "
             f"{'has rows of shape ' + str(list(width)) if width is not None else 'is missing'}"
             f", the training data's rows are {list(shape)}"
@@ -147,7 +150,9 @@ class Trainer:
 
     def __init__(self, config: SAEConfig, mesh=None):
         if not config.dataset:
-            raise ValueError("config.dataset is empty: give the activation dataset directory")
+            raise InvalidArgumentError(
+                "config.dataset is empty: give the activation dataset directory"
+            )
         check_run_dir(config)
         check_sinks(config.log_to)
         self.dataset = ds = open_activations(config)
@@ -184,7 +189,7 @@ class Trainer:
         )
         per_epoch = len(self.loader)
         if per_epoch == 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{config.dataset} has {len(ds)} rows, fewer than one global batch of "
                 f"{config.batch_size}: lower batch_size"
             )
@@ -209,7 +214,7 @@ class Trainer:
             tensors, _ = read_sae(c.init_from)
             got = tuple(tensors["encoder_weight"].shape)
             if got != (c.latents, c.d):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"init_from {c.init_from}: an SAE of {got[0]} latents x {got[1]} inputs; "
                     f"this run has n_latents={c.latents}, d={c.d}"
                 )

@@ -19,6 +19,7 @@ import pyarrow as pa
 from pyspark.sql.types import ArrayType, DataType
 
 from ..format import CastError, PackedTensors, cast_array, get_dtype
+from ..format.errors import PysparkSafetensorsError
 from .dtypes import SPARK_NUMERIC_TYPES, written_dtype
 from .tensor_struct import TENSOR_STRUCT_DDL, is_tensor_struct
 
@@ -28,7 +29,7 @@ ACCEPTED = (
 )
 
 
-class ColumnError(ValueError):
+class ColumnError(PysparkSafetensorsError, ValueError):
     """A column's type or data cannot be written as a tensor."""
 
 

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from ..format.casts import cast_array
 from ..format.dtypes import DType, get_dtype
+from ..format.errors import PysparkSafetensorsError
 from .columns import first_null
 from .dtypes import ELEMENT_DTYPES
 from .shim import SHIM_EXTENSIONS, shim_loaded
@@ -33,7 +34,7 @@ from .tensor_struct import (
 )
 
 
-class TensorFunctionError(ValueError):
+class TensorFunctionError(PysparkSafetensorsError, ValueError):
     """Bad input to a tensor function; the message starts with the function's name."""
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 from ..format import WRITABLE, DTypeNameError, canonical_dtype
 from ..format.dtypes import ALIAS_EXAMPLES
+from ..format.errors import PysparkSafetensorsError
 
 TAIL_STRATEGIES = ("write", "drop", "pad")
 DUPLICATE_STRATEGIES = ("fail", "lastWin")
@@ -33,7 +34,7 @@ MAX_ROWS = 2**31 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class OptionError(ValueError):
+class OptionError(PysparkSafetensorsError, ValueError):
     """An unknown option or a bad option value."""
 
 

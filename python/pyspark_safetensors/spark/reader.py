@@ -36,7 +36,7 @@ from ..dataset import (
 )
 from ..dataset.layout import SHARD_NAME
 from ..dataset.verify import check_shard
-from ..format.errors import SafetensorsFormatError
+from ..format.errors import PysparkSafetensorsError, SafetensorsFormatError
 from .compat import pushdown_enabled
 from .dtypes import READ_TYPES
 from .options import OptionError, ReaderOptions
@@ -61,7 +61,7 @@ FILE_VIEWS = ("tensors", "files")
 """Views that read any safetensors file, with or without a manifest."""
 
 
-class ReadError(ValueError):
+class ReadError(PysparkSafetensorsError, ValueError):
     """An input that cannot be read: missing, corrupt, or disagreeing with its manifest."""
 
 

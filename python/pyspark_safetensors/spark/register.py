@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import re
 
+from ..format.errors import PysparkSafetensorsError
 from .source import SafetensorsDataSource
 
 
-class WorkerPythonError(RuntimeError):
+class WorkerPythonError(PysparkSafetensorsError, RuntimeError):
     """Spark's Python workers cannot import pyspark_safetensors."""
 
 

@@ -24,6 +24,7 @@ from pyspark.sql.types import (
 )
 
 from ..format.dtypes import dtype_of
+from ..format.errors import PysparkSafetensorsError
 
 TENSOR_STRUCT_DDL = "struct<data: binary, shape: array<int>, dtype: string>"
 """The Tensor Struct as Spark DDL (for ``mapInArrow`` schemas and UDF return types)."""
@@ -46,7 +47,7 @@ MAX_DIMENSION = 2**31 - 1
 """The largest dimension ``shape: array<int>`` holds."""
 
 
-class TensorStructError(ValueError):
+class TensorStructError(PysparkSafetensorsError, ValueError):
     """A tensor the Tensor Struct cannot hold."""
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..dataset import DatasetLocation, Manifest, ManifestError, split_kv_name
 from ..dataset.location import ShardReader
+from ..format.errors import InvalidTypeError
 from .dtypes import TORCH_DTYPES, as_torch
 
 
@@ -122,7 +123,9 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         if isinstance(index, str):
             return self.get(index)
         if self.mode != "batch":
-            raise TypeError("a KV dataset is indexed by key: ds['key'] or ds.get(key, column)")
+            raise InvalidTypeError(
+                "a KV dataset is indexed by key: ds['key'] or ds.get(key, column)"
+            )
         shard, row = self.locate(int(index))
         out = {}
         f = self.shard(shard)
@@ -136,7 +139,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
     def _key_index(self) -> dict[str, dict[str, KeyLocation]]:
         if self._keys is None:
             if self.mode != "kv":
-                raise TypeError("key lookups need a KV dataset (written with name_col)")
+                raise InvalidTypeError("key lookups need a KV dataset (written with name_col)")
             table = self.location.read_index(self.manifest, checksums=self.checksums).to_pydict()
             sep = self.manifest.kv_separator or "__"
             columns = list(self.manifest.schema)

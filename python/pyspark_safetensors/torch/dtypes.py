@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..format.dtypes import DTYPES, get_dtype
+from ..format.errors import InvalidArgumentError
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     d.name: getattr(torch, d.numpy.name)
@@ -33,7 +34,7 @@ def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype named any way ``format`` accepts."""
     canonical = get_dtype(name).name
     if canonical not in TORCH_DTYPES:
-        raise ValueError(f"dtype {canonical} has no torch dtype; read it as raw bytes")
+        raise InvalidArgumentError(f"dtype {canonical} has no torch dtype; read it as raw bytes")
     return TORCH_DTYPES[canonical]
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..format.dtypes import get_dtype
+from ..format.errors import InvalidArgumentError
 from .dataset import SafetensorsDataset
 from .dtypes import as_torch
 
@@ -43,7 +44,7 @@ def data_parallel_rank_and_size(dp_rank: int | None, dp_size: int | None) -> tup
     group receive the same batches."""
     if dp_rank is not None and dp_size is not None:
         if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
+            raise InvalidArgumentError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
         return dp_rank, dp_size
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -71,14 +72,16 @@ class ShuffledBatches(torch.utils.data.IterableDataset):
         num_workers: int = 1,
     ):
         if dataset.mode != "batch":
-            raise ValueError(
+            raise InvalidArgumentError(
                 "shuffled batches need a batch-mode dataset; use ds.get(key) for a KV dataset"
             )
         if batch_size < 1 or block_rows < 1 or mix_blocks < 1:
-            raise ValueError("batch_size, block_rows and mix_blocks must be positive")
+            raise InvalidArgumentError("batch_size, block_rows and mix_blocks must be positive")
         unknown = [c for c in columns or [] if c not in dataset.columns]
         if unknown:
-            raise ValueError(f"column(s) {unknown} not in the dataset; it has {dataset.columns}")
+            raise InvalidArgumentError(
+                f"column(s) {unknown} not in the dataset; it has {dataset.columns}"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.columns = columns or dataset.columns
@@ -159,7 +162,7 @@ class ShuffledBatches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker = (info.id + self.worker_shift) % self.num_workers if info is not None else 0
         if info is not None and info.num_workers != self.num_workers:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ShuffledBatches was built for {self.num_workers} workers, the DataLoader has {info.num_workers}"
             )
         order = self.order(Consumer(self.dp_rank, self.dp_size, worker, self.num_workers))
@@ -249,7 +252,7 @@ class ActivationLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.batches.seed:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"state was saved with seed {state['seed']}, this loader has seed {self.batches.seed}"
             )
         self.batches.epoch, self.delivered = state["epoch"], state["delivered"]

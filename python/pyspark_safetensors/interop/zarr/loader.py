@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...format.errors import InvalidArgumentError
 from .store import ActivationRun, ActivationStore
 
 
@@ -51,11 +52,11 @@ class RandomPairs(torch.utils.data.Sampler):
         self.n = len(store)
         self.layers = np.array(layers if layers is not None else range(store.num_layers))
         if not 1 <= layers_per_sample <= len(self.layers):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"layers_per_sample={layers_per_sample} must be in [1, {len(self.layers)}]"
             )
         if samples_per_batch < 1:
-            raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
+            raise InvalidArgumentError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
         self.b, self.k, self.seed, self.epoch = samples_per_batch, layers_per_sample, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
