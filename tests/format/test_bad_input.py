@@ -26,6 +26,7 @@ from pyspark_safetensors.format import (
     read_header,
     write_shard,
 )
+from pyspark_safetensors.format.errors import NotSafetensorsError
 
 
 def raw_file(header, data=b"", pad=True):
@@ -83,6 +84,28 @@ def test_bad_file_corpus(tmp_path, name, data, error):
             opener(path)
         assert isinstance(info.value, ValueError)
         assert str(path) in str(info.value) and "rule:" in str(info.value)
+
+
+def test_a_text_file_is_not_a_safetensors_file(tmp_path):
+    """A text file's first 8 bytes read as a 19-digit header length: the error says what
+    the file is not, rather than quoting the number alone."""
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/bin/sh\n")
+    for opener in (read_header, SafetensorsFile):
+        with pytest.raises(NotSafetensorsError) as info:
+            opener(path)
+        message = str(info.value)
+        assert message.startswith(f"file {str(path)!r}: not a safetensors file")
+        assert "b'root:x:0'" in message and "past the end of the 64-byte file" in message
+        assert isinstance(info.value, HeaderTooLargeError) and isinstance(info.value, ValueError)
+
+
+def test_an_oversized_length_within_the_file_is_not_called_another_format(tmp_path):
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000_001) + b"{" + b" " * 100_000_001)
+    with pytest.raises(HeaderTooLargeError) as info:
+        read_header(path)
+    assert not isinstance(info.value, NotSafetensorsError)
 
 
 def test_out_of_order_but_contiguous_offsets_are_valid(tmp_path):

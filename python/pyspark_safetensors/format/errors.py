@@ -59,6 +59,16 @@ class HeaderTooLargeError(SafetensorsFormatError):
     rule = "header length N <= 100,000,000 bytes"
 
 
+class NotSafetensorsError(HeaderTooLargeError):
+    """The first 8 bytes cannot be a header length: over the limit and past the end of the
+    file, as in a text file or another format."""
+
+    rule = (
+        "a safetensors file starts with its header length N (8 bytes, little-endian), "
+        "N <= 100,000,000 and 8 + N <= file size"
+    )
+
+
 class HeaderEncodingError(SafetensorsFormatError):
     rule = (
         "header is UTF-8 JSON starting with '{': no NaN/Infinity, numbers within float64, "

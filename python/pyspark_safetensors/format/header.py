@@ -29,7 +29,9 @@ from .errors import (
     HeaderEncodingError,
     HeaderStructureError,
     HeaderTooLargeError,
+    InvalidArgumentError,
     MetadataError,
+    NotSafetensorsError,
     OffsetsError,
     ShapeError,
     SizeMismatchError,
@@ -184,7 +186,7 @@ def layout_header(
     """
     spec_of = np.asarray(spec_of, dtype=np.int64)
     if len(names) != len(spec_of):
-        raise ValueError(f"{len(names)} names for {len(spec_of)} tensors")
+        raise InvalidArgumentError(f"{len(names)} names for {len(spec_of)} tensors")
     if metadata is not None:
         _check_metadata(metadata, path=None)
     unique = set(names)
@@ -193,7 +195,7 @@ def layout_header(
         duplicate = next(n for n in names if n in seen or seen.add(n))
         raise DuplicateKeyError(f"two tensors are named {duplicate!r}", tensor=duplicate)
     if METADATA_KEY in unique:
-        raise ValueError(f"{METADATA_KEY!r} is reserved and cannot name a tensor")
+        raise InvalidArgumentError(f"{METADATA_KEY!r} is reserved and cannot name a tensor")
     checked = [_checked_spec(spec, names, spec_of, i) for i, spec in enumerate(specs)]
     specs = [spec for spec, _ in checked]
     spec_bytes = np.array([nbytes for _, nbytes in checked] or [0], dtype=np.int64)
@@ -281,6 +283,13 @@ def read_header_length(prefix: bytes, file_size: int, path: str | None = None) -
             f"file is {file_size} bytes, shorter than the 8-byte header length", path=path
         )
     (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES and 8 + n > file_size:
+        raise NotSafetensorsError(
+            f"not a safetensors file: its first 8 bytes {bytes(prefix[:8])!r} read as header "
+            f"length {n:,}, over the {MAX_HEADER_BYTES:,}-byte limit and past the end of "
+            f"the {file_size:,}-byte file",
+            path=path,
+        )
     if n > MAX_HEADER_BYTES:
         raise HeaderTooLargeError(f"header length {n} exceeds {MAX_HEADER_BYTES}", path=path)
     if 8 + n > file_size:
@@ -557,10 +566,9 @@ def _gc_paused():
             gc.enable()
 
 
-def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header | None:
-    body = text.rstrip(" \t\n\r")
-    if not body.endswith("}"):
-        return None
+def _compact_pieces(body: str, path):
+    """The metadata and the four per-tensor columns (names, dtype names, shape texts,
+    offset texts) of a compact header, or None when it is not one."""
     metadata, pos = None, 1
     if body.startswith(_METADATA_PREFIX):
         try:
@@ -578,18 +586,15 @@ def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header 
         return None
     if any(parts[k::10].count(piece) != n for k, piece in _FIXED):
         return None
-    names, dtype_names, shape_texts, offset_texts = (
-        parts[1::10],
-        parts[5::10],
-        parts[8::10],
-        parts[10::10],
-    )
+    names = parts[1::10]
     if _NEEDS_GENERAL.search("".join(names)):  # the only free text; other slots are checked
         return None
-    dtypes = [DTYPES.get(d) for d in dict.fromkeys(dtype_names)]
-    if None in dtypes:
-        return None
-    dtype_ids = {d.name: i for i, d in enumerate(dtypes)}
+    return metadata, names, parts[5::10], parts[8::10], parts[10::10]
+
+
+def _compact_shapes(shape_texts: list[str]):
+    """(the distinct shapes, their ids by text, their element counts), or None when a
+    shape is not one the fast path takes."""
     shapes_by_text = {}
     for s in dict.fromkeys(shape_texts):
         if not _COMPACT_SHAPE.fullmatch(s):
@@ -599,13 +604,32 @@ def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header 
             return None
         shapes_by_text[s] = shape
     shapes = list(shapes_by_text.values())
-    shape_ids = {s: i for i, s in enumerate(shapes_by_text)}
     try:
         numel = [_checked_numel(s) for s in shapes]
     except ShapeError:
         return None  # the general path names the tensor
     if max(numel) >= _FAST_NUMEL_LIMIT:
         return None
+    return shapes, {s: i for i, s in enumerate(shapes_by_text)}, numel
+
+
+def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header | None:
+    body = text.rstrip(" \t\n\r")
+    if not body.endswith("}"):
+        return None
+    pieces = _compact_pieces(body, path)
+    if pieces is None:
+        return None
+    metadata, names, dtype_names, shape_texts, offset_texts = pieces
+    n = len(names)
+    dtypes = [DTYPES.get(d) for d in dict.fromkeys(dtype_names)]
+    if None in dtypes:
+        return None
+    dtype_ids = {d.name: i for i, d in enumerate(dtypes)}
+    shaped = _compact_shapes(shape_texts)
+    if shaped is None:
+        return None
+    shapes, shape_ids, numel = shaped
     # Joined with '"' (which no slot holds), so the pattern checks every tensor's own slot.
     offsets_text = '"'.join(offset_texts)
     if not _COMPACT_OFFSETS.fullmatch(offsets_text):
