@@ -356,14 +356,9 @@ def test_append_then_overwrite(spark, tmp_path):
     write(vectors_df(spark, n=2, parts=1).select("vec"), out, batch_size=3)
     m = manifest(out)
     assert m["total_samples"] == 2 and "index_file" not in m
-    # the replaced generation stays readable until the next commit, then goes
-    listed = {s["shard_path"] for s in m["shards"]}
-    old = {s["shard_path"] for s in appended["shards"]}
-    assert {f.name for f in shards(out)} == listed | old
-    assert (out / appended["index_file"]).exists()
-    write(vectors_df(spark, n=2, parts=1).select("vec"), out, batch_size=3)
-    m = manifest(out)
-    assert [f.name for f in shards(out)] == sorted({s["shard_path"] for s in m["shards"]} | listed)
+    # the replaced generation and its indexes are deleted at the commit point
+    assert [f.name for f in shards(out)] == sorted(s["shard_path"] for s in m["shards"])
+    assert not (out / appended["index_file"]).exists()
     assert not list(out.glob("_tensor_index*"))
 
 

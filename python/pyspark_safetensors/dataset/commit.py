@@ -6,12 +6,19 @@ copy of every byte).
    ``part-{task}-{shard}-{uuid}.safetensors`` whose uuid starts with the job's tag and is
    new for every attempt. No reader trusts a file the manifest does not list.
 3. ``commit_dataset`` (driver) checks everything first, writes the tensor index under a
-   name of its own, then puts the manifest (one atomic put: the commit point) after
-   checking that no other commit landed since it read the previous one. Nothing is moved
-   or copied.
-4. Then it reclaims what no manifest lists: its own failed and losing attempts, and the
-   leftovers of dead jobs (never a live job's). The generation an overwrite replaced is
-   kept until the next commit, so readers still on the old manifest can finish.
+   name of its own (``_tensor_index-{commit}.parquet``, named in the manifest with its
+   crc32c), then puts the manifest (one atomic put: the commit point) after checking
+   that no other commit landed since it read the previous one. Nothing is moved or
+   copied.
+4. Right after the commit point it puts the same index bytes as ``_tensor_index.parquet``
+   (the name the format spec gives, for tools that read the index without the
+   manifest), or deletes a stale one when this commit has no index.
+5. Then it reclaims what no manifest lists: its own failed and losing attempts, the
+   leftovers of dead jobs (never a live job's) and, by default, the generation an
+   overwrite replaced, so the directory holds only the files the new manifest names
+   (plus ``_tensor_index.parquet`` and ``_SUCCESS``). With ``keep_previous_generation``
+   that generation is kept until the next commit, so readers still on the old manifest
+   can finish.
 ``abort_dataset`` deletes the job's own files and its lease. Both drop the lease before
 they list, and a task checks the lease after its last shard landed: an attempt still
 running when the job ends cleans up after itself.
@@ -35,6 +42,7 @@ import pyarrow.parquet as pq
 from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
 from .index import INDEX_SCHEMA
 from .layout import (
+    INDEX,
     INDEX_NAME,
     JOB_LEASE_SUFFIX,
     MANIFEST,
@@ -295,12 +303,16 @@ def commit_dataset(
     overwrite: bool,
     generate_index: bool,
     unique_keys: bool,
+    keep_previous_generation: bool = False,
 ) -> Manifest:
     """Publish the shards of ``results`` as the dataset at ``location``.
 
     ``template`` carries mode, batch size, key settings and metadata; its shards and
     schema are filled in here. With ``overwrite`` the previous dataset is replaced at the
-    commit point; otherwise (append) its shards are kept and the schemas must agree.
+    commit point and its files deleted right after it (``keep_previous_generation``: kept
+    until the next commit, for readers still reading it); otherwise (append) its shards
+    are kept and the schemas must agree. With ``generate_index`` the index covers every
+    shard of the new manifest and is also put as ``_tensor_index.parquet``.
     ``unique_keys`` (KV mode) refuses a tensor key that appears in two shards. Raises
     ``ConcurrentCommitError`` when another commit landed while this one ran.
     """
@@ -328,8 +340,9 @@ def commit_dataset(
             )
 
     commit_id = os.urandom(16).hex()
+    index_data = _index_bytes(kept_index + new_index) if generate_index else None
     index_file, index_crc = (
-        _put_index(location, commit_id, kept_index + new_index) if generate_index else (None, None)
+        _put_index(location, commit_id, index_data) if index_data is not None else (None, None)
     )
     manifest = replace(
         template,
@@ -347,7 +360,8 @@ def commit_dataset(
         if index_file is not None:
             location.delete([index_file])
         raise
-    _clean_up(location, job_id, manifest, previous)
+    _publish_spec_index(location, index_data)
+    _clean_up(location, job_id, manifest, previous if keep_previous_generation else None)
     return manifest
 
 
@@ -378,26 +392,35 @@ def _shard_entries(
     return tuple(entries)
 
 
-def _put_index(
-    location: DatasetLocation, commit_id: str, tables: list[pa.Table]
-) -> tuple[str, str]:
+def _put_index(location: DatasetLocation, commit_id: str, data: bytes) -> tuple[str, str]:
     """Put this commit's tensor index; returns (its name, its hex crc32c)."""
     import crc32c
 
-    data = _index_bytes(tables)
     name = index_name(commit_id)
     location.put_bytes(name, data)
     return name, f"{crc32c.crc32c(data):08x}"
 
 
+def _publish_spec_index(location: DatasetLocation, data: bytes | None) -> None:
+    """After the commit point: ``_tensor_index.parquet`` gets the committed index's
+    bytes, or goes when this commit has none (an index of another generation would
+    route readers to shards the manifest no longer lists). A crash before this step
+    leaves the per-commit index, which the manifest names, authoritative."""
+    if data is None:
+        location.delete([INDEX])
+    else:
+        location.put_bytes(INDEX, data)
+
+
 def _clean_up(
     location: DatasetLocation, job_id: str, manifest: Manifest, previous: Manifest | None
 ) -> None:
-    """After the commit point: drop the job's lease, reclaim what no manifest lists (the
-    replaced generation stays readable until the next commit) and mark ``_SUCCESS``."""
+    """After the commit point: drop the job's lease, reclaim what no manifest lists
+    except ``previous`` (a replaced generation kept for its readers), and mark
+    ``_SUCCESS``."""
     keep = {e.shard_path for e in manifest.shards} | {MANIFEST, LOCK}
     if manifest.index_file:
-        keep.add(manifest.index_file)
+        keep |= {manifest.index_file, INDEX}
     location.delete([lease_name(job_id)])  # before the listing: see abort_dataset
     if previous is not None:
         keep |= {e.shard_path for e in previous.shards}
