@@ -83,8 +83,37 @@ def test_model_directory_given_to_inspect(tmp_path):
 def test_garbage_given_to_inspect(tmp_path):
     (tmp_path / "notes.txt").write_bytes(b"this is not a safetensors file at all, just text\n")
     result = cli("inspect", tmp_path / "notes.txt")
-    assert_user_error(result)
+    assert_user_error(result, "not a safetensors file")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "command,positionals",
+    [("convert", "SRC DST"), ("inspect", "PATH"), ("verify", "PATH"), ("lut", "MODEL_DIR")],
+)
+def test_usage_line_names_the_positional_arguments(command, positionals):
+    usage = cli(command, "--help").stdout.splitlines()[0]
+    assert usage.startswith(f"usage: pyspark-safetensors {command} {positionals} ")
+
+
+def test_only_the_package_errors_are_one_line_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    from pyspark_safetensors import PysparkSafetensorsError
+    from pyspark_safetensors.cli import main
+    from pyspark_safetensors.format.errors import InvalidArgumentError
+
+    def mistake(argv):
+        raise InvalidArgumentError("rows_per_shard must be >= 1")
+
+    def bug(argv):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setitem(COMMANDS, "mistake", mistake)
+    monkeypatch.setitem(COMMANDS, "bug", bug)
+    assert main(["mistake"]) == 2
+    assert capsys.readouterr().err == "error: rows_per_shard must be >= 1\n"
+    with pytest.raises(ValueError, match="an internal invariant broke") as info:
+        main(["bug"])
+    assert not isinstance(info.value, PysparkSafetensorsError)
 
 
 def test_missing_path_and_missing_arguments(tmp_path):

@@ -12,8 +12,13 @@ Commands:
   bench     run the benchmarks (from a source checkout) into docs/BENCHMARKS.md
 
 Every command takes ``--help`` (each option with its meaning and default). A mistake in
-what you typed exits with code 2 and a message, never a traceback; ``--debug`` (before
-the command) shows the traceback of any error.
+what you typed or gave (a ``PysparkSafetensorsError``: a bad option, file, dataset or
+config value; a missing file) exits with code 2 and a one-line message; anything else is
+a bug and keeps its traceback. ``--debug`` (before the command) shows the traceback of
+any error.
+
+Each command is a thin layer: its options are a config dataclass parsed by tyro, its work
+a call into the stage's package.
 """
 
 from __future__ import annotations
@@ -30,19 +35,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
+from .format.errors import PysparkSafetensorsError
+
 USER_ERRORS = (
-    ValueError,
+    PysparkSafetensorsError,
     FileNotFoundError,
     NotADirectoryError,
     IsADirectoryError,
     PermissionError,
     FileExistsError,
 )
-"""Exceptions that mean the input was wrong (our errors derive from ValueError): shown as
-one line. Anything else is a bug and keeps its traceback."""
+"""Exceptions that mean the input was wrong: the package's own errors, and a path that is
+missing, of the wrong kind or not permitted. Shown as one line; anything else (a bare
+``ValueError`` included) is a bug and keeps its traceback."""
 
 
-class UsageError(ValueError):
+class UsageError(PysparkSafetensorsError, ValueError):
     """A command line that cannot be run as typed."""
 
 
@@ -52,14 +60,18 @@ def _tyro():
     return tyro
 
 
-def _parse(cls, argv: list[str], command: str, description: str, default=None):
-    """``cls`` (a dataclass) from ``argv``: every field an option, its docstring the help."""
+def _parse(
+    cls, argv: list[str], command: str, description: str, default=None, positionals: str = ""
+):
+    """``cls`` (a dataclass) from ``argv``: every field an option, its docstring the help.
+    ``positionals`` (e.g. ``"SRC DST"``): the arguments taken before the options, named
+    in the usage line."""
     tyro = _tyro()
     return tyro.cli(
         Annotated[cls, tyro.conf.OmitArgPrefixes],
         args=argv,
         default=default,
-        prog=f"pyspark-safetensors {command}",
+        prog=f"pyspark-safetensors {command}" + (f" {positionals}" if positionals else ""),
         description=inspect_module.cleandoc(description),
     )
 
@@ -228,7 +240,7 @@ def lut(argv: list[str]) -> int:
     from .lut import precompute_lut
 
     positional = [a for a in argv[:1] if not a.startswith("-")]
-    args = _parse(LutCommand, argv[len(positional) :], "lut", lut.__doc__)
+    args = _parse(LutCommand, argv[len(positional) :], "lut", lut.__doc__, positionals="MODEL_DIR")
     if not positional:
         raise UsageError(
             "lut needs MODEL_DIR first: pyspark-safetensors lut MODEL_DIR --sae LAYER=SAE_FILE"
@@ -322,7 +334,7 @@ class PathCommand:
 
 def _one_path(argv: list[str], command: str, doc: str) -> tuple[str, PathCommand]:
     positional = [a for a in argv[:1] if not a.startswith("-")]
-    args = _parse(PathCommand, argv[len(positional) :], command, doc)
+    args = _parse(PathCommand, argv[len(positional) :], command, doc, positionals="PATH")
     if not positional:
         raise UsageError(f"{command} needs a PATH: pyspark-safetensors {command} PATH")
     return positional[0], args
@@ -331,65 +343,20 @@ def _one_path(argv: list[str], command: str, doc: str) -> tuple[str, PathCommand
 def inspect(argv: list[str]) -> int:
     """Summarise a dataset directory (local or a URI), a saev dump, a Zarr store or a
     single .safetensors file: pyspark-safetensors inspect PATH."""
+    from .interop.inspect import describe
+
     path, args = _one_path(argv, "inspect", inspect.__doc__)
-    return _inspect(path, args.limit)
-
-
-def _inspect(path: str, limit: int) -> int:
-    from .dataset import MANIFEST, DatasetLocation
-
-    location = DatasetLocation.of(path)  # a local path or any URI (s3://, gs://, ...)
-    has_manifest = location.has(MANIFEST)
-    if not has_manifest and Path(path).is_dir():
-        from .interop import detect_source
-
-        kind = detect_source(Path(path))  # refuses what is none of the formats
-        if kind != "safetensors":
-            return _verify(path, checksums=False)
-    if has_manifest:
-        m = location.load_manifest()
-        print(
-            f"{location}: {m.mode} dataset, {m.total_samples:,} samples in {len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
-        )
-        for name, col in m.schema.items():
-            print(f"  {name}: {col.dtype} sample shape {list(col.sample_shape)}")
-        for k, v in m.metadata.items():
-            print(f"  metadata {k} = {v}")
-        return 0
-    parent, name = location.parent()
-    header = parent.read_header(name)
-    print(f"{location}: {len(header.tensors)} tensors, {header.data_bytes / 1e6:,.1f} MB of data")
-    for t in header.tensors[:limit]:
-        print(f"  {t.name}: {t.dtype} {list(t.shape)}")
-    if len(header.tensors) > limit:
-        print(f"  ... {len(header.tensors) - limit} more")
+    print("\n".join(describe(path, limit=args.limit)))
     return 0
 
 
 def verify(argv: list[str]) -> int:
     """Check a dataset against its manifest (sizes, headers, checksums), or a saev dump or
     a Zarr store against its metadata: pyspark-safetensors verify PATH."""
+    from .interop.inspect import verify as verify_path
+
     path, args = _one_path(argv, "verify", verify.__doc__)
-    return _verify(path, checksums=not args.no_checksums)
-
-
-def _verify(path: str, *, checksums: bool) -> int:
-    from .interop import detect_source
-
-    kind = detect_source(path) if Path(path).is_dir() else "safetensors"
-    if kind == "saev":
-        from .interop.saev import verify_dump
-
-        print(verify_dump(path))
-    elif kind in ("zarr", "zarr-run"):
-        from .interop.zarr import verify_store
-
-        print(verify_store(path))
-    else:
-        from .dataset import verify_dataset
-
-        m = verify_dataset(path, checksums=checksums)
-        print(f"{path}: whole ({len(m.shards)} shards, {m.total_samples:,} samples)")
+    print(verify_path(path, checksums=not args.no_checksums))
     return 0
 
 
@@ -410,7 +377,9 @@ def convert(argv: list[str]) -> int:
     from .interop import convert as run_convert
 
     positional = [a for a in argv[:2] if not a.startswith("-")]
-    args = _parse(ConvertCommand, argv[len(positional) :], "convert", convert.__doc__)
+    args = _parse(
+        ConvertCommand, argv[len(positional) :], "convert", convert.__doc__, positionals="SRC DST"
+    )
     if len(positional) != 2:
         raise UsageError(
             "convert needs SRC and DST: pyspark-safetensors convert SRC DST --to FORMAT"

@@ -1,9 +1,14 @@
 """Activation extraction: a Hugging Face transformer run inside Spark (``mapInArrow``),
 its hook points' activations written as safetensors datasets. Imports torch and
-transformers lazily (inside the job and the workers)."""
+transformers lazily (inside the job and the workers).
 
+``config.py`` (what to extract), ``model.py`` (the transformer and its hook points),
+``corpus.py`` (the texts), ``workers.py`` (what Spark's workers run), ``outputs.py``
+(the output formats), ``job.py`` (the driver: ``run_extraction``)."""
+
+from .config import ExtractConfig, ExtractionSummary, config_hash
 from .corpus import demo_passages, load_corpus, passages_by_key
-from .job import ExtractConfig, ExtractionSummary, config_hash, run_extraction
+from .job import run_extraction
 from .model import (
     DEFAULT_MODEL_ID,
     ExtractionError,

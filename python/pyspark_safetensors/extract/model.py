@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..format import to_bf16, to_f16
+from ..format.errors import PysparkSafetensorsError
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +33,7 @@ HASH_CHUNK_BYTES = 16 << 20
 """Read size while hashing weights: large enough for full-speed reads, small in memory."""
 
 
-class ExtractionError(ValueError):
+class ExtractionError(PysparkSafetensorsError, ValueError):
     """Bad extraction input: model directory, hook points, corpus."""
 
 

@@ -1,0 +1,105 @@
+"""What an extraction is asked to do (``ExtractConfig``, a frozen dataclass: the CLI's
+``extract`` options are generated from it) and what it reports (``ExtractionSummary``),
+with the config hash that names the activations it produces."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .model import ExtractionError
+
+SHORTEST_SECONDS = 1e-9
+"""A duration too short to measure counts as this, so rates stay finite."""
+DEFAULT_HOOKS = (
+    "encoder.layer.0.attention.self.query:input",
+    "encoder.layer.0.intermediate.dense:input",
+)
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    corpus: str = "demo"
+    """"demo" (Python's pydoc_data.topics in passages), a directory of text files, or a
+    parquet/JSON table path with a ``text`` column (``text_column``). A DataFrame corpus
+    is passed to ``run_extraction`` instead."""
+    text_column: str = "text"
+    model: str = ""
+    """A Hugging Face model id (``org/name[@revision]``, found in the local Hugging Face
+    cache, ``HF_HUB_CACHE``; fetched only when missing there and ``HF_HUB_OFFLINE`` is
+    not set) or a local model directory; empty = the packaged all-MiniLM-L6-v2."""
+    model_dir: str = ""
+    """The former name of ``model`` (a local directory or a model id); set one of them."""
+    hooks: tuple[str, ...] = DEFAULT_HOOKS
+    """Module globs with ":input" (the input of e.g. a linear layer) or ":output"."""
+    max_length: int = 128
+    long_texts: str = "window"
+    """Texts over ``max_length`` tokens: "window" (consecutive windows) or "truncate"."""
+    batch_size: int = 32
+    dtype: str = "F16"
+    rows_per_shard: int = 16384
+    """Tokens per shard of the token-level datasets."""
+    partitions: int = 0
+    """Spark partitions of the corpus; 0 = the session's default parallelism."""
+    passage_chars: int = 400
+    """Passage size of the demo corpus."""
+    max_texts: int = 0
+    """Use only the first N texts (by key); 0 = all."""
+    kv_dataset: bool = True
+    zarr_run: bool = False
+    """Also write the samples as a Zarr sharded run (``samples_zarr/``: each Spark task
+    one writer of ``shards/shard-XXXX.zarr``, layers = hook points in order, T_max =
+    ``max_length``); needs the ``interop`` extra (zarr) and hook points of one width."""
+
+    def __post_init__(self):
+        if self.model_dir:  # one home for the model: fold the former name into ``model``
+            if self.model and self.model != self.model_dir:
+                raise ExtractionError(
+                    f"model {self.model!r} and model_dir {self.model_dir!r} disagree; set model only"
+                )
+            object.__setattr__(self, "model", self.model_dir)
+            object.__setattr__(self, "model_dir", "")
+
+    def to_dict(self) -> dict:
+        body = {**dataclasses.asdict(self), "hooks": list(self.hooks)}
+        body.pop("model_dir")  # always folded into model
+        return body
+
+
+@dataclass
+class ExtractionSummary:
+    out_dir: Path | str
+    """The output: a local directory, or the URI it was written to."""
+    texts: int
+    samples: int
+    tokens: int
+    bytes: int
+    seconds: float
+    config_hash: str
+    hooks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, SHORTEST_SECONDS)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.texts:,} texts -> {self.samples:,} model inputs, {self.tokens:,} tokens, "
+            f"{len(self.hooks)} hook point(s), {self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s "
+            f"({self.tokens_per_s:,.0f} tokens/s)"
+        )
+
+
+def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -> str:
+    """sha256 of the canonical JSON of everything that determines the activations;
+    ``corpus_hash`` (``corpus.corpus_sha256``) names the texts of a DataFrame corpus."""
+    body = {**config.to_dict(), "model_weights_sha256": model_hash}
+    if corpus_hash:
+        body["corpus_sha256"] = corpus_hash
+    body.pop("partitions")  # the layout of the work does not change the data
+    body.pop("zarr_run")  # nor does a second copy of the samples
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
