@@ -1,0 +1,135 @@
+package io.github.pysparksafetensors.write
+
+import java.util.UUID
+
+import org.apache.spark.sql.SparkSession
+import org.apache.spark.sql.catalyst.InternalRow
+import org.apache.spark.sql.connector.write._
+import org.apache.spark.sql.sources.{AlwaysTrue, Filter}
+import org.apache.spark.sql.types.{StringType, StructType}
+
+/** What the tasks of one write job need: options, column plans, the dataset's files, the
+  * job id (its lease and the tag in every shard name) and whether the job made the
+  * dataset's directory (a failed first write then removes it). */
+final case class WriteJob(
+    options: WriterOptions,
+    plans: Array[ColumnPlan],
+    keyOrdinal: Int,
+    files: DatasetFiles,
+    jobId: String,
+    madeDirectory: Boolean)
+
+/** The writer side of the JVM `safetensors` source: `df.write.format("safetensors")`
+  * with `mode("append")`, `mode("overwrite")` (a truncate: the whole dataset is replaced
+  * at the commit point) or `mode("errorifexists")`/`mode("ignore")` (which Spark resolves
+  * before the write). The twin of the Python writer: the same options (`WriterOptions`),
+  * shards byte for byte, manifest, index and commit protocol.
+  *
+  * @param info Spark's description of the write: options (with `path`), schema, query id.
+  */
+class SafetensorsWriteBuilder(info: LogicalWriteInfo) extends WriteBuilder with SupportsTruncate with SupportsOverwrite {
+  private var overwrite = false
+
+  override def truncate(): WriteBuilder = { overwrite = true; this }
+
+  override def overwrite(filters: Array[Filter]): WriteBuilder = {
+    if (!filters.forall(_.isInstanceOf[AlwaysTrue]))
+      throw new SafetensorsWriteException(
+        "a safetensors dataset has no partitions to overwrite by a condition; overwrite the whole dataset")
+    overwrite = true
+    this
+  }
+
+  override def build(): Write = new Write {
+    override def description(): String = "safetensors"
+    override def toBatch: BatchWrite = SafetensorsBatchWrite(info, overwrite)
+  }
+}
+
+/** Plans the write on the driver (options, column types, the append check), leases the
+  * job, and commits or aborts it. */
+final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) extends BatchWrite {
+  override def createBatchWriterFactory(physical: PhysicalWriteInfo): DataWriterFactory =
+    new SafetensorsWriterFactory(job)
+
+  private def template: ManifestDoc = {
+    val o = job.options
+    ManifestDoc(Seq.empty, Seq.empty, o.mode, o.batchSize, o.nameCol,
+      if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata,
+      s"pyspark-safetensors ${Layout.Version}", None)
+  }
+
+  override def commit(messages: Array[WriterCommitMessage]): Unit = {
+    val results = messages.toSeq.collect { case t: TaskCommit => t }
+    try Commit.commit(job.files, job.jobId, results, template, overwrite, job.options.generateIndex,
+      uniqueKeys = job.options.mode == "kv", keepPrevious = job.options.keepPreviousGeneration)
+    catch { case e: Throwable => abort(messages); throw e }
+  }
+
+  override def abort(messages: Array[WriterCommitMessage]): Unit = {
+    Commit.abort(job.files, job.jobId)
+    if (job.madeDirectory) job.files.removeIfEmpty()
+  }
+}
+
+object SafetensorsBatchWrite {
+  def apply(info: LogicalWriteInfo, overwrite: Boolean): SafetensorsBatchWrite = {
+    val options = WriterOptions.parse(info.options().asCaseSensitiveMap())
+    val schema = info.schema()
+    val plans = planColumns(schema, options)
+    val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
+      scala.jdk.CollectionConverters.MapHasAsScala(info.options().asCaseSensitiveMap()).asScala.toMap)
+    val files = new DatasetFiles(options.path, new SerializableConfiguration(hadoop))
+    val jobId = UUID.randomUUID().toString.replace("-", "")
+    val keyOrdinal = options.nameCol.map(schema.fieldIndex).getOrElse(-1)
+    val job = WriteJob(options, plans.toArray, keyOrdinal, files, jobId, madeDirectory = !files.exists())
+    if (!overwrite) checkAppend(job)
+    Commit.beginJob(files, jobId)
+    new SafetensorsBatchWrite(job, overwrite)
+  }
+
+  private def planColumns(schema: StructType, o: WriterOptions): Seq[ColumnPlan] = {
+    val names = schema.fieldNames.toSeq
+    def fail(msg: String): Nothing = throw new SafetensorsWriteException(msg)
+    val unknown = (o.columns.getOrElse(Nil) ++ o.shapes.keys ++ o.columnDtypes.keys).filterNot(names.contains)
+    if (unknown.nonEmpty)
+      fail(s"option names column(s) ${unknown.mkString("['", "', '", "']")} that the DataFrame lacks; its columns: ${names.mkString("['", "', '", "']")}")
+    o.nameCol.foreach { key =>
+      if (!names.contains(key)) fail(s"name_col '$key' is not a column; columns: ${names.mkString("['", "', '", "']")}")
+      if (schema(key).dataType != StringType)
+        fail(s"name_col '$key' has type ${schema(key).dataType.simpleString}; the key column must be a string")
+    }
+    val wanted = o.columns.getOrElse(names.filterNot(n => o.nameCol.contains(n)))
+    o.nameCol.filter(wanted.contains).foreach(k =>
+      fail(s"columns lists the key column '$k'; it is written as part of each tensor name"))
+    if (wanted.isEmpty) fail("no tensor columns to write")
+    if (o.nameCol.isDefined) Layout.checkKvColumns(wanted, o.kvSeparator)
+    wanted.map(n => TensorColumns.plan(n, schema.fieldIndex(n), schema(n).dataType, o))
+  }
+
+  /** Refuse, before any task runs, an append the dataset cannot take: what the
+    * DataFrame's types tell is checked with the commit's rule (`Commit.checkAppend`). */
+  private def checkAppend(job: WriteJob): Unit = {
+    val files = job.files
+    if (!files.has(Layout.Manifest)) return
+    val previous = ManifestDoc.parse(files.readBytes(Layout.Manifest), s"'${files.uri}/${Layout.Manifest}'")
+    val o = job.options
+    val known = job.plans.toSeq.map { p =>
+      val prev = previous.schema.find(_._1 == p.name).map(_._2)
+      val dtype = p.target.orElse(prev.map(_.dtype)).getOrElse("")
+      val sample: Seq[Int] =
+        if (p.shape.isDefined || p.kind == "scalar") p.shape.getOrElse(Nil)
+        else prev.filter(c => p.kind == "struct" || c.sampleShape.size == p.depth).map(_.sampleShape)
+          .getOrElse(Seq.fill(p.depth)(-1))
+      p.name -> ColumnSchema(dtype, sample)
+    }
+    val template = ManifestDoc(Seq.empty, Seq.empty, o.mode, o.batchSize, o.nameCol,
+      if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata, "", None)
+    Commit.checkAppend(previous, template, Some(known), s"dataset '${files.uri}'")
+  }
+}
+
+final class SafetensorsWriterFactory(job: WriteJob) extends DataWriterFactory {
+  override def createWriter(partitionId: Int, taskId: Long): DataWriter[InternalRow] =
+    new SafetensorsDataWriter(job, partitionId, taskId)
+}
