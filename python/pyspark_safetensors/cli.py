@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect as inspect_module
-import json
 import os
 import subprocess
 import sys
@@ -182,10 +181,11 @@ def extract(argv: list[str]) -> int:
 
 
 def train(argv: list[str]) -> int:
-    """Train a TopK SAE on an activation dataset. --config reads a TOML file (e.g.
-    conf/sae.toml); options override it; --nproc N launches torchrun with N processes
-    (set --data-parallel-size / --model-parallel-size to match)."""
+    """Train an SAE (TopK, BatchTopK or JumpReLU) on an activation dataset. --config reads
+    a TOML file (e.g. conf/sae.toml); options override it; --nproc N launches torchrun with
+    N processes (set --data-parallel-size / --model-parallel-size to match)."""
     from .sae import SAEConfig
+    from .sae.train import launch
 
     path, rest = _split_config(argv)
     nproc = 1
@@ -199,24 +199,7 @@ def train(argv: list[str]) -> int:
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {nproc}")
     config = _parse(SAEConfig, rest, "train", train.__doc__, default=SAEConfig.load(path))
-    if nproc > 1 and config.data_parallel_size * config.model_parallel_size == 1:
-        config = dataclasses.replace(config, data_parallel_size=nproc)
-    overrides = [f"{k}={json.dumps(v)}" for k, v in config.to_dict().items()]
-    if nproc == 1:
-        from .sae.train import main as train_main
-
-        return train_main(overrides)
-    # catch mistakes here, before torchrun wraps them in its own failure report
-    from .sae.train import check_run_dir, open_activations
-
-    check_run_dir(config)
-    open_activations(config)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "pyspark_safetensors.sae.train", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(cmd, env=env).returncode
+    return launch(config, nproc)
 
 
 # -- lut ------------------------------------------------------------------------------------
@@ -285,38 +268,22 @@ def evaluate(argv: list[str]) -> int:
     error and cosine against the exact layer for several k and m, and the model's
     sentence embeddings with all LUT layers patched in:
     pyspark-safetensors evaluate LUT_DIR [options]."""
-    import torch
-
-    from .extract import Extractor, default_model_dir, passages_by_key
-    from .lut import embedding_agreement, validate_lut
-    from .lut import evaluate as evaluate_lut
+    from .lut import evaluate_on_passages
 
     positional = [a for a in argv[:1] if not a.startswith("-")]
     args = _parse(EvaluateCommand, argv[len(positional) :], "evaluate", evaluate.__doc__)
     if not positional:
         raise UsageError("evaluate needs LUT_DIR first: pyspark-safetensors evaluate LUT_DIR")
-    lut_dir = Path(positional[0])
-    meta = validate_lut(lut_dir)
-    model_dir = args.model_dir or default_model_dir()
-    texts = passages_by_key(args.skip, args.texts)
-    hooks = [f"{layer}:input" for layer in meta["layers"]]
-    windows = Extractor(model_dir, hooks, max_length=args.max_length).run(texts)
-    inputs = {
-        h.rsplit(":", 1)[0]: torch.cat(
-            [torch.from_numpy(w.activations[h].astype("float32")) for w in windows]
-        )
-        for h in hooks
-    }
-    rows = evaluate_lut(lut_dir, model_dir, inputs, ks=list(args.ks) or None, ms=list(args.ms),
-                        out_dir=args.out or None)  # fmt: skip
-    for r in rows:
+    result = evaluate_on_passages(
+        positional[0], args.model_dir or None, texts=args.texts, skip=args.skip,
+        max_length=args.max_length, ks=list(args.ks) or None, ms=args.ms,
+        out_dir=args.out or None,
+    )  # fmt: skip
+    for r in result["layers"]:
         print(
             f"{r['layer']} k={r['k']} m={r['m']}: relative L2 {r['rel_l2']:.4f}, cosine {r['cosine']:.4f}"
         )
-    for m in args.ms:
-        cos = embedding_agreement(
-            model_dir, lut_dir, texts, compensate=m, max_length=args.max_length
-        )
+    for m, cos in result["embedding_cosine"].items():
         print(f"sentence embeddings, LUT layers vs original (m={m}): cosine {cos:.4f}")
     return 0
 

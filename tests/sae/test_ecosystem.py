@@ -124,8 +124,11 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
     w = _random()
     path = saelens_dir(tmp_path / "sl", w)
     cfg = json.loads((path / "cfg.json").read_text())
+    (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "gated"}))
+    with pytest.raises(CheckpointError, match="SAELens 'gated' SAE"):
+        read_sae(path)
     (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "jumprelu"}))
-    with pytest.raises(CheckpointError, match="SAELens 'jumprelu' SAE"):
+    with pytest.raises(CheckpointError, match="without 'threshold' or 'log_threshold'"):
         read_sae(path)
     (path / "cfg.json").write_text(json.dumps({**cfg, "normalize_activations": "layer_norm"}))
     with pytest.raises(CheckpointError, match="normalize_activations='layer_norm'"):

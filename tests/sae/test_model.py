@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyspark_safetensors.sae import DimMap, TopKSAE, dense_reference
-from pyspark_safetensors.sae.model import geometric_median
+from pyspark_safetensors.sae.model import BatchTopKSAE, geometric_median
 
 
 def _sae(d=24, n=96, k=6, seed=0):
@@ -138,7 +138,7 @@ def test_mesh_must_match_the_world(monkeypatch):
 
 
 def test_batch_topk_keeps_k_times_batch_latents_and_a_threshold_at_inference():
-    sae = TopKSAE(16, 64, 4, seed=2, activation="batchtopk")
+    sae = BatchTopKSAE(16, 64, 4, seed=2)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 16, generator=gen) * torch.linspace(0.5, 2, 32)[:, None]  # unequal rows
     out = sae(x)

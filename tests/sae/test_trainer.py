@@ -331,13 +331,13 @@ def open_dataset_ids(path):
 def test_batch_topk_training_records_its_threshold(tmp_path, activations):
     from pyspark_safetensors.sae import export_sae, load_sae_model
 
-    trainer = Trainer(_config(activations, tmp_path / "run", activation="batchtopk",
+    trainer = Trainer(_config(activations, tmp_path / "run", architecture="batchtopk",
                               tokens=256 * 40, lr=5e-3))  # fmt: skip
     metrics = trainer.fit()
     assert metrics["l0"] == pytest.approx(6, abs=0.01)  # k x batch per batch
     assert metrics["fvu"] < 0.5
     sae = load_sae_model(tmp_path / "run")
-    assert sae.activation == "batchtopk" and not sae.training
+    assert sae.architecture == "batchtopk" and not sae.training
     assert float(trainer.sae.threshold) > 0
     assert float(sae.threshold) == pytest.approx(float(trainer.sae.threshold))
     x = trainer.loader.batches.read_batch(np.arange(512))["activation"]

@@ -137,3 +137,41 @@ def embedding_agreement(
     original = embed(model)
     patch_model(model, lut_dir, compensate=compensate)
     return float(F.cosine_similarity(embed(model), original, dim=-1).mean())
+
+
+def evaluate_on_passages(
+    lut_dir: str | os.PathLike,
+    model_dir: str | os.PathLike | None = None,
+    *,
+    texts: int = 64,
+    skip: int = 600,
+    max_length: int = 128,
+    ks: Iterable[int] | None = None,
+    ms: Iterable[int] = (0, 32),
+    out_dir: str | os.PathLike | None = None,
+) -> dict:
+    """The ``evaluate`` stage: ``texts`` corpus passages after the first ``skip`` (those
+    the SAEs trained on) are run through the model (``model_dir``, default the packaged
+    all-MiniLM-L6-v2) to collect every LUT layer's inputs; returns ``{"layers": rows of
+    evaluate(), "embedding_cosine": {m: cosine of the sentence embeddings with every LUT
+    layer patched in, compensation m}}``."""
+    from ..extract import Extractor, default_model_dir, passages_by_key
+
+    meta = validate_lut(lut_dir)
+    model_dir = model_dir or default_model_dir()
+    passages = passages_by_key(skip, texts)
+    hooks = [f"{layer}:input" for layer in meta["layers"]]
+    windows = Extractor(model_dir, hooks, max_length=max_length).run(passages)
+    inputs = {
+        h.rsplit(":", 1)[0]: torch.cat(
+            [torch.from_numpy(w.activations[h].astype("float32")) for w in windows]
+        )
+        for h in hooks
+    }
+    ms = list(ms)
+    rows = evaluate(lut_dir, model_dir, inputs, ks=ks, ms=ms, out_dir=out_dir)
+    cosines = {
+        m: embedding_agreement(model_dir, lut_dir, passages, compensate=m, max_length=max_length)
+        for m in ms
+    }
+    return {"layers": rows, "embedding_cosine": cosines}

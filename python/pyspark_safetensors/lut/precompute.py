@@ -25,6 +25,7 @@ import torch
 from ..dataset.publish import publish
 from ..format import SafetensorsFile, write_shard
 from ..format.dtypes import canonical_dtype
+from ..sae.architectures import get_architecture
 from ..sae.checkpoint import CheckpointError
 from ..sae.ecosystem import read_sae
 from ..torch.dtypes import TORCH_DTYPES, to_numpy
@@ -124,7 +125,8 @@ class SAEInfo:
 
 def _sae_info(path: str | os.PathLike) -> tuple[SAEInfo, dict[str, torch.Tensor]]:
     """The SAE's shape and ``k`` and its tensors in the trainer's convention, from any
-    layout ``read_sae`` knows (ours, SAELens, sparsify)."""
+    layout ``read_sae`` knows (ours, SAELens, sparsify); an architecture whose code the
+    LUT's per-row top-k cannot reproduce (``LUT_REFUSAL``: JumpReLU) is refused."""
     path = Path(path)
     if not path.exists():
         raise LUTError(f"SAE checkpoint {path} does not exist")
@@ -132,6 +134,9 @@ def _sae_info(path: str | os.PathLike) -> tuple[SAEInfo, dict[str, torch.Tensor]
         tensors, info = read_sae(path)
     except CheckpointError as e:
         raise LUTError(f"{path}: not a usable SAE ({e})") from e
+    refusal = get_architecture(info["architecture"]).LUT_REFUSAL
+    if refusal:
+        raise LUTError(f"{path}: {refusal}")
     n, d = tensors["decoder_weight"].shape
     return SAEInfo(path, n, d, info["k"]), tensors
 

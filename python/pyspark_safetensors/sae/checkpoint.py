@@ -32,7 +32,12 @@ class CheckpointError(PysparkSafetensorsError, ValueError):
 
 def save_sae(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
     """Write the SAE atomically; ``metadata`` values are JSON-encoded into ``__metadata__``."""
-    arrays = {n: tensors[n].detach().to("cpu", torch.float32).numpy() for n in SAE_TENSORS}
+    missing = [n for n in SAE_TENSORS if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{path}: the SAE lacks tensor(s) {missing}")
+    # the four shared tensors first, then an architecture's own (e.g. JumpReLU's threshold)
+    names = [*SAE_TENSORS, *sorted(set(tensors) - set(SAE_TENSORS))]
+    arrays = {n: tensors[n].detach().to("cpu", torch.float32).numpy() for n in names}
     meta = {"format": "pyspark-safetensors-sae", "version": CHECKPOINT_VERSION}
     meta.update(
         {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
@@ -50,9 +55,7 @@ def load_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
         missing = [n for n in SAE_TENSORS if n not in names]
         if missing:
             raise CheckpointError(f"{path}: missing tensor(s) {missing}")
-        tensors = {
-            n: torch.from_numpy(np.array(f.tensor(n), dtype=np.float32)) for n in SAE_TENSORS
-        }
+        tensors = {n: torch.from_numpy(np.array(f.tensor(n), dtype=np.float32)) for n in names}
         meta = dict(f.metadata or {})
     for key in ("config", "metrics"):
         if key in meta:

@@ -35,6 +35,10 @@ LR_BASE = 2.8e-3
 ADAM_BETAS = (0.8, 0.98)
 
 
+#: The SAE architectures (``sae/architectures/``, registered under these names).
+Architecture = Literal["topk", "batchtopk", "jumprelu"]
+
+
 @dataclass(frozen=True)
 class SAEConfig:
     # data
@@ -58,10 +62,18 @@ class SAEConfig:
     """Dictionary size; 0 = ``expansion_factor * d``."""
     k: int = 32
     """Active latents per token."""
-    activation: Literal["topk", "batchtopk"] = "topk"
+    architecture: Architecture = "topk"
     """"topk": k latents per row; "batchtopk": k x batch latents per batch in training
-    and a learned threshold at inference (``docs/sae.md`` says how each maps onto the
-    LUT's per-row top-k)."""
+    and a learned threshold at inference; "jumprelu": a learned threshold per latent,
+    trained towards an average of k active latents (``docs/sae.md`` says how each maps
+    onto the LUT's per-row top-k)."""
+    l0_coef: float = 1.0
+    """JumpReLU: weight of the penalty ``(L0 / k - 1)^2`` that pulls the mean L0 to k."""
+    jumprelu_bandwidth: float = 0.05
+    """JumpReLU: width of the rectangle kernel of the threshold's straight-through
+    gradient, in units of the pre-activations."""
+    jumprelu_init_threshold: float = 0.05
+    """JumpReLU: every latent's threshold at the start."""
     k_start: int = 0
     """k at step 0, annealed linearly to ``k`` over ``k_anneal_fraction`` of training; 0 = no annealing."""
     k_anneal_fraction: float = 0.1
@@ -139,8 +151,10 @@ class SAEConfig:
             raise InvalidArgumentError(
                 f"batch_size {self.batch_size} does not split over {self.data_parallel_size} data-parallel ranks"
             )
-        if self.lr < 0 or self.grad_clip < 0 or self.aux_coef < 0:
-            raise InvalidArgumentError("lr, grad_clip and aux_coef must be >= 0")
+        if self.lr < 0 or self.grad_clip < 0 or self.aux_coef < 0 or self.l0_coef < 0:
+            raise InvalidArgumentError("lr, grad_clip, aux_coef and l0_coef must be >= 0")
+        if self.jumprelu_bandwidth <= 0 or self.jumprelu_init_threshold <= 0:
+            raise InvalidArgumentError("jumprelu_bandwidth and jumprelu_init_threshold must be > 0")
         for name in ("decay_fraction", "k_anneal_fraction", "warmup_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise InvalidArgumentError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -149,7 +163,7 @@ class SAEConfig:
         for name, choices in [
             ("b_dec_init", ("geometric_median", "mean", "zeros")),
             ("device", ("auto", "cpu", "cuda")),
-            ("activation", ("topk", "batchtopk")),
+            ("architecture", typing.get_args(Architecture)),
         ]:
             if getattr(self, name) not in choices:
                 raise InvalidArgumentError(
@@ -207,12 +221,25 @@ class SAEConfig:
         body = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
+    def save(self, path: str | Path) -> Path:
+        """Write the config as JSON (what ``load`` reads back, e.g. in torchrun's workers)."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> SAEConfig:
-        """From a TOML file (top-level keys or an ``[sae]`` table) and ``key=value``
-        overrides; unknown keys and ill-typed values are errors naming them."""
+        """From a TOML file (top-level keys or an ``[sae]`` table) or a JSON file written by
+        ``save`` (``.json``), and ``key=value`` overrides; unknown keys and ill-typed
+        values are errors naming them."""
         values: dict = {}
-        if path is not None:
+        if path is not None and str(path).endswith(".json"):
+            try:
+                data = json.loads(Path(path).read_text())
+            except json.JSONDecodeError as e:
+                raise InvalidArgumentError(f"{path}: not JSON ({e})") from None
+            values.update(data)
+        elif path is not None:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
             values.update(data.get("sae", data))
@@ -225,6 +252,8 @@ class SAEConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> SAEConfig:
+        if "activation" in values and "architecture" not in values:  # its earlier name
+            values = {("architecture" if k == "activation" else k): v for k, v in values.items()}
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:

@@ -7,7 +7,8 @@ Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))`
 - ours: a ``.safetensors`` file, or a run / checkpoint directory holding ``sae.safetensors``
   with our tensor names (``k`` from the metadata);
 - SAELens: ``cfg.json`` + ``sae_weights.safetensors`` with ``W_enc [d, n]``, ``b_enc``,
-  ``W_dec [n, d]``, ``b_dec``; architecture "topk" (``k`` from the config). Without
+  ``W_dec [n, d]``, ``b_dec``; architecture "topk" (``k`` from the config) or "jumprelu"
+  (and ``threshold [n]``, or the training layout's ``log_threshold``). Without
   ``apply_b_dec_to_input`` the encoder bias is folded (``b_enc + W_enc b_dec``); with
   ``rescale_acts_by_decoder_norm`` the decoder norms are folded into the encoder, both
   exactly (the same latents, the same reconstruction);
@@ -15,8 +16,10 @@ Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))`
   ``encoder.bias``, ``W_dec [n, d]``, ``b_dec`` (``activation`` "topk", no skip
   connection, not a transcoder) -- the same encoding as ours.
 
-``load_sae_model`` gives any of them as a ``TopKSAE`` module; ``export_sae`` writes ours
-in the SAELens or sparsify layout so that those libraries load it.
+``read_sae``'s info names the ``architecture`` (``sae/architectures/``);
+``load_sae_model`` gives any of them as that architecture's module; ``export_sae`` writes
+ours in the SAELens layout (TopK, JumpReLU) or the sparsify one (TopK) so that those
+libraries load it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def _config(directory: Path) -> dict:
 def _shapes_fit(path, t: dict[str, torch.Tensor]) -> None:
     n, d = t["encoder_weight"].shape
     want = {"encoder_bias": (n,), "decoder_weight": (n, d), "decoder_bias": (d,)}
+    want |= {name: (n,) for name in t if name not in want and name != "encoder_weight"}
     for name, shape in want.items():
         if tuple(t[name].shape) != shape:
             raise CheckpointError(
@@ -69,12 +73,15 @@ def _shapes_fit(path, t: dict[str, torch.Tensor]) -> None:
 
 def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """``(tensors in our convention, float32; info)`` of an SAE in any recognised
-    layout; ``info``: ``layout`` ("ours", "saelens", "sparsify"), ``k`` (or None) and
-    the source's ``metadata`` / ``config``."""
+    layout; ``info``: ``layout`` ("ours", "saelens", "sparsify"), ``architecture``
+    ("topk", "batchtopk", "jumprelu"), ``k`` (or None) and the source's ``metadata`` /
+    ``config``."""
     path = Path(path)
     if path.is_file():
         tensors, meta = load_sae(path)
-        return tensors, {"layout": "ours", "k": _int_or_none(meta.get("k")), "metadata": meta}
+        arch = meta.get("architecture") or meta.get("activation") or "topk"
+        return tensors, {"layout": "ours", "architecture": arch,
+                         "k": _int_or_none(meta.get("k")), "metadata": meta}  # fmt: skip
     if not path.is_dir():
         raise CheckpointError(f"{path}: no SAE file or directory")
     if (path / SAELENS_WEIGHTS).is_file() and (path / FOREIGN_CONFIG).is_file():
@@ -99,15 +106,20 @@ def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg = _config(directory)
     arch = cfg.get("architecture", "standard")
     k = cfg.get("k")
-    if arch != "topk" and cfg.get("activation_fn_str") == "topk":  # SAELens < 6
-        k = (cfg.get("activation_fn_kwargs") or {}).get("k")
-    elif arch != "topk":
+    if arch not in ("topk", "jumprelu") and cfg.get("activation_fn_str") == "topk":  # SAELens < 6
+        arch, k = "topk", (cfg.get("activation_fn_kwargs") or {}).get("k")
+    elif arch not in ("topk", "jumprelu"):
         raise CheckpointError(
-            f"{directory}: a SAELens {arch!r} SAE; only TopK SAEs encode the way this trainer "
-            "and the LUT do"
+            f"{directory}: a SAELens {arch!r} SAE; only TopK and JumpReLU SAEs encode the way "
+            "this trainer does"
         )
-    if not isinstance(k, int) or k < 1:
+    if arch == "topk" and (not isinstance(k, int) or k < 1):
         raise CheckpointError(f"{directory / FOREIGN_CONFIG}: no positive integer 'k'")
+    if arch == "jumprelu" and cfg.get("rescale_acts_by_decoder_norm", False):
+        raise CheckpointError(
+            f"{directory}: a JumpReLU SAE with rescale_acts_by_decoder_norm; save it with the "
+            "decoder norms folded into W_enc, b_enc and threshold"
+        )
     if cfg.get("normalize_activations", "none") != "none":
         raise CheckpointError(
             f"{directory}: normalize_activations={cfg['normalize_activations']!r} rescales "
@@ -128,8 +140,22 @@ def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
         norm = w_dec.norm(dim=1)
         w_enc, b_enc, w_dec = w_enc * norm[:, None], b_enc * norm, w_dec / norm[:, None]
     tensors = dict(zip(SAE_TENSORS, (w_enc, b_enc, w_dec, b_dec), strict=True))
+    if arch == "jumprelu":
+        tensors["threshold"] = _saelens_threshold(directory, raw)
     _shapes_fit(directory, tensors)
-    return tensors, {"layout": "saelens", "k": k, "config": cfg}
+    return tensors, {"layout": "saelens", "architecture": arch, "k": k, "config": cfg}
+
+
+def _saelens_threshold(directory: Path, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A JumpReLU SAE's ``threshold``, or ``exp(log_threshold)`` of SAELens' training
+    layout."""
+    if "threshold" in raw:
+        return raw["threshold"].clone()
+    if "log_threshold" in raw:
+        return raw["log_threshold"].double().exp().float()
+    raise CheckpointError(
+        f"{directory / SAELENS_WEIGHTS}: a jumprelu SAE without 'threshold' or 'log_threshold'"
+    )
 
 
 def _read_sparsify(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -151,31 +177,33 @@ def _read_sparsify(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     names = ("encoder.weight", "encoder.bias", "W_dec", "b_dec")
     tensors = {ours: raw[theirs] for ours, theirs in zip(SAE_TENSORS, names, strict=True)}
     _shapes_fit(directory, tensors)
-    return tensors, {"layout": "sparsify", "k": k, "config": cfg}
+    return tensors, {"layout": "sparsify", "architecture": "topk", "k": k, "config": cfg}
 
 
 def load_sae_model(
     path: str | os.PathLike, *, k: int | None = None, device: str | torch.device | None = None
 ):
-    """An SAE file or directory (ours, SAELens, sparsify) as a ``TopKSAE`` module with
-    ``encode``, ``decode`` and ``forward``: the trainer's exact encoding, on any device,
-    without the trainer.
+    """An SAE file or directory (ours, SAELens, sparsify) as its architecture's module
+    (``TopKSAE``, ``BatchTopKSAE``, ``JumpReLUSAE``) with ``encode``, ``decode`` and
+    ``forward``: the trainer's exact encoding, on any device, without the trainer.
 
         sae = load_sae_model("runs/sae")            # or a checkpoint, a SAELens dir ...
         values, indices = sae.encode(x)             # [B, k] each
         x_hat = sae.decode(values, indices)
     """
-    from .model import TopKSAE
+    from .architectures import BatchTopKSAE, get_architecture
 
     tensors, info = read_sae(path)
-    k = k or info["k"]
+    cls = get_architecture(info["architecture"])
+    k = k or info["k"] or (1 if cls.ARCHITECTURE == "jumprelu" else None)  # a training target
     if k is None:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
     meta = info.get("metadata") or {}
-    sae = TopKSAE(d, n, k, device=device, activation=meta.get("activation", "topk"))
+    sae = cls(d, n, min(k, n), device=device)
     sae.load_full_state(tensors)
-    sae.threshold.fill_(float(meta.get("threshold", 0)))
+    if isinstance(sae, BatchTopKSAE):
+        sae.threshold.fill_(float(meta.get("threshold", 0)))
     return sae.eval()
 
 
@@ -190,15 +218,17 @@ def export_sae(
     (``SAE.load_from_disk``) or sparsify (``SparseCoder.load_from_disk``) loads and that
     encodes exactly as ours; written whole or not at all."""
     tensors, info = read_sae(path)
+    arch = info["architecture"]
     k = k or info["k"]
-    if k is None:
+    if k is None and arch != "jumprelu":
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
     meta = info.get("metadata", {})
-    if isinstance(meta, dict) and meta.get("activation", "topk") != "topk":
+    if arch == "batchtopk" or (arch == "jumprelu" and layout == "sparsify"):
         raise CheckpointError(
-            f"{path}: a {meta['activation']} SAE; SAELens and sparsify TopK SAEs encode per "
-            "row, so the export would change which latents fire"
+            f"{path}: a {arch} SAE; {layout} has no SAE that encodes the same way (SAELens "
+            "and sparsify TopK SAEs encode per row; SAELens' jumprelu takes a JumpReLU SAE), "
+            "so the export would change which latents fire"
         )
     hook = meta.get("hook_point", "") if isinstance(meta, dict) else ""
     t = {name: v.contiguous().numpy() for name, v in tensors.items()}
@@ -206,11 +236,14 @@ def export_sae(
         weights = {"W_enc": np.ascontiguousarray(t["encoder_weight"].T), "b_enc": t["encoder_bias"],
                    "W_dec": t["decoder_weight"], "b_dec": t["decoder_bias"]}  # fmt: skip
         cfg = {
-            "architecture": "topk", "d_in": d, "d_sae": n, "k": k, "dtype": "float32",
+            "architecture": arch, "d_in": d, "d_sae": n, "dtype": "float32",
             "device": "cpu", "apply_b_dec_to_input": True, "normalize_activations": "none",
-            "reshape_activations": "none", "rescale_acts_by_decoder_norm": False,
-            "metadata": {"hook_name": hook},
+            "reshape_activations": "none", "metadata": {"hook_name": hook},
         }  # fmt: skip
+        if arch == "jumprelu":
+            weights["threshold"] = t["threshold"]
+        else:
+            cfg |= {"k": k, "rescale_acts_by_decoder_norm": False}
         weights_file = SAELENS_WEIGHTS
     elif layout == "sparsify":
         weights = {"encoder.weight": t["encoder_weight"], "encoder.bias": t["encoder_bias"],

@@ -200,7 +200,11 @@ def make_mesh(data_parallel_size: int, model_parallel_size: int) -> DeviceMesh |
 
 
 def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Rank 0 of the process group, or of torchrun's world before the group exists (the
+    one process that prints progress, warnings and summaries)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def barrier() -> None:

@@ -1,4 +1,4 @@
-"""Train a TopK SAE on an activation dataset, on one process or a ("data", "model") mesh.
+"""Train an SAE (any registered architecture) on activations, on one process or a ("data", "model") mesh.
 
     torchrun --nproc-per-node=4 -m pyspark_safetensors.sae.train --config conf/sae.toml \\
         data_parallel_size=2 model_parallel_size=2
@@ -17,7 +17,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from contextlib import nullcontext
@@ -26,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..dataset.layout import MANIFEST
 from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
 from ..torch import ActivationLoader, open_dataset
+from .architectures import SparseAutoencoder, build_sae
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -51,8 +53,9 @@ from .mesh import (
     mesh_dim_size,
     mesh_rank,
 )
-from .model import PLACEMENT, TINY, TopKSAE, geometric_median
+from .model import TINY, geometric_median
 from .sinks import MetricSinks, check_sinks
+from .sources import open_training_source
 
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
                 "val_dead_fraction", "val_dense_fraction")  # fmt: skip
@@ -69,23 +72,6 @@ def _device(choice: str) -> torch.device:
             raise InvalidArgumentError("device='cuda' but CUDA is not available")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def open_activations(config: SAEConfig):
-    """The training rows of ``config.dataset``: one of our batch-mode datasets (a local
-    path or a URI), or a saev dump seen through ``saev_patches`` x ``saev_layer``; both
-    serve the same shuffled, rank-split, resumable loader."""
-    path = Path(config.dataset)
-    if "://" not in config.dataset and path.is_dir() and not (path / MANIFEST).is_file():
-        from ..interop import detect_source  # refuses a directory that is no known source
-
-        if detect_source(path) == "saev":
-            from ..interop.saev import open_saev
-
-            layer = config.saev_layer
-            return open_saev(path, patches=config.saev_patches,
-                             layer=int(layer) if layer.lstrip("-").isdigit() else layer)  # fmt: skip
-    return open_dataset(config.dataset)
 
 
 def check_run_dir(config: SAEConfig) -> None:
@@ -155,7 +141,7 @@ class Trainer:
             )
         check_run_dir(config)
         check_sinks(config.log_to)
-        self.dataset = ds = open_activations(config)
+        self.dataset = ds = open_training_source(config)
         shape = _row_shape(ds, config)
         self.config = config = dataclasses.replace(
             config,
@@ -205,11 +191,11 @@ class Trainer:
         self.history: list[dict] = []
         self.out_dir = Path(config.out_dir)
 
-    def _build_sae(self) -> TopKSAE:
-        """A fresh SAE, or the one ``init_from`` names (its shape must match)."""
+    def _build_sae(self) -> SparseAutoencoder:
+        """A fresh SAE of ``config.architecture``, or the one ``init_from`` names (its shape
+        must match)."""
         c = self.config
-        sae = TopKSAE(c.d, c.latents, c.k, mesh=self.mesh, seed=c.seed, device=self.device,
-                      activation=c.activation)  # fmt: skip
+        sae = build_sae(c, mesh=self.mesh, device=self.device)
         if c.init_from:
             tensors, _ = read_sae(c.init_from)
             got = tuple(tensors["encoder_weight"].shape)
@@ -226,7 +212,7 @@ class Trainer:
     def _warn_about_schedule(self) -> None:
         decay = int(self.total_steps * self.config.decay_fraction)
         full = self.total_steps - self.warmup_steps - decay
-        if self.total_steps < 50 or full < 0.5 * self.total_steps:
+        if (self.total_steps < 50 or full < 0.5 * self.total_steps) and is_main_process():
             warnings.warn(
                 f"the schedule leaves little room to train: {self.total_steps} steps, of which "
                 f"{self.warmup_steps} warm up and {decay} decay, {max(full, 0)} at the full "
@@ -281,7 +267,7 @@ class Trainer:
             group["lr"] = lr
         dead = self.since_fired >= self.dead_tokens
         n_dead = int(all_reduce(dead.sum(), self.mesh, MODEL).item())
-        use_aux = n_dead > 0 and c.aux_coef > 0
+        use_aux = n_dead > 0 and c.aux_coef > 0 and sae.USES_AUX
         amp = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if c.autocast and self.device.type == "cuda"
@@ -303,8 +289,10 @@ class Trainer:
         if use_aux:
             aux_sq = aux_err.pow(2).sum()
             loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(TINY).float())
-        if sae.last_threshold is not None:
-            self._update_threshold()
+        sparsity = sae.sparsity_loss(out)
+        if sparsity is not None:
+            loss = loss + sparsity
+        sae.after_step()
         l0 = (out.values > 0).sum()
         totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double()])
         all_reduce(totals, self.mesh, DATA)
@@ -324,7 +312,8 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(n_tokens)
         dead_now = all_reduce((self.since_fired >= self.dead_tokens).sum(), self.mesh, MODEL)
-        return {
+        extra = {"l0_penalty": sae.last_penalty} if sparsity is not None else {}
+        return extra | {
             "step": self.step,
             "tokens": self.tokens_seen,
             "loss": float(totals[0] / var_x + c.aux_coef * (totals[1] / var_e if use_aux else 0)),
@@ -350,16 +339,6 @@ class Trainer:
         var_e = stats[2 * d + 1] - stats[d + 1 : 2 * d + 1].pow(2).sum() / n_tokens
         return var_x, var_e, n_tokens
 
-    @torch.no_grad()
-    def _update_threshold(self) -> None:
-        """BatchTopK's inference threshold: a 10-step EMA of the smallest value each
-        training batch kept, averaged over the data ranks."""
-        sae = self.sae
-        cut = all_reduce(sae.last_threshold.detach().float().reshape(1), self.mesh, DATA, op="mean")
-        first = self.step == 0 or not float(sae.threshold)
-        sae.threshold.copy_(cut[0] if first else 0.9 * sae.threshold + 0.1 * cut[0])
-        sae.last_threshold = None
-
     def _sync_gradients(self) -> None:
         if self.dp == 1:
             return
@@ -377,7 +356,7 @@ class Trainer:
         sharded = sum(
             p.grad.double().pow(2).sum()
             for name, p in self.sae.named_parameters()
-            if p.grad is not None and PLACEMENT[name].dims
+            if p.grad is not None and self.sae.placement(name).dims
         )
         sharded = all_reduce(torch.as_tensor(sharded, device=self.device), self.mesh, MODEL)
         replicated = self.sae.decoder_bias.grad.double().pow(2).sum()
@@ -415,12 +394,12 @@ class Trainer:
         (a collective: call on every rank)."""
         optimizer = {}
         for name, p in self.sae.named_parameters():
-            st = self.optimizer.state.get(p, {})
+            st, place = self.optimizer.state.get(p, {}), self.sae.placement(name)
             if st:
                 optimizer[name] = {
                     "step": st["step"].detach().cpu().clone(),
-                    "exp_avg": PLACEMENT[name].gather(st["exp_avg"], self.mesh).cpu(),
-                    "exp_avg_sq": PLACEMENT[name].gather(st["exp_avg_sq"], self.mesh).cpu(),
+                    "exp_avg": place.gather(st["exp_avg"], self.mesh).cpu(),
+                    "exp_avg_sq": place.gather(st["exp_avg_sq"], self.mesh).cpu(),
                 }
         return {
             "step": self.step,
@@ -430,7 +409,7 @@ class Trainer:
             "since_fired": LATENTS.gather(self.since_fired, self.mesh).cpu(),
             "fire_count": LATENTS.gather(self.fire_count, self.mesh).cpu(),
             "rng": torch.get_rng_state(),
-            "threshold": self.sae.threshold.detach().cpu().clone(),
+            "buffers": {n: b.detach().cpu().clone() for n, b in self.sae.named_buffers()},
             "config_hash": self.config.config_hash(),
         }
 
@@ -453,18 +432,19 @@ class Trainer:
         self.sae.load_full_state(tensors)
         by_name = dict(self.sae.named_parameters())
         for name, st in state["optimizer"].items():
-            p = by_name[name]
+            p, place = by_name[name], self.sae.placement(name)
             self.optimizer.state[p] = {
                 "step": st["step"].clone(),
-                "exp_avg": PLACEMENT[name].distribute(st["exp_avg"], self.mesh).to(p).clone(),
-                "exp_avg_sq": PLACEMENT[name].distribute(st["exp_avg_sq"], self.mesh).to(p).clone(),
+                "exp_avg": place.distribute(st["exp_avg"], self.mesh).to(p).clone(),
+                "exp_avg_sq": place.distribute(st["exp_avg_sq"], self.mesh).to(p).clone(),
             }
         self.since_fired = (
             LATENTS.distribute(state["since_fired"], self.mesh).to(self.device).clone()
         )
         self.fire_count = LATENTS.distribute(state["fire_count"], self.mesh).to(self.device).clone()
-        if "threshold" in state:
-            self.sae.threshold.copy_(state["threshold"])
+        buffers = dict(self.sae.named_buffers())
+        for name, value in state.get("buffers", {}).items():
+            buffers[name].copy_(value)
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         torch.set_rng_state(state["rng"])
@@ -500,8 +480,7 @@ class Trainer:
             "d": str(c.d),
             "n_latents": str(c.latents),
             "k": str(c.k),
-            "activation": c.activation,
-            "threshold": repr(float(self.sae.threshold)),
+            **self.sae.metadata(),
             "step": str(self.step),
             "tokens": str(self.tokens_seen),
             "dataset_metadata": dict(self.dataset.metadata),
@@ -605,16 +584,11 @@ def _progress(total: int, initial: int, *, enabled: bool):
     return tqdm(total=total, initial=initial, desc="SAE", unit="step", dynamic_ncols=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pyspark_safetensors.sae.train",
-        description="Train a TopK SAE on an activation dataset (launch with torchrun for DP x TP).",
-    )
-    parser.add_argument("--config", help="TOML config (e.g. conf/sae.toml)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
-    args = parser.parse_args(argv)
+def run(config: SAEConfig) -> int:
+    """This process's share of a training run (torchrun's environment gives the world):
+    the mesh, the trainer, a resume, ``fit``; rank 0 prints the summary line. A mistake in
+    the config or paths is one line on stderr (rank 0) and exit code 2."""
     try:
-        config = SAEConfig.load(args.config, args.overrides)
         mesh = make_mesh(config.data_parallel_size, config.model_parallel_size)
         trainer = Trainer(config, mesh)
         if config.resume:
@@ -627,11 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
             trainer.load(found)
     except (ValueError, OSError) as e:  # a mistake in the config or paths: one line, exit 2
-        if os.environ.get("PYSPARK_SAFETENSORS_DEBUG"):
-            raise
-        if os.environ.get("RANK", "0") == "0":  # every rank meets the same mistake
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _user_error(e)
     metrics = trainer.fit()
     if is_main_process():
         print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
@@ -639,6 +609,66 @@ def main(argv: list[str] | None = None) -> int:
         barrier()  # no rank tears gloo down while another still talks
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _user_error(e: Exception) -> int:
+    if os.environ.get("PYSPARK_SAFETENSORS_DEBUG"):
+        raise e
+    if os.environ.get("RANK", "0") == "0":  # every rank meets the same mistake
+        print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def launch(config: SAEConfig, nproc_per_node: int = 1) -> int:
+    """Train with ``config`` on ``nproc_per_node`` processes: in this process for one,
+    else through torchrun, the config serialised once to a JSON file every worker loads
+    (``--config``). With several processes and a 1 x 1 mesh in the config, the processes
+    are data-parallel. Mistakes are caught here before torchrun starts. Returns the exit
+    code."""
+    if nproc_per_node < 1:
+        raise InvalidArgumentError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    if nproc_per_node > 1 and config.data_parallel_size * config.model_parallel_size == 1:
+        config = dataclasses.replace(config, data_parallel_size=nproc_per_node)
+    if nproc_per_node == 1:
+        return run(config)
+    try:
+        check_run_dir(config)
+        open_training_source(config)
+        world = config.data_parallel_size * config.model_parallel_size
+        if world != nproc_per_node:
+            raise InvalidArgumentError(
+                f"data_parallel_size {config.data_parallel_size} x model_parallel_size "
+                f"{config.model_parallel_size} = {world}, but {nproc_per_node} "
+                "processes are launched"
+            )
+    except (ValueError, OSError) as e:
+        return _user_error(e)
+    with tempfile.TemporaryDirectory(prefix="sae-config-") as tmp:
+        path = config.save(Path(tmp) / "config.json")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc_per_node}", "-m", "pyspark_safetensors.sae.train",
+            "--config", str(path),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        return subprocess.run(cmd, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pyspark_safetensors.sae.train [--config FILE] [key=value ...]``: one
+    rank of a run (torchrun starts one per process)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pyspark_safetensors.sae.train",
+        description="Train an SAE on an activation dataset (launch with torchrun for DP x TP).",
+    )
+    parser.add_argument("--config", help="TOML config (e.g. conf/sae.toml) or a saved JSON one")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+    args = parser.parse_args(argv)
+    try:
+        config = SAEConfig.load(args.config, args.overrides)
+    except (ValueError, OSError) as e:
+        return _user_error(e)
+    return run(config)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,215 @@
+"""What every SAE architecture provides, so the trainer, the checkpoints, the ecosystem
+layouts and the LUT job handle them alike.
+
+Every architecture reconstructs ``x_hat = code W_dec + b_dec`` from a sparse code and
+shares the LUT spec's four tensors ``encoder_weight [n, d]``, ``encoder_bias [n]``,
+``decoder_weight [n, d]``, ``decoder_bias [d]``; on a mesh with a "model" dimension the
+first three are sharded on dim 0 (``PLACEMENT``) and ``decoder_bias`` is replicated. An
+architecture differs in how it picks the code from the pre-activations
+``W_enc (x - b_dec) + b_enc`` (``forward``), in what it adds to the trainer's loss
+(``sparsity_loss``), in what it updates after a step (``after_step``), in the tensors
+it adds to a checkpoint (``EXTRA_TENSORS``), and in whether the LUT's per-row top-k
+reproduces its code (``LUT_REFUSAL``).
+
+A code is ``(values, indices)``, each ``[B, m]``: the active latents' values (0 where a
+slot is unused) and their global indices. On a mesh each rank holds the latents of its
+own shard; ``decode`` sums over the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...format.errors import InvalidArgumentError
+from ..mesh import MODEL, DimMap, mesh_dim_size, mesh_rank, reduce_from_model
+
+#: Floor of a variance or norm we divide by (an all-constant batch, a zero row).
+TINY = 1e-12
+
+#: Where each shared parameter lives on a mesh: latents split along "model", replicated
+#: on "data".
+PLACEMENT = {
+    "encoder_weight": DimMap({MODEL: 0}),
+    "encoder_bias": DimMap({MODEL: 0}),
+    "decoder_weight": DimMap({MODEL: 0}),
+    "decoder_bias": DimMap({}),
+}
+
+
+class SAEOutput(NamedTuple):
+    x_hat: torch.Tensor  # [B, d]
+    values: torch.Tensor  # [B, m] this rank's active values (0 where a slot is unused)
+    indices: torch.Tensor  # [B, m] global latent indices of ``values``
+    aux_values: torch.Tensor  # [B, k_aux_local] for AuxK (empty when no latent is dead)
+    aux_indices: torch.Tensor
+
+
+class SparseAutoencoder(nn.Module):
+    """The shared part of every architecture: parameters, decoding, the decoder's unit-norm
+    constraint and full-shape state. Subclasses set ``ARCHITECTURE`` and implement
+    ``forward(x, *, k=None, dead=None, k_aux=0) -> SAEOutput``.
+
+    ``d``: input width; ``n_latents``: dictionary size (divisible by the model-parallel
+    size); ``k``: active latents per input (the target L0 of architectures that do not
+    select exactly k). Weights are initialised identically on every rank from ``seed``
+    (the decoder with unit-norm rows, the encoder as its transpose) and each rank keeps its
+    shard, so any mesh starts from the same SAE.
+    """
+
+    #: The registry key, also ``architecture`` in the config and the checkpoint metadata.
+    ARCHITECTURE: ClassVar[str] = ""
+    #: Checkpoint tensors beyond the four shared ones, each sharded like the encoder bias.
+    EXTRA_TENSORS: ClassVar[tuple[str, ...]] = ()
+    #: Why the LUT's per-row top-k cannot reproduce this architecture's code ("" = it can).
+    LUT_REFUSAL: ClassVar[str] = ""
+    #: Whether the trainer's AuxK loss applies (dead latents revived through a top-k).
+    USES_AUX: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        d: int,
+        n_latents: int,
+        k: int,
+        *,
+        mesh=None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if not 0 < k <= n_latents:
+            raise InvalidArgumentError(f"k must be in 1..n_latents ({n_latents}), got {k}")
+        tp = mesh_dim_size(mesh, MODEL)
+        if n_latents % tp:
+            raise InvalidArgumentError(
+                f"n_latents {n_latents} is not divisible by model_parallel_size {tp}"
+            )
+        self.d, self.n_latents, self.k, self.mesh = d, n_latents, k, mesh
+        self.n_local = n_latents // tp
+        self.offset = mesh_rank(mesh, MODEL) * self.n_local
+        gen = torch.Generator().manual_seed(seed)
+        dec = torch.randn(n_latents, d, generator=gen, dtype=torch.float32)
+        dec /= dec.norm(dim=1, keepdim=True)
+        full = {
+            "encoder_weight": dec.clone(),
+            "encoder_bias": torch.zeros(n_latents),
+            "decoder_weight": dec,
+            "decoder_bias": torch.zeros(d),
+        }
+        for name, tensor in full.items():
+            local = PLACEMENT[name].distribute(tensor, mesh)
+            self.register_parameter(name, nn.Parameter(local.to(device=device, dtype=dtype)))
+
+    @classmethod
+    def config_options(cls, config) -> dict:
+        """This architecture's constructor options taken from an ``SAEConfig``."""
+        return {}
+
+    @property
+    def architecture(self) -> str:
+        return self.ARCHITECTURE
+
+    def placement(self, name: str) -> DimMap:
+        """Where parameter ``name`` (or its optimizer state) lives on the mesh."""
+        return PLACEMENT.get(name, DimMap({MODEL: 0}))
+
+    # --- the code ------------------------------------------------------------------------
+
+    def decode_latents(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``sum_j values[:, j] * decoder_weight[indices[:, j]]`` over every model rank,
+        without ``decoder_bias``; ``indices`` are global."""
+        part = F.embedding_bag(
+            indices - self.offset,
+            self.decoder_weight,
+            per_sample_weights=values.to(self.decoder_weight.dtype),
+            mode="sum",
+        )
+        return reduce_from_model(part, self.mesh)
+
+    def encode(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code of ``x [B, d]``: ``(values, indices)``, each ``[B, m]`` (on a mesh, this
+        rank's latents)."""
+        out = self(x, k=k)
+        return out.values, out.indices
+
+    def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The reconstruction ``sum_j values_j W_dec[indices_j] + b_dec`` of a code."""
+        return self.decode_latents(values, indices) + self.decoder_bias
+
+    def _empty_aux(self, values: torch.Tensor, indices: torch.Tensor):
+        return values[:, :0], indices[:, :0]
+
+    # --- the trainer's hooks ---------------------------------------------------------------
+
+    def sparsity_loss(self, out: SAEOutput) -> torch.Tensor | None:
+        """A term added to this rank's loss (None: the code is sparse by construction),
+        scaled so that the gradients averaged over "data" are those of the global batch.
+        Collective on every rank when it is not None."""
+        return None
+
+    def after_step(self) -> None:
+        """Called by the trainer after each forward of a training step (collective on every
+        rank when the architecture keeps batch statistics)."""
+
+    def metadata(self) -> dict[str, str]:
+        """What the checkpoint's metadata records about the architecture."""
+        return {"architecture": self.ARCHITECTURE, "activation": self.ARCHITECTURE}
+
+    # --- constraints and state -----------------------------------------------------------
+
+    @torch.no_grad()
+    def normalize_decoder(self) -> None:
+        self.decoder_weight /= self.decoder_weight.norm(dim=1, keepdim=True).clamp_min(TINY)
+
+    @torch.no_grad()
+    def remove_parallel_gradient(self) -> None:
+        """Drop the decoder gradient's component along each (unit) row, so the step moves
+        rows along the sphere instead of fighting the renormalisation."""
+        w, g = self.decoder_weight, self.decoder_weight.grad
+        if g is not None:
+            g -= (g * w).sum(dim=1, keepdim=True) * w
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        n, d = self.n_latents, self.d
+        shapes = {
+            "encoder_weight": (n, d),
+            "encoder_bias": (n,),
+            "decoder_weight": (n, d),
+            "decoder_bias": (d,),
+        }
+        return shapes | {name: (n,) for name in self.EXTRA_TENSORS}
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every checkpoint tensor (the shared parameters and
+        ``EXTRA_TENSORS``), by checkpoint name."""
+        return {name: p.detach() for name, p in self.named_parameters() if name in PLACEMENT}
+
+    def load_local_state(self, local: dict[str, torch.Tensor]) -> None:
+        """Set this rank's shards from checkpoint-named local tensors."""
+        for name, p in self.named_parameters():
+            if name in local:
+                p.copy_(local[name])
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor gathered to its full shape (a collective on every rank)."""
+        return {
+            name: self.placement(name).gather(t, self.mesh).contiguous()
+            for name, t in self.local_state().items()
+        }
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full-shape tensors (every rank passes the same), keeping this rank's shard."""
+        local = {}
+        for name, want in self.full_shapes().items():
+            if name not in state:
+                raise InvalidArgumentError(f"{name}: missing, a {self.ARCHITECTURE} SAE needs it")
+            got = tuple(state[name].shape)
+            if got != want:
+                raise InvalidArgumentError(f"{name}: checkpoint shape {got}, this SAE needs {want}")
+            local[name] = self.placement(name).distribute(state[name].to(torch.float32), self.mesh)
+        self.load_local_state(local)

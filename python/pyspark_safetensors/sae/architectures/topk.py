@@ -1,0 +1,120 @@
+"""TopK (Gao et al. 2024): the k largest ReLU pre-activations of each row.
+
+    z = TopK(ReLU(W_enc (x - b_dec) + b_enc)),    x_hat = z W_dec + b_dec
+
+The top-k across "model" shards costs one collective: every rank takes its local top-k,
+the candidates' values are all-gathered, and every rank picks the same global top-k from
+them and keeps its own winners. The sparse path never forms the dense ``[B, n]`` code:
+decoding sums the k active decoder rows (``embedding_bag``), and the encoder's backward
+touches only the k selected rows (``_TopKEncode``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..mesh import MODEL, all_gather_cat, copy_to_model, mesh_dim_size, mesh_rank
+from .base import SAEOutput, SparseAutoencoder
+
+
+class _TopKEncode(torch.autograd.Function):
+    """ReLU(xc @ W.T + b) followed by top-k, with a backward that scatters gradients into the
+    k selected latents only (O(B k d) instead of the dense O(B n d)). Optionally also
+    returns the top ``k_aux`` among ``dead`` latents for the AuxK loss, from the same
+    pre-activations."""
+
+    @staticmethod
+    def forward(ctx, xc, weight, bias, k, dead, k_aux):
+        pre = torch.addmm(bias, xc, weight.t()).relu_()
+        vals, idx = pre.topk(k, dim=1, sorted=False)
+        if dead is not None:
+            aux_vals, aux_idx = pre.masked_fill_(~dead, 0).topk(k_aux, dim=1, sorted=False)
+        else:
+            aux_vals, aux_idx = vals[:, :0], idx[:, :0]
+        ctx.save_for_backward(
+            xc, weight, torch.cat([idx, aux_idx], 1), torch.cat([vals, aux_vals], 1)
+        )
+        ctx.mark_non_differentiable(idx, aux_idx)
+        return vals, idx, aux_vals, aux_idx
+
+    @staticmethod
+    def backward(ctx, grad_vals, _gi, grad_aux, _ga):
+        xc, weight, idx, vals = ctx.saved_tensors
+        g = torch.cat([grad_vals, grad_aux], 1) * (vals > 0)  # ReLU: no gradient at zero
+        grad_xc = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_xc = F.embedding_bag(
+                idx, weight, per_sample_weights=g.to(weight.dtype), mode="sum"
+            )
+        flat_idx = idx.flatten()
+        if ctx.needs_input_grad[1]:
+            # grad_W[i] = sum over (b, j) with idx[b, j] == i of g[b, j] * xc[b]: an
+            # embedding-bag over xc whose bags are the latents.
+            order = flat_idx.argsort()
+            counts = torch.bincount(flat_idx, minlength=weight.shape[0])
+            offsets = torch.zeros(weight.shape[0] + 1, dtype=torch.long, device=idx.device)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            rows = torch.div(order, idx.shape[1], rounding_mode="floor")
+            grad_w = F.embedding_bag(
+                rows,
+                xc,
+                offsets,
+                mode="sum",
+                per_sample_weights=g.flatten()[order].to(xc.dtype),
+                include_last_offset=True,
+            ).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(weight.shape[0], dtype=g.dtype, device=g.device)
+            grad_b.index_add_(0, flat_idx, g.flatten())
+        return grad_xc, grad_w, grad_b, None, None, None
+
+
+class TopKSAE(SparseAutoencoder):
+    """k latents per row, the same in training and in use; the LUT's per-row top-k
+    reproduces it exactly."""
+
+    ARCHITECTURE = "topk"
+
+    def _candidates(self, k: int) -> int:
+        """Candidates each rank keeps per row before the global selection."""
+        return min(k, self.n_local)
+
+    def _select(self, vals: torch.Tensor, k: int) -> torch.Tensor:
+        """Zero this rank's candidates that lose the global top-k (one all-gather)."""
+        if mesh_dim_size(self.mesh, MODEL) == 1:
+            return vals
+        cand = all_gather_cat(vals.detach(), self.mesh, MODEL, dim=1)  # [B, tp * k_local]
+        win = torch.zeros_like(cand, dtype=torch.bool)
+        win.scatter_(1, cand.topk(k, dim=1, sorted=False).indices, True)
+        rank = mesh_rank(self.mesh, MODEL)
+        mine = win[:, rank * vals.shape[1] : (rank + 1) * vals.shape[1]]
+        return vals * mine
+
+    def _select_code(self, vals: torch.Tensor, k: int) -> torch.Tensor:
+        return self._select(vals, k)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        k: int | None = None,
+        dead: torch.Tensor | None = None,
+        k_aux: int = 0,
+    ) -> SAEOutput:
+        """Encode and decode ``x [B, d]``. ``dead`` (bool ``[n_local]``) with ``k_aux``
+        also selects the AuxK latents among the dead ones."""
+        k = k or self.k
+        xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
+        use_aux = dead is not None and k_aux > 0
+        k_aux = min(k_aux, self.n_local) if use_aux else 0
+        vals, idx, aux_vals, aux_idx = _TopKEncode.apply(
+            xc, self.encoder_weight, self.encoder_bias, self._candidates(k),
+            dead if use_aux else None, k_aux,
+        )  # fmt: skip
+        vals = self._select_code(vals, k)
+        idx = idx + self.offset
+        if use_aux:
+            aux_vals, aux_idx = self._select(aux_vals, k_aux), aux_idx + self.offset
+        x_hat = self.decode(vals, idx)
+        return SAEOutput(x_hat, vals, idx, aux_vals, aux_idx)

@@ -1,0 +1,166 @@
+"""The architecture registry and JumpReLU: its code and estimator, training through the
+Trainer, SAELens' jumprelu layout both ways, resume, and the config file workers load."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+import safetensors.torch
+import torch
+
+from pyspark_safetensors.sae import SAEConfig, export_sae, load_sae_model, read_sae
+from pyspark_safetensors.sae.architectures import (
+    ARCHITECTURES,
+    BatchTopKSAE,
+    JumpReLUSAE,
+    TopKSAE,
+    get_architecture,
+)
+from pyspark_safetensors.sae.config import Architecture
+from pyspark_safetensors.sae.train import Trainer
+
+D, N, K = 12, 48, 4
+
+
+def _jumprelu(seed=0) -> JumpReLUSAE:
+    sae = JumpReLUSAE(D, N, K, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    state = sae.full_state()
+    state["encoder_bias"] = 0.1 * torch.randn(N, generator=g)
+    state["decoder_bias"] = torch.randn(D, generator=g)
+    state["threshold"] = torch.rand(N, generator=g) * 0.8 + 0.05
+    sae.load_full_state(state)
+    return sae
+
+
+def test_the_registry_holds_every_configurable_architecture():
+    assert sorted(ARCHITECTURES) == sorted(typing.get_args(Architecture))
+    assert get_architecture("batchtopk") is BatchTopKSAE and get_architecture("topk") is TopKSAE
+    with pytest.raises(ValueError, match=r"unknown SAE architecture 'gated'; known: \["):
+        get_architecture("gated")
+    assert TopKSAE.LUT_REFUSAL == "" and "per-row top-k" in JumpReLUSAE.LUT_REFUSAL
+
+
+def test_jumprelu_code_is_every_pre_activation_above_its_threshold():
+    sae = _jumprelu()
+    x = torch.randn(16, D, generator=torch.Generator().manual_seed(2))
+    pre = (x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias
+    want = pre * (pre > sae.threshold)
+    out = sae(x)
+    dense = torch.zeros_like(pre).scatter(1, out.indices, out.values)
+    assert torch.equal(dense, want)
+    per_row = (want > 0).sum(1)
+    assert per_row.min() < per_row.max()  # a varying number of latents per row
+    torch.testing.assert_close(out.x_hat, want @ sae.decoder_weight + sae.decoder_bias)
+    torch.testing.assert_close(sae.decode(*sae.encode(x)), out.x_hat)
+
+
+def test_jumprelu_threshold_gets_the_rectangle_kernel_pseudo_derivatives():
+    sae = _jumprelu()
+    sae.bandwidth = 0.5  # wide enough that many pre-activations fall inside the kernel
+    x = torch.randn(32, D, generator=torch.Generator().manual_seed(3))
+    out = sae(x)
+    target = torch.randn_like(x)
+    (out.x_hat - target).pow(2).sum().backward()
+    pre = ((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias).detach()
+    theta = sae.threshold.detach()
+    grad_z = 2 * (out.x_hat - target).detach() @ sae.decoder_weight.detach().T
+    kernel = ((pre - theta).abs() / sae.bandwidth < 0.5).float()
+    d_theta = (-(theta / sae.bandwidth) * kernel * grad_z).sum(0)
+    assert kernel.sum() > 10
+    # log_threshold's gradient is d/dθ times θ
+    torch.testing.assert_close(
+        sae.log_threshold.grad.float(), d_theta * theta, rtol=1e-4, atol=1e-5
+    )
+
+
+def _config(activations, out_dir, **kw):
+    base = dict(dataset=str(activations), n_latents=64, k=4, batch_size=256, tokens=256 * 100,
+                architecture="jumprelu", out_dir=str(out_dir), log_every=10, checkpoints=0,
+                progress=False)  # fmt: skip
+    return SAEConfig(**{**base, **kw})
+
+
+def test_jumprelu_trains_its_fvu_falls_and_its_l0_tracks_the_target(tmp_path, activations):
+    trainer = Trainer(_config(activations, tmp_path / "run"))
+    trainer.fit()
+    first, last = trainer.history[0], trainer.history[-1]
+    assert first["l0"] > 3 * K  # thresholds start low: too many latents fire
+    assert last["l0"] == pytest.approx(K, rel=0.25)  # the penalty pulls L0 to k
+    assert last["fvu"] < 0.6  # and the reconstruction still explains most of the variance
+    late = [h["fvu"] for h in trainer.history if h["l0"] < 1.5 * K]
+    assert late[-1] < late[0]  # at the target sparsity the FVU keeps falling
+    assert last["l0_penalty"] < 0.1
+    sae = load_sae_model(tmp_path / "run")
+    assert isinstance(sae, JumpReLUSAE) and not sae.training
+    torch.testing.assert_close(sae.threshold, trainer.sae.threshold.detach())
+
+
+def test_jumprelu_export_to_saelens_and_back_encodes_identically(tmp_path):
+    from pyspark_safetensors.sae import save_sae
+
+    sae = _jumprelu()
+    save_sae(tmp_path / "sae.safetensors", sae.full_state(),
+             {"k": str(K), **sae.metadata()})  # fmt: skip
+    out = export_sae(tmp_path / "sae.safetensors", tmp_path / "saelens", "saelens")
+    cfg = json.loads((out / "cfg.json").read_text())
+    assert cfg["architecture"] == "jumprelu" and (cfg["d_in"], cfg["d_sae"]) == (D, N)
+    w = safetensors.torch.load_file(out / "sae_weights.safetensors")
+    assert sorted(w) == ["W_dec", "W_enc", "b_dec", "b_enc", "threshold"]
+    assert w["W_enc"].shape == (D, N) and w["threshold"].shape == (N,)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(4))
+    # SAELens' JumpReLU as its code computes it: ReLU(pre) where pre > threshold
+    pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    theirs = pre.relu() * (pre > w["threshold"])
+    loaded = load_sae_model(out)
+    assert isinstance(loaded, JumpReLUSAE)
+    for model in (sae, loaded):
+        values, indices = model.encode(x)
+        assert torch.equal(torch.zeros_like(pre).scatter(1, indices, values), theirs)
+    # SAELens' training layout stores log_threshold instead
+    w["log_threshold"] = w.pop("threshold").double().log().float()
+    safetensors.torch.save_file(w, out / "sae_weights.safetensors")
+    tensors, info = read_sae(out)
+    assert info["architecture"] == "jumprelu"
+    torch.testing.assert_close(tensors["threshold"], sae.threshold.detach())
+    with pytest.raises(ValueError, match="a jumprelu SAE; sparsify has no SAE"):
+        export_sae(tmp_path / "sae.safetensors", tmp_path / "sp", "sparsify")
+
+
+def test_jumprelu_resumes_exactly(tmp_path, activations):
+    kw = dict(tokens=256 * 20, checkpoints=1)
+    full = Trainer(_config(activations, tmp_path / "a", **kw))
+    full.fit()
+    part = Trainer(_config(activations, tmp_path / "b", **kw))
+    part.fit()
+    checkpoint = sorted((tmp_path / "b" / "checkpoints").iterdir())[0]
+    resumed = Trainer(_config(activations, tmp_path / "b", resume=str(checkpoint), **kw))
+    resumed.load(checkpoint)
+    assert 0 < resumed.step < resumed.total_steps
+    resumed.fit()
+    for name, t in full.sae.full_state().items():
+        torch.testing.assert_close(resumed.sae.full_state()[name], t, msg=name)
+
+
+def test_the_config_round_trips_through_its_json_file(tmp_path):
+    config = SAEConfig(dataset="acts", architecture="jumprelu", l0_coef=0.5,
+                       adam_betas=(0.9, 0.99), log_to=("tensorboard",))  # fmt: skip
+    path = config.save(tmp_path / "config.json")
+    assert SAEConfig.load(path) == config
+    assert SAEConfig.load(path, ["k=7"]).k == 7
+    old = {**config.to_dict(), "activation": "batchtopk"}  # the field's earlier name
+    del old["architecture"]
+    assert SAEConfig.from_dict(old).architecture == "batchtopk"
+    with pytest.raises(ValueError, match="architecture must be one of"):
+        SAEConfig(architecture="gated")
+
+
+def test_a_zarr_store_is_refused_as_training_data(tmp_path):
+    from pyspark_safetensors.sae.sources import open_activation_source
+
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / ".zgroup").write_text('{"zarr_format": 2}')
+    with pytest.raises(ValueError, match="a zarr store holds per-sample arrays"):
+        open_activation_source(tmp_path / "store")
