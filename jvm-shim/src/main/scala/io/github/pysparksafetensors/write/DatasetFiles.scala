@@ -25,7 +25,7 @@ final class DatasetFiles(val uri: String, conf: SerializableConfiguration) exten
     case local: LocalFileSystem => local.getRawFileSystem
     case other => other
   }
-  @transient lazy val isLocal: Boolean = fs.getScheme == "file"
+  @transient lazy val isLocal: Boolean = fs.getUri.getScheme == "file"
   @transient private lazy val localRoot: java.nio.file.Path =
     java.nio.file.Paths.get(fs.makeQualified(rootPath).toUri)
 
