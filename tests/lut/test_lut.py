@@ -359,3 +359,15 @@ def test_layer_files_must_be_regular_files_inside_lut(tmp_path, model_dir):
     layer.mkdir()
     with pytest.raises(LUTError, match="not a regular file"):
         validate_lut(lut)
+
+
+def test_a_jumprelu_sae_is_refused_with_the_reason(tmp_path, model_dir):
+    from pyspark_safetensors.sae.architectures import JumpReLUSAE
+
+    root, _ = model_dir
+    sae = JumpReLUSAE(D_IN, 32, 4)
+    save_sae(tmp_path / "jr.safetensors", sae.full_state(), {"k": "4", **sae.metadata()})
+    with pytest.raises(LUTError, match=r"jr\.safetensors: a JumpReLU SAE fires every latent "
+                       r"above its own threshold.*per-row top-k cannot reproduce"):  # fmt: skip
+        precompute_lut(root, {Q: tmp_path / "jr.safetensors"}, progress=False)
+    assert not (root / "lut").exists()

@@ -171,3 +171,33 @@ def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activat
     assert sorted(p.name for p in (tmp_path / "tp" / "checkpoints").iterdir()) == [
         "step-00000010", "step-00000020"
     ]  # fmt: skip
+
+
+def test_torchrun_jumprelu_tensor_parallel_matches_one_process_and_rank_0_reports(
+    tmp_path, activations, capfd
+):
+    from pyspark_safetensors.sae import load_sae_model
+    from pyspark_safetensors.sae.train import launch
+
+    common = dict(dataset=str(activations), architecture="jumprelu", n_latents=64, k=4,
+                  batch_size=256, tokens=256 * 12, warmup_steps=2, log_every=1, checkpoints=0,
+                  progress=True)  # fmt: skip
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = SAEConfig(**common, model_parallel_size=2, out_dir=str(tmp_path / "tp"))
+    assert launch(config, nproc_per_node=2) == 0
+    err = capfd.readouterr().err.replace("\r", "\n")
+    assert sum(" 0/12 " in line for line in err.splitlines()) == 1  # one bar: rank 0's
+    assert err.count("the schedule leaves little room") == 1
+    assert launch(SAEConfig(**common, out_dir=str(tmp_path / "one"))) == 0
+
+    def log(run_dir):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [(r["fvu"], r["l0"]) for r in map(json.loads, lines)]
+
+    tp, single = log(tmp_path / "tp"), log(tmp_path / "one")
+    assert len(tp) == len(single) == 12
+    assert [f for f, _ in tp] == pytest.approx([f for f, _ in single], rel=2e-3)
+    assert [n for _, n in tp] == pytest.approx([n for _, n in single], rel=1e-3)
+    assert tp[-1][1] < tp[0][1]  # the penalty raised the thresholds on both shards
+    a, b = load_sae_model(tmp_path / "tp"), load_sae_model(tmp_path / "one")
+    torch.testing.assert_close(a.threshold, b.threshold, rtol=1e-4, atol=1e-6)
