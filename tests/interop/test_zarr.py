@@ -494,3 +494,24 @@ def test_writer_takes_samples_from_threads_in_any_order(tmp_path):
         for i in (0, 1, 2, 4, 5, 6, 7):
             w.put(i, acts[i])
     assert not (tmp_path / "u.zarr").exists()
+
+
+def test_extract_output_keys_fit_the_store(tmp_path):
+    """The extraction's Zarr output keeps a key the store takes and stores a longer one (a
+    window's ``{sha256}-w{i}``) as its sha256, which the writer accepts."""
+    import hashlib
+
+    from pyspark_safetensors.interop.zarr.extract_output import zarr_sample_key
+
+    text_key = hashlib.sha256(b"a text").hexdigest()
+    window_key = f"{text_key}-w1"
+    assert zarr_sample_key(text_key) == text_key
+    assert zarr_sample_key(window_key) == hashlib.sha256(window_key.encode()).hexdigest()
+    acts, _ = _samples(2, seed=5)
+    with StoreWriter(tmp_path / "k.zarr", num_layers=L, hidden_size=H, t_max=T_MAX) as w:
+        w.add(acts[0], sample_key=zarr_sample_key(text_key))
+        w.add(acts[1], sample_key=zarr_sample_key(window_key))
+        with pytest.raises(ZarrStoreError, match="at most 64"):
+            w.add(acts[1], sample_key=window_key)  # what the output never passes
+    store = ActivationStore(tmp_path / "k.zarr")
+    assert store.sample_key(0) == text_key and len(store.sample_key(1)) == 64

@@ -15,10 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...format import get_dtype
-from .write import StoreWriter, shard_path, write_run_manifest
-
-MAX_ZARR_SAMPLE_KEY = 64
-"""The longest ``sample_key`` a Zarr store takes; longer keys are stored as their sha256."""
+from .write import KEY_BYTES, StoreWriter, shard_path, write_run_manifest
 
 
 def _zarr_shard_fn(run_dir: str, columns: list[str], width: int, t_max: int, dtype: str, attrs):
@@ -48,7 +45,7 @@ def _zarr_shard_fn(run_dir: str, columns: list[str], width: int, t_max: int, dty
                     acts = np.stack([_tensor(batch, c, row, n, width, dtype) for c in columns])
                     writer.add(
                         acts,
-                        sample_key=_zarr_sample_key(keys[row]),
+                        sample_key=zarr_sample_key(keys[row]),
                         extra={"key": keys[row], "sample_id": sids[row], "window": wins[row],
                                "source": sources[row]},
                     )  # fmt: skip
@@ -70,8 +67,10 @@ def _zarr_shard_fn(run_dir: str, columns: list[str], width: int, t_max: int, dty
     return write_partition_shard
 
 
-def _zarr_sample_key(key: str) -> str:
-    if len(key) <= MAX_ZARR_SAMPLE_KEY:
+def zarr_sample_key(key: str) -> str:
+    """The key itself when a store takes it (``KEY_BYTES``), else its sha256 (a window's
+    key, ``{sha256}-w{i}``, is longer)."""
+    if len(key.encode()) <= KEY_BYTES:
         return key
     return hashlib.sha256(key.encode()).hexdigest()
 
