@@ -145,6 +145,7 @@ def parquet_to_torch(path: Path, seed: int = 0) -> tuple[int, float]:
 
 def kv_latency(root: Path, samples: int = 400, layers: int = 12, seq: int = 128, hidden: int = 384):
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from pyspark_safetensors.dataset import (
         INDEX_SCHEMA,
@@ -153,7 +154,6 @@ def kv_latency(root: Path, samples: int = 400, layers: int = 12, seq: int = 128,
         ShardEntry,
         index_rows,
         shard_name,
-        write_index,
         write_manifest,
     )
     from pyspark_safetensors.format import to_f16, write_shard
@@ -172,7 +172,7 @@ def kv_latency(root: Path, samples: int = 400, layers: int = 12, seq: int = 128,
         header = write_shard(root / name, tensors)
         tables.append(pa.table(index_rows(name, header), schema=INDEX_SCHEMA))
         entries.append(ShardEntry(name, min(per_shard, samples - s), header.file_size, s))
-    write_index(root, tables)
+    pq.write_table(pa.concat_tables(tables), root / "_tensor_index.parquet")
     schema = {f"layer{j}": ColumnSchema("F16", (seq, hidden), (seq, hidden)) for j in range(layers)}
     write_manifest(
         root,

@@ -7,7 +7,7 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
-from pyspark_safetensors.dataset import MANIFEST, DatasetLocation
+from pyspark_safetensors.dataset import MANIFEST, DatasetLocation, verify_dataset
 from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
@@ -48,7 +48,7 @@ def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_en
             w = w.option(k, v)
         w.save(path)
         loc = DatasetLocation.of(path, storage_options=options)
-        manifest = loc.verify(checksums=True)
+        manifest = verify_dataset(loc, checksums=True)
         names = sorted(
             n for n, i in loc.list(recursive=True).items() if i.type == pafs.FileType.File
         )

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
 
-from pyspark_safetensors.dataset import ConcurrentCommitError, DatasetLocation
+from pyspark_safetensors.dataset import ConcurrentCommitError, DatasetLocation, load_manifest
 from pyspark_safetensors.dataset.commit import _publish_manifest
 from pyspark_safetensors.spark.source import SafetensorsDataSource
 from pyspark_safetensors.spark.writer import JobEndedError
@@ -88,17 +88,17 @@ def test_racing_commits_are_detected(tmp_path):
     w = writer(root, overwrite=True)
     w.commit([w.write(iter([batch(0, 4)]))])
     loc = DatasetLocation.of(root)
-    stale = loc.load_manifest()
+    stale = load_manifest(loc)
     a = writer(root)
     a.commit([a.write(iter([batch(4, 4)]))])
     with pytest.raises(ConcurrentCommitError, match="another write committed"):
         _publish_manifest(loc, stale, stale)
-    assert loc.load_manifest().total_samples == 8
+    assert load_manifest(loc).total_samples == 8
     # a stale lock left by a dead process on this host is broken, not waited on
     (root / "_commit.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": 2**22 + 7}))
     b = writer(root)
     b.commit([b.write(iter([batch(8, 4)]))])
-    assert loc.load_manifest().total_samples == 12 and not (root / "_commit.lock").exists()
+    assert load_manifest(loc).total_samples == 12 and not (root / "_commit.lock").exists()
 
 
 KILLED_DRIVER = textwrap.dedent(

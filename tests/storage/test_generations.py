@@ -12,7 +12,12 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
 
-from pyspark_safetensors.dataset import DatasetLocation
+from pyspark_safetensors.dataset import (
+    DatasetBuilder,
+    DatasetLocation,
+    kv_tensor_name,
+    verify_dataset,
+)
 from pyspark_safetensors.dataset.commit import commit_dataset
 from pyspark_safetensors.spark.source import SafetensorsDataSource
 from pyspark_safetensors.torch import open_dataset
@@ -215,3 +220,77 @@ def test_spark_overwrite_on_s3_leaves_only_the_new_dataset(spark, s3_bucket, s3_
     table = pq.read_table(f"{loc.root}/{SPEC_INDEX}", filesystem=loc.fs)
     assert table.column_names[:4] == SPEC_COLUMNS
     assert set(table.column("file_name").to_pylist()) == {s["shard_path"] for s in m["shards"]}
+
+
+# ------------------------------------------------------------------ DatasetBuilder
+
+
+def build_kv(root, n=6, **options):
+    with DatasetBuilder(root, mode="kv", name_col="key", **options) as build:
+        for part in range(2):
+            build.add_kv(
+                {
+                    f"s{i}": {"layer0": np.full((i + 1, 3), i, np.float32), "id": np.int64(i)}
+                    for i in range(part * n // 2, (part + 1) * n // 2)
+                }
+            )
+    return build.manifest
+
+
+def test_builder_batch_dataset_commits_like_a_spark_write(tmp_path):
+    root = tmp_path / "b"
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    with DatasetBuilder(root, batch_size=4, generate_index=True, metadata={"m": "1"}) as build:
+        for start in range(0, 10, 4):
+            build.add_batch(
+                {"x": x[start : start + 4], "row": np.arange(start, min(start + 4, 10))}
+            )
+    m = verify_dataset(root, checksums=True)
+    assert m == build.manifest and m.total_samples == 10 and m.metadata == {"m": "1"}
+    assert m.schema["x"].shape == (4, 4) and [s.first_sample for s in m.shards] == [0, 4, 8]
+    check_spec_index(root)
+    assert files(root) == named_by(manifest(root))
+    ds = open_dataset(root, checksums=True)
+    assert np.array_equal(np.stack([ds[i]["x"].numpy() for i in range(10)]), x)
+
+
+def test_builder_kv_dataset_names_tensors_by_the_layout_rule(tmp_path):
+    m = build_kv(tmp_path / "kv")
+    assert verify_dataset(tmp_path / "kv", checksums=True) == m
+    assert m.schema["layer0"].sample_shape == (-1, 3) and m.schema["id"].sample_shape == ()
+    table = check_spec_index(tmp_path / "kv")
+    assert set(table.column("tensor_key").to_pylist()) == {
+        kv_tensor_name(f"s{i}", c, "__") for i in range(6) for c in ("layer0", "id")
+    }
+    ds = open_dataset(tmp_path / "kv")
+    assert ds.get("s4", "layer0").tolist() == [[4.0] * 3] * 5
+
+
+def test_builder_refuses_a_repeated_key_and_leaves_the_dataset_as_it_was(tmp_path):
+    root = tmp_path / "kv"
+    build_kv(root, overwrite=True)
+    before = files(root)
+    with pytest.raises(ValueError, match="duplicate tensor keys"):
+        build_kv(root)  # an append of the same keys
+    assert files(root) == before
+    with (
+        pytest.raises(RuntimeError, match="stops"),
+        DatasetBuilder(tmp_path / "new", batch_size=2) as build,
+    ):
+        build.add_batch({"x": np.zeros((2, 3), np.float32)})
+        raise RuntimeError("the producer stops")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.spark
+def test_builder_datasets_are_read_by_spark(spark, tmp_path):
+    build_kv(tmp_path / "kv")
+    rows = spark.read.format("safetensors").load(str(tmp_path / "kv")).collect()
+    assert sorted(r.key for r in rows) == [f"s{i}" for i in range(6)]
+    ids = {r.key: r.id for r in rows}
+    assert ids == {f"s{i}": i for i in range(6)}
+    with DatasetBuilder(tmp_path / "b", batch_size=3) as build:
+        build.add_batch({"v": np.arange(6, dtype=np.float32).reshape(3, 2)})
+        build.add_batch({"v": np.arange(6, 8, dtype=np.float32).reshape(1, 2)})
+    df = spark.read.format("safetensors").load(str(tmp_path / "b"))
+    assert sorted(r.v for r in df.collect()) == [[0, 1], [2, 3], [4, 5], [6, 7]]

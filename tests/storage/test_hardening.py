@@ -22,10 +22,10 @@ from pyspark_safetensors.dataset import (
     SpecialFileError,
     StorageError,
     index_rows,
+    open_shard,
     shard_name,
     verify_dataset,
     write_batch_dataset,
-    write_index,
     write_manifest,
 )
 from pyspark_safetensors.format import to_f16, write_shard
@@ -46,7 +46,7 @@ def make_kv_dataset(root, n=4):
     tensors = {f"k{i}__layer0": np.full((i + 1, 4), i, np.float32) for i in range(n)}
     name = shard_name(0, 0)
     header = write_shard(root / name, tensors)
-    write_index(root, [index_rows(name, header)])
+    pq.write_table(index_rows(name, header), root / "_tensor_index.parquet")
     schema = {"layer0": ColumnSchema("F32", (-1, 4), (-1, 4))}
     entry = ShardEntry(name, n, header.file_size, 0)
     manifest = Manifest((entry,), schema, mode="kv", name_col="key", kv_separator="__")
@@ -122,7 +122,7 @@ def test_special_files_are_refused_before_opening(tmp_path, kind):
     assert isinstance(err, ManifestError) and victim.name in str(err)
     assert "regular file" in str(err)
     loc = DatasetLocation.of(root)
-    err = finishes(lambda: loc.open_shard(victim.name))
+    err = finishes(lambda: open_shard(loc, victim.name))
     assert isinstance(err, SpecialFileError) and "not a regular file" in str(err)
     from pyspark_safetensors.spark.options import ReaderOptions
     from pyspark_safetensors.spark.reader import resolve

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from pyspark_safetensors.dataset import MANIFEST, DatasetLocation
+from pyspark_safetensors.dataset import MANIFEST, DatasetLocation, load_manifest
 from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
@@ -57,7 +57,7 @@ def test_batch_write_and_reads_equal_local(spark, tmp_path, s3_bucket, s3_endpoi
     df = frame(spark).select("id", "vec")
     write(df, tmp_path / "acts", batch_size=7)
     write(df, uri.replace("s3://", "s3a://"), s3_endpoint, batch_size=7)  # the Hadoop spelling
-    m = DatasetLocation.of(uri, storage_options={"endpoint_url": s3_endpoint}).load_manifest()
+    m = load_manifest(DatasetLocation.of(uri, storage_options={"endpoint_url": s3_endpoint}))
     assert m.total_samples == 40 and m.commit_id
     # only the manifest's shards, the manifest and _SUCCESS: no staging objects, no renames
     assert listing(uri, s3_endpoint) == sorted(

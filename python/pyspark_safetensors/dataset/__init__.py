@@ -5,6 +5,7 @@ Knows files and the format; knows neither Spark nor torch.
 """
 
 from .arrays import write_batch_dataset
+from .build import DatasetBuilder, stage_shard
 from .commit import (
     AppendError,
     ConcurrentCommitError,
@@ -18,7 +19,8 @@ from .commit import (
     merge_schemas,
     reclaim,
 )
-from .index import INDEX_SCHEMA, index_rows, index_table, read_index, write_index
+from .errors import DatasetReplacedError, ManifestError, SpecialFileError, StorageError
+from .index import INDEX_SCHEMA, check_index, index_rows, index_table, read_index
 from .layout import (
     INDEX,
     MANIFEST,
@@ -31,22 +33,16 @@ from .layout import (
     shard_name,
     split_kv_name,
 )
-from .location import (
-    DatasetLocation,
-    DatasetReplacedError,
-    SpecialFileError,
-    StorageError,
-    split_storage_options,
-)
+from .location import DatasetLocation, split_storage_options
 from .manifest import (
     FORMAT_VERSION,
     ColumnSchema,
     Manifest,
-    ManifestError,
     ShardEntry,
     load_manifest,
     write_manifest,
 )
+from .shards import LocalShard, RemoteShard, ShardReader, open_shard, read_header
 from .verify import shard_crc32c, verify_dataset
 
 __all__ = [
@@ -59,11 +55,15 @@ __all__ = [
     "AppendError",
     "ColumnSchema",
     "ConcurrentCommitError",
+    "DatasetBuilder",
     "DatasetLocation",
     "DatasetReplacedError",
+    "LocalShard",
     "Manifest",
     "ManifestError",
+    "RemoteShard",
     "ShardEntry",
+    "ShardReader",
     "SpecialFileError",
     "StagedShard",
     "StorageError",
@@ -72,6 +72,7 @@ __all__ = [
     "attempt_uuid",
     "begin_job",
     "check_append",
+    "check_index",
     "check_kv_columns",
     "commit_dataset",
     "index_rows",
@@ -80,6 +81,8 @@ __all__ = [
     "lease_name",
     "load_manifest",
     "merge_schemas",
+    "open_shard",
+    "read_header",
     "read_index",
     "reclaim",
     "resolve_inside",
@@ -87,8 +90,8 @@ __all__ = [
     "shard_name",
     "split_kv_name",
     "split_storage_options",
+    "stage_shard",
     "verify_dataset",
     "write_batch_dataset",
-    "write_index",
     "write_manifest",
 ]  # fmt: skip

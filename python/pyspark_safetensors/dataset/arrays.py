@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
-from ..format import dtype_of, write_shard
 from ..format.errors import InvalidArgumentError
-from .layout import MANIFEST, shard_name
-from .manifest import ColumnSchema, Manifest, ShardEntry, write_manifest
-from .verify import shard_crc32c
+from .build import DatasetBuilder
+from .layout import MANIFEST
+from .location import DatasetLocation
+from .manifest import Manifest
 
 DEFAULT_ROWS_PER_SHARD = 65_536
 """Rows per shard when none is given: a few MB to a few hundred MB for activations."""
@@ -27,14 +26,15 @@ def write_batch_dataset(
     metadata: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Write ``columns`` (arrays sharing their first dim; dtypes stored as given, so cast
-    with ``format.to_f16``/``to_bf16`` first) to ``root`` as shards of ``rows_per_shard``
-    rows, then the manifest last. Refuses a directory that already holds a dataset.
+    with ``format.to_f16``/``to_bf16`` first) to ``root`` (a path or URI) as shards of
+    ``rows_per_shard`` rows, committed like a Spark write (``DatasetBuilder``). Refuses a
+    location that already holds a dataset.
 
         write_batch_dataset("acts", {"activation": to_f16(x), "sample_id": ids})
     """
-    root = Path(root)
-    if (root / MANIFEST).exists():
-        raise FileExistsError(f"{root} already holds a dataset ({MANIFEST})")
+    location = DatasetLocation.of(root)
+    if location.has(MANIFEST):
+        raise FileExistsError(f"{location.uri} already holds a dataset ({MANIFEST})")
     if not columns:
         raise InvalidArgumentError("no columns to write")
     lengths = {name: len(a) for name, a in columns.items()}
@@ -43,23 +43,14 @@ def write_batch_dataset(
     if rows_per_shard < 1:
         raise InvalidArgumentError("rows_per_shard must be >= 1")
     total = next(iter(lengths.values()))
-    root.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for s, start in enumerate(range(0, total, rows_per_shard)):
-        part = {
-            n: np.ascontiguousarray(a[start : start + rows_per_shard]) for n, a in columns.items()
-        }
-        name = shard_name(0, s)
-        header = write_shard(root / name, part, dict(metadata) if metadata else None)
-        rows = min(rows_per_shard, total - start)
-        entries.append(ShardEntry(name, rows, header.file_size, start, shard_crc32c(root / name)))
-    batch = min(rows_per_shard, total)
-    schema = {
-        n: ColumnSchema(dtype_of(a).name, (batch, *a.shape[1:]), tuple(a.shape[1:]))
-        for n, a in columns.items()
-    }
-    manifest = Manifest(
-        tuple(entries), schema, mode="batch", batch_size=batch, metadata=dict(metadata or {})
-    )
-    write_manifest(root, manifest)
-    return manifest
+    shard_metadata = dict(metadata) if metadata else None
+    with DatasetBuilder(
+        location, batch_size=min(rows_per_shard, total), metadata=metadata, overwrite=True
+    ) as build:
+        for start in range(0, total, rows_per_shard):
+            part = {
+                n: np.ascontiguousarray(a[start : start + rows_per_shard])
+                for n, a in columns.items()
+            }
+            build.add_batch(part, shard_metadata=shard_metadata)
+    return build.manifest

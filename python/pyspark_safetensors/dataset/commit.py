@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
-from .index import INDEX_SCHEMA
+from .index import INDEX_SCHEMA, read_index
 from .layout import (
     INDEX,
     INDEX_NAME,
@@ -53,7 +53,7 @@ from .layout import (
     job_of,
 )
 from .location import DatasetLocation
-from .manifest import ColumnSchema, Manifest, ManifestError, ShardEntry
+from .manifest import ColumnSchema, Manifest, ManifestError, ShardEntry, load_manifest
 
 STALE_JOB_SECONDS = 24 * 3600
 """A job lease from another host older than this is taken as dead (its driver cannot be
@@ -331,7 +331,7 @@ def commit_dataset(
         schema = check_append(previous, template, schema if staged else None, where)
         kept = previous.shards
         if (generate_index or unique_keys) and previous.index_file is not None:
-            kept_index = [location.read_index(previous)]
+            kept_index = [read_index(location, previous)]
     if unique_keys:
         dups = _find_duplicate_keys(kept_index + new_index)
         if dups:
@@ -371,7 +371,7 @@ def _previous_manifest(location: DatasetLocation, overwrite: bool) -> Manifest |
     if not location.has(MANIFEST):
         return None
     try:
-        return location.load_manifest()
+        return load_manifest(location)
     except ManifestError:
         if not overwrite:
             raise
@@ -448,7 +448,7 @@ def _publish_manifest(
                 f"(expected commit {base}, found {current[0]}); nothing of this write was published, run it again"
             )
         location.put_json(MANIFEST, manifest.to_json())
-    landed = location.load_manifest()
+    landed = load_manifest(location)
     if manifest.commit_id not in (landed.commit_id, landed.parent_commit):
         raise ConcurrentCommitError(
             f"dataset {location.uri!r}: another write replaced this commit ({manifest.commit_id}) as it landed; "
@@ -460,7 +460,7 @@ def _current_commit(location: DatasetLocation) -> tuple[str | None, bool]:
     if not location.has(MANIFEST):
         return None, False
     try:
-        return location.load_manifest().commit_id, True
+        return load_manifest(location).commit_id, True
     except ManifestError:
         return None, True
 
@@ -542,7 +542,7 @@ def abort_dataset(location: DatasetLocation, job_id: str) -> None:
     listed: set[str] = set()
     if location.has(MANIFEST):
         with contextlib.suppress(ManifestError):
-            listed = {e.shard_path for e in location.load_manifest().shards}
+            listed = {e.shard_path for e in load_manifest(location).shards}
     tag = _job_tag(job_id)
     mine = [n for n in location.list() if n not in listed and job_of(n) == tag]
     location.delete([*mine, f"{STAGING}/{job_id}"])

@@ -1,18 +1,20 @@
-"""``_tensor_index.parquet``: one row per tensor with absolute byte offsets, so a reader
-fetches any tensor with one ranged read and no header parse."""
+"""The tensor index: one row per tensor with absolute byte offsets, so a reader fetches
+any tensor with one ranged read and no header parse. The commit writes it (the manifest
+names it, ``_tensor_index-{commit}.parquet``, and ``_tensor_index.parquet`` holds the
+same bytes); this module builds its rows and reads it back checked."""
 
 from __future__ import annotations
 
 import os
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..format import Header, HeaderLayout
-from .layout import INDEX
+from .errors import ManifestError
+from .location import DatasetLocation
+from .manifest import Manifest, load_manifest
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -73,29 +75,63 @@ def _table(file_name, names, specs, spec_of, begins, ends) -> pa.Table:
     )
 
 
-def write_index(root: Path, tables: list[pa.Table]) -> None:
-    table = (
-        pa.concat_tables([t.cast(INDEX_SCHEMA) for t in tables])
-        if tables
-        else INDEX_SCHEMA.empty_table()
-    )
-    tmp = root / f".{INDEX}.{uuid.uuid4().hex}.tmp"
+def read_index(
+    location: DatasetLocation | str | os.PathLike,
+    manifest: Manifest | None = None,
+    *,
+    checksums: bool = False,
+) -> pa.Table:
+    """The tensor index ``manifest`` (default: the dataset's) names, for a location, path
+    or URI, checked: every row names a shard of the manifest, within its listed bytes
+    (and with ``checksums`` the file's crc32c against the manifest's)."""
+    location = DatasetLocation.of(location)
+    manifest = manifest or load_manifest(location)
+    if manifest.index_file is None:
+        raise ManifestError(
+            f"dataset {location.uri!r} has no tensor index; write it with generate_index=true"
+        )
+    name = manifest.index_file
+    where = location.display(name)
+    data = location.read_bytes(name)
+    if checksums and manifest.index_crc32c:
+        import crc32c
+
+        if f"{crc32c.crc32c(data):08x}" != manifest.index_crc32c:
+            raise ManifestError(f"{where!r}: crc32c mismatch (the index changed or is corrupt)")
     try:
-        # Keys are unique: dictionary-encoding them only costs time.
-        pq.write_table(table, tmp, use_dictionary=["file_name", "dtype"])
-        os.replace(tmp, root / INDEX)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        table = pq.read_table(pa.BufferReader(data), schema=INDEX_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+        raise ManifestError(f"{where!r}: not a readable tensor index ({e})") from None
+    check_index(table, manifest, where)
+    return table
 
 
-def read_index(root: str | os.PathLike, *, checksums: bool = False) -> pa.Table:
-    """The tensor index the dataset's manifest names (every row checked to name a listed
-    shard), for a path or URI; ``_tensor_index.parquet`` when there is no manifest."""
-    from .layout import MANIFEST
-    from .location import DatasetLocation
-
-    location = DatasetLocation.of(root)
-    if not location.has(MANIFEST):
-        return pq.read_table(Path(location.root) / INDEX, schema=INDEX_SCHEMA)
-    return location.read_index(location.load_manifest(), checksums=checksums)
+def check_index(table: pa.Table, manifest: Manifest, where: str) -> None:
+    """Every index row names a shard the manifest lists and a byte range inside it."""
+    sizes = {s.shard_path: s.bytes for s in manifest.shards}
+    files = table.column("file_name")
+    unique = [f for f in files.unique().to_pylist()]
+    strangers = [f for f in unique if f not in sizes]
+    if strangers:
+        raise ManifestError(
+            f"{where!r}: index rows name file(s) the manifest does not list: "
+            f"{', '.join(map(repr, strangers[:5]))}; the index is not this dataset's"
+        )
+    if not table.num_rows:
+        return
+    begins = table.column("begin").to_numpy()
+    ends = table.column("end").to_numpy()
+    limit = (
+        np.array([sizes[f] for f in unique], dtype=np.int64)[
+            files.dictionary_encode().combine_chunks().indices.to_numpy(zero_copy_only=False)
+        ]
+        if len(unique) > 1
+        else np.full(len(begins), sizes[unique[0]], dtype=np.int64)
+    )
+    bad = np.flatnonzero((begins < 0) | (ends < begins) | (ends > limit))
+    if len(bad):
+        i = int(bad[0])
+        raise ManifestError(
+            f"{where!r}: index row {i} ({table.column('tensor_key')[i].as_py()!r}) points at bytes "
+            f"[{begins[i]}, {ends[i]}) outside its shard"
+        )

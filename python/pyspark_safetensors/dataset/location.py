@@ -1,15 +1,16 @@
-"""Where a dataset lives: one interface for local directories and object stores.
+"""Where a dataset lives: one storage interface for local directories and object stores.
 
-``DatasetLocation`` owns every byte a dataset puts on storage: listing, the manifest (load,
-verify, the single atomic put that commits a write), shard names, whole and ranged reads,
-opening a shard (memory-mapped when local), the tensor index, shards written by tasks, and
-deletion. It is implemented once over ``pyarrow.fs`` (S3, GCS, Azure, HDFS natively; any
-fsspec protocol through ``PyFileSystem(FSSpecHandler)``) with a fast local path (mmap for
-reads, files written in place). Callers never ask which kind of storage they have.
+``DatasetLocation`` is storage only: listing, stat, whole and ranged reads, checksums of
+stored files, shards written by tasks, atomic puts and deletion. It knows names, never
+what a manifest or an index means: those rules live in ``manifest.py``, ``index.py`` and
+``verify.py``, and the shard readers in ``shards.py``; they import this module, never the
+reverse. It is implemented once over ``pyarrow.fs`` (S3, GCS, Azure, HDFS natively; any
+fsspec protocol through ``PyFileSystem(FSSpecHandler)``) with a fast local path (files
+written in place). Callers never ask which kind of storage they have.
 
     loc = DatasetLocation.of("s3://bucket/acts")          # or a path, file:, gs://, ...
-    manifest = loc.verify()
-    with loc.open_shard(manifest.shards[0].shard_path) as shard:
+    manifest = verify_dataset(loc)
+    with open_shard(loc, manifest.shards[0].shard_path) as shard:
         x = shard.tensor("activation")
 """
 
@@ -28,23 +29,14 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
-from ..format import SafetensorsFile, SafetensorsFormatError
-from ..format.errors import InvalidArgumentError, InvalidTypeError, PysparkSafetensorsError
-from ..format.header import Header, decode_header, read_header_length
-from .index import INDEX_SCHEMA
-from .layout import MANIFEST
-from .manifest import Manifest, ManifestError, parse_manifest
+from ..format import SafetensorsFormatError
+from ..format.errors import InvalidArgumentError, InvalidTypeError
+from .errors import DatasetReplacedError, ManifestError, SpecialFileError, StorageError
 
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
-READ_COALESCING_BYTES = 1 << 20
-"""Rows requested together share one ranged read unless more than this many bytes of
-unwanted rows lie between them (a request costs about as much as reading ~1 MB)."""
-
 _CHUNK = 16 << 20
 
 # Hadoop spellings users copy from Spark jobs, and their pyarrow names.
@@ -53,19 +45,6 @@ _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "abfss": "abfs"}
 STORAGE_OPTIONS = ("endpoint_url", "region", "path_style", "anonymous")
 """Data-source options that configure the filesystem instead of the data (see
 ``DatasetLocation.of``)."""
-
-
-class StorageError(PysparkSafetensorsError, OSError):
-    """An I/O error while reading or writing a dataset, naming the dataset and the file."""
-
-
-class SpecialFileError(ManifestError):
-    """A name the manifest lists is not a regular file (a FIFO, directory or device)."""
-
-
-class DatasetReplacedError(ManifestError):
-    """A shard the reader's manifest lists is gone: the dataset was replaced or deleted
-    since it was opened."""
 
 
 def _scheme(text: str) -> str | None:
@@ -208,6 +187,11 @@ class DatasetLocation:
         uri_parent = self.uri.rstrip("/").rpartition("/")[0]
         return DatasetLocation(self.fs, parent or "/", uri_parent or "."), name
 
+    @property
+    def is_local(self) -> bool:
+        """Whether the dataset is on local storage (memory-mapped by the shard readers)."""
+        return self._local
+
     # -- names
 
     def path(self, name: str, *, what: str = "shard path") -> str:
@@ -295,7 +279,7 @@ class DatasetLocation:
     # -- reads
 
     def read_bytes(self, name: str) -> bytes:
-        with self._reading(name):
+        with self.reading(name):
             if self._local:
                 self._refuse_special(name)
                 return Path(self.path(name, what="file")).read_bytes()
@@ -304,7 +288,7 @@ class DatasetLocation:
 
     def read_range(self, name: str, begin: int, end: int):
         """Bytes ``[begin, end)`` of ``name``: one ranged read (files stay open per process)."""
-        with self._reading(name):
+        with self.reading(name):
             data = self._input_file(name).read_at(end - begin, begin)
         if len(data) != end - begin:
             raise SafetensorsFormatError(
@@ -314,39 +298,14 @@ class DatasetLocation:
         return data
 
     def stream_crc32c(self, name: str) -> str:
-        from .verify import stream_crc32c
-
-        with self._reading(name):
+        """crc32c (hex) of a stored file, streamed in 16 MB chunks."""
+        with self.reading(name):
             if self._local:
                 self._refuse_special(name)
                 with open(self.path(name), "rb") as f:
                     return stream_crc32c(f)
             with self.fs.open_input_stream(self.path(name)) as f:
                 return stream_crc32c(f)
-
-    def open_shard(self, name: str, *, whole: bool = False) -> ShardReader:
-        """A shard opened for reading: memory-mapped (copy-on-write) when local, ranged reads
-        otherwise (``whole``: one read of the whole file, for readers that touch every
-        tensor). Non-regular files are refused before opening."""
-        with self._reading(name):
-            size = self.regular_size(name)
-            if size is None:
-                raise FileNotFoundError(errno.ENOENT, "no such shard", self.display(name))
-            if self._local:
-                return LocalShard(self.path(name))
-            return RemoteShard(self, name, size, self.read_bytes(name) if whole else None)
-
-    def read_header(self, name: str, size: int | None = None) -> Header:
-        """A shard's validated header (two small reads, no tensor bytes)."""
-        if size is None:
-            size = self.regular_size(name)
-            if size is None:
-                raise FileNotFoundError(errno.ENOENT, "no such shard", self.display(name))
-        prefix = bytes(self.read_range(name, 0, min(8, size)))
-        n = read_header_length(prefix, size, self.display(name))
-        return decode_header(
-            prefix + bytes(self.read_range(name, 8, 8 + n)), size, self.display(name)
-        )
 
     def _input_file(self, name: str):
         if self._pid != os.getpid():
@@ -359,7 +318,7 @@ class DatasetLocation:
         return f
 
     @contextlib.contextmanager
-    def _reading(self, name: str):
+    def reading(self, name: str):
         """Say plainly when a file a manifest listed is gone (the dataset was replaced),
         whatever error the store gives for it."""
         try:
@@ -384,88 +343,6 @@ class DatasetLocation:
     def _refuse_special(self, name: str) -> None:
         if self.regular_size(name) is None:
             raise FileNotFoundError(errno.ENOENT, "no such file", self.display(name))
-
-    # -- manifest and index
-
-    def load_manifest(self) -> Manifest:
-        """The manifest, parsed and checked (fields, totals, duplicate and escaping names)."""
-
-        def read():
-            try:
-                return self.read_bytes(MANIFEST)
-            except DatasetReplacedError:
-                raise FileNotFoundError(MANIFEST) from None
-
-        manifest = parse_manifest(read, self.uri, self.display(MANIFEST))
-        for shard in manifest.shards:
-            self.path(shard.shard_path)
-        if manifest.index_file is not None:
-            self.path(manifest.index_file, what="index_file")
-        return manifest
-
-    def verify(self, *, checksums: bool = False, manifest: Manifest | None = None) -> Manifest:
-        """The manifest when the dataset is whole: every shard present, a regular file of
-        the listed size, its header agreeing with the schema and its row count, and with
-        ``checksums`` the crc32c of every shard and of the index. Raises ``ManifestError``
-        listing every problem."""
-        from .verify import verify_shards
-
-        manifest = manifest or self.load_manifest()
-        listing = self.list()
-        problems: list[str] = []
-
-        def size_of(entry):
-            info = listing.get(entry.shard_path)
-            if info is None or info.type == pafs.FileType.NotFound:
-                return None
-            if info.type != pafs.FileType.File:  # a FIFO, directory or device
-                problems.append(f"{entry.shard_path}: not a regular file")
-                return -1
-            return info.size
-
-        checked = verify_shards(
-            manifest,
-            self.uri,
-            size_of,
-            lambda e: self.read_header(e.shard_path, e.bytes),
-            lambda e: self.stream_crc32c(e.shard_path),
-            checksums=checksums,
-            extra=problems,
-        )
-        if checksums and manifest.index_file is not None:
-            self.read_index(manifest, checksums=True)
-        return checked
-
-    def read_index(self, manifest: Manifest, *, checksums: bool = False) -> pa.Table:
-        """The tensor index the manifest names, checked: every row names a shard of the
-        manifest, within its listed bytes (and with ``checksums`` the file's crc32c)."""
-        if manifest.index_file is None:
-            raise ManifestError(
-                f"dataset {self.uri!r} has no tensor index; write it with generate_index=true"
-            )
-        name = manifest.index_file
-        where = self.display(name)
-        if (
-            checksums
-            and manifest.index_crc32c
-            and self.stream_crc32c(name) != manifest.index_crc32c
-        ):
-            raise ManifestError(f"{where!r}: crc32c mismatch (the index changed or is corrupt)")
-        try:
-            with self._reading(name):
-                if self._local:
-                    self._refuse_special(name)
-                    table = pq.read_table(self.path(name, what="index_file"), schema=INDEX_SCHEMA)
-                else:
-                    table = pq.read_table(
-                        self.path(name, what="index_file"), filesystem=self.fs, schema=INDEX_SCHEMA
-                    )
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-            if isinstance(e, DatasetReplacedError):
-                raise
-            raise ManifestError(f"{where!r}: not a readable tensor index ({e})") from None
-        check_index(table, manifest, where)
-        return table
 
     # -- writes
 
@@ -564,6 +441,16 @@ class DatasetLocation:
             ) from e
 
 
+def stream_crc32c(stream) -> str:
+    """crc32c (hex) of everything a binary stream yields, read in 16 MB chunks."""
+    import crc32c
+
+    crc = 0
+    while chunk := stream.read(_CHUNK):
+        crc = crc32c.crc32c(chunk, crc)
+    return f"{crc:08x}"
+
+
 def _strip_file_scheme(text: str) -> str:
     if text.startswith("file://"):
         return text[len("file://") :] or "/"
@@ -603,150 +490,3 @@ def as_arrow_filesystem(filesystem) -> pafs.FileSystem:
     raise InvalidTypeError(
         f"expected a pyarrow.fs.FileSystem or an fsspec filesystem, got {type(filesystem).__name__}"
     )
-
-
-def check_index(table: pa.Table, manifest: Manifest, where: str) -> None:
-    """Every index row names a shard the manifest lists and a byte range inside it."""
-    sizes = {s.shard_path: s.bytes for s in manifest.shards}
-    files = table.column("file_name")
-    unique = [f for f in files.unique().to_pylist()]
-    strangers = [f for f in unique if f not in sizes]
-    if strangers:
-        raise ManifestError(
-            f"{where!r}: index rows name file(s) the manifest does not list: "
-            f"{', '.join(map(repr, strangers[:5]))}; the index is not this dataset's"
-        )
-    if not table.num_rows:
-        return
-    begins = table.column("begin").to_numpy()
-    ends = table.column("end").to_numpy()
-    limit = (
-        np.array([sizes[f] for f in unique], dtype=np.int64)[
-            files.dictionary_encode().combine_chunks().indices.to_numpy(zero_copy_only=False)
-        ]
-        if len(unique) > 1
-        else np.full(len(begins), sizes[unique[0]], dtype=np.int64)
-    )
-    bad = np.flatnonzero((begins < 0) | (ends < begins) | (ends > limit))
-    if len(bad):
-        i = int(bad[0])
-        raise ManifestError(
-            f"{where!r}: index row {i} ({table.column('tensor_key')[i].as_py()!r}) points at bytes "
-            f"[{begins[i]}, {ends[i]}) outside its shard"
-        )
-
-
-class LocalShard:
-    """A local shard: the validated header and copy-on-write mmap views of its tensors."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._file = SafetensorsFile(path, copy_on_write=True)
-        self.header: Header = self._file.header
-
-    def tensor(self, name: str) -> np.ndarray:
-        """The whole tensor: a view of the mapping (writable; writes stay in memory)."""
-        return self._file.tensor(name)
-
-    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a tensor (a copy)."""
-        return self._file.tensor(name)[rows]
-
-    def row_range(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self._file.tensor(name)[start:stop]
-
-    def byte_range(self, begin: int, end: int) -> memoryview:
-        return self._file.byte_range(begin, end)
-
-    def raw(self, info) -> memoryview:
-        return self._file.raw(info)
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-class RemoteShard:
-    """A shard on an object store: the header from two ranged reads, tensors and rows
-    fetched with ranged reads of just their bytes (writable copies)."""
-
-    def __init__(self, location: DatasetLocation, name: str, size: int, data: bytes | None = None):
-        self.location, self.name, self.size = location, name, size
-        self.path = location.display(name)
-        self._data = None if data is None else memoryview(data)
-        if data is not None and len(data) != size:
-            raise DatasetReplacedError(f"{self.path!r} changed while it was read")
-        if data is None:
-            self.header: Header = location.read_header(name, size)
-        else:
-            n = read_header_length(bytes(data[:8]), size, self.path)
-            self.header = decode_header(bytes(data[: 8 + n]), size, self.path)
-
-    def byte_range(self, begin: int, end: int):
-        if not 0 <= begin <= end <= self.size:
-            raise InvalidArgumentError(
-                f"file {self.path!r}: byte range [{begin}, {end}) outside its {self.size} bytes"
-            )
-        if self._data is not None:
-            return self._data[begin:end]
-        return self.location.read_range(self.name, begin, end)
-
-    def raw(self, info) -> memoryview:
-        start = self.header.data_start + info.begin
-        return memoryview(self.byte_range(start, start + info.nbytes))
-
-    def tensor(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        data = self.raw(info)
-        if info.dtype.numpy is None:
-            return np.frombuffer(data, dtype=np.uint8).copy()
-        return np.frombuffer(data, dtype=info.dtype.numpy).reshape(info.shape).copy()
-
-    def row_range(self, name: str, start: int, stop: int) -> np.ndarray:
-        info = self.header[name]
-        n = info.shape[0] if info.shape else 1
-        start, stop = max(0, start), min(stop, n)
-        row_bytes = info.nbytes // max(n, 1)
-        base = self.header.data_start + info.begin
-        data = self.byte_range(base + start * row_bytes, base + max(stop, start) * row_bytes)
-        return (
-            np.frombuffer(data, dtype=info.dtype.numpy)
-            .reshape(max(stop - start, 0), *info.shape[1:])
-            .copy()
-        )
-
-    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a tensor: rows close together come from one ranged read, so a shuffled
-        batch costs a few reads per shard."""
-        info = self.header[name]
-        sample = info.shape[1:]
-        out = np.empty((len(rows), *sample), dtype=info.dtype.numpy)
-        if not len(rows):
-            return out
-        row_bytes = info.nbytes // max(info.shape[0], 1)
-        order = np.argsort(rows, kind="stable")
-        ordered = rows[order]
-        gap = max(1, READ_COALESCING_BYTES // max(row_bytes, 1))
-        cuts = np.flatnonzero(np.diff(ordered) > gap) + 1
-        for run in np.split(np.arange(len(ordered)), cuts):
-            lo, hi = int(ordered[run[0]]), int(ordered[run[-1]]) + 1
-            block = self.row_range(name, lo, hi)
-            out[order[run]] = block[ordered[run] - lo]
-        return out
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-ShardReader = LocalShard | RemoteShard

@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Literal
 
 from .._version import __version__
-from ..format.errors import PysparkSafetensorsError
+from .errors import DatasetReplacedError, ManifestError
 from .layout import MANIFEST, resolve_inside
+from .location import DatasetLocation
 
 FORMAT_VERSION = "1.0"
 SAFETENSORS_VERSION = "1.0"
-
-
-class ManifestError(PysparkSafetensorsError, ValueError):
-    """A manifest is missing, malformed or disagrees with the files it lists."""
 
 
 @dataclass(frozen=True)
@@ -228,11 +225,23 @@ def parse_manifest(read, root: str, path: str) -> Manifest:
     return Manifest.from_json(doc, repr(path))
 
 
-def load_manifest(root: str | os.PathLike) -> Manifest:
-    root = Path(root)
-    path = root / MANIFEST
-    manifest = parse_manifest(lambda: path.read_bytes(), str(root), str(path))
-    manifest.shard_paths(root)  # refuse escaping paths at load time
+def load_manifest(location: DatasetLocation | str | os.PathLike) -> Manifest:
+    """The manifest of the dataset at ``location`` (a ``DatasetLocation``, path or URI),
+    parsed and checked: fields, totals, duplicate names, and every listed name (shards,
+    index) a relative name inside the dataset."""
+    location = DatasetLocation.of(location)
+
+    def read():
+        try:
+            return location.read_bytes(MANIFEST)
+        except DatasetReplacedError:
+            raise FileNotFoundError(MANIFEST) from None
+
+    manifest = parse_manifest(read, location.uri, location.display(MANIFEST))
+    for shard in manifest.shards:
+        location.path(shard.shard_path)
+    if manifest.index_file is not None:
+        location.path(manifest.index_file, what="index_file")
     return manifest
 
 

@@ -7,20 +7,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
 from ..format import SafetensorsFormatError
-from .manifest import Manifest, ManifestError
-
-_CHUNK = 16 << 20
-
-
-def stream_crc32c(stream) -> str:
-    """crc32c (hex) of everything a binary stream yields, read in 16 MB chunks."""
-    import crc32c
-
-    crc = 0
-    while chunk := stream.read(_CHUNK):
-        crc = crc32c.crc32c(chunk, crc)
-    return f"{crc:08x}"
+from .errors import ManifestError
+from .index import read_index
+from .location import DatasetLocation, stream_crc32c
+from .manifest import Manifest, load_manifest
+from .shards import read_header
 
 
 def shard_crc32c(path: Path) -> str:
@@ -90,11 +84,40 @@ def verify_shards(
 
 
 def verify_dataset(
-    root: str | os.PathLike, *, checksums: bool = False, filesystem=None
+    root: str | os.PathLike | DatasetLocation,
+    *,
+    checksums: bool = False,
+    filesystem=None,
+    manifest: Manifest | None = None,
 ) -> Manifest:
-    """Return the manifest when the dataset at ``root`` (a path or URI, see
-    ``DatasetLocation.of``) is whole; raise ``ManifestError`` listing every problem found
-    otherwise (checksums cover the shards and the tensor index)."""
-    from .location import DatasetLocation
+    """The manifest (``manifest``, else the dataset's) when the dataset at ``root`` (a
+    ``DatasetLocation``, path or URI, see ``DatasetLocation.of``) is whole: every shard
+    present, a regular file of the listed size, its header agreeing with the schema and
+    its row count, and with ``checksums`` the crc32c of every shard and of the tensor
+    index. Raises ``ManifestError`` listing every problem found."""
+    location = DatasetLocation.of(root, filesystem)
+    manifest = manifest or load_manifest(location)
+    listing = location.list()
+    problems: list[str] = []
 
-    return DatasetLocation.of(root, filesystem).verify(checksums=checksums)
+    def size_of(entry):
+        info = listing.get(entry.shard_path)
+        if info is None or info.type == pafs.FileType.NotFound:
+            return None
+        if info.type != pafs.FileType.File:  # a FIFO, directory or device
+            problems.append(f"{entry.shard_path}: not a regular file")
+            return -1
+        return info.size
+
+    checked = verify_shards(
+        manifest,
+        location.uri,
+        size_of,
+        lambda e: read_header(location, e.shard_path, e.bytes),
+        lambda e: location.stream_crc32c(e.shard_path),
+        checksums=checksums,
+        extra=problems,
+    )
+    if checksums and manifest.index_file is not None:
+        read_index(location, manifest, checksums=True)
+    return checked

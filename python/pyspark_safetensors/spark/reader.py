@@ -31,6 +31,9 @@ from ..dataset import (
     DatasetLocation,
     Manifest,
     ManifestError,
+    load_manifest,
+    open_shard,
+    read_header,
     split_kv_name,
     split_storage_options,
 )
@@ -109,7 +112,7 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
     location = DatasetLocation.of(path, storage_options=storage)
     listing = location.list()
     if MANIFEST in listing:
-        manifest = location.load_manifest()
+        manifest = load_manifest(location)
         problems = []
         for s in manifest.shards:
             info = listing.get(s.shard_path)
@@ -154,7 +157,7 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
                     f"dataset's {MANIFEST}: give a dataset directory, a .safetensors file, or "
                     "a directory or glob of them"
                 )
-            single.read_header(name)  # a broken file is refused here, not in a task
+            read_header(single, name)  # a broken file is refused here, not in a task
             return Source(single, None, (name,))
     except (ManifestError, SafetensorsFormatError) as e:
         raise ReadError(str(e)) from None
@@ -197,7 +200,7 @@ def _files_schema(source: Source) -> StructType:
     else:
         names = set()
         for file in source.files:
-            names.update(t.name for t in source.location.read_header(file).tensors)
+            names.update(t.name for t in read_header(source.location, file).tensors)
             if len(names) > MAX_FILES_VIEW_COLUMNS:
                 raise OptionError(
                     f"view=files: {source.location.uri!r} holds over {MAX_FILES_VIEW_COLUMNS} "
@@ -223,7 +226,7 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
     manifest = source.manifest
     schema = manifest.schema
     if not schema and manifest.shards:  # a manifest without a schema: take the first header
-        header = source.location.read_header(source.files[0])
+        header = read_header(source.location, source.files[0])
         schema = {t.name: ColumnSchema(t.dtype.name, t.shape, t.shape[1:]) for t in header.tensors}
     fields = []
     if view == "kv":
@@ -348,12 +351,12 @@ class SafetensorsReader(DataSourceReader):
         for file in partition.files:
             shown = location.display(file)
             if "data" in names:
-                with location.open_shard(file, whole=True) as f:
+                with open_shard(location, file, whole=True) as f:
                     infos = self._keep(f.header.tensors)
                     data = [_tensor_struct(f.raw(t), t) for t in infos]
                     yield _batch(names, shown, infos, data)
             else:  # header only: no tensor byte is read
-                yield _batch(names, shown, self._keep(location.read_header(file).tensors), None)
+                yield _batch(names, shown, self._keep(read_header(location, file).tensors), None)
 
     # -- files view
 
@@ -364,7 +367,7 @@ class SafetensorsReader(DataSourceReader):
         entries = {e.shard_path: e for e in source.manifest.shards} if source.manifest else {}
         names = [f.name for f in self.schema.fields]
         for file in partition.files:
-            with source.location.open_shard(file, whole=True) as f:
+            with open_shard(source.location, file, whole=True) as f:
                 entry = entries.get(file)
                 problems = entry and check_shard(source.manifest, entry, entry.bytes, f.header)
                 if problems:
@@ -398,7 +401,7 @@ class SafetensorsReader(DataSourceReader):
         source = self.sources[part.source]
         entry = source.manifest.shards[part.shard]
         location = source.location
-        f = location.open_shard(entry.shard_path, whole=whole)
+        f = open_shard(location, entry.shard_path, whole=whole)
         problems = check_shard(source.manifest, entry, entry.bytes, f.header)
         if problems:
             f.close()
@@ -616,7 +619,7 @@ class ReadPlan:
             if source.manifest is None:
                 return False
             try:
-                if source.location.load_manifest() != source.manifest:
+                if load_manifest(source.location) != source.manifest:
                     return False
             except (ManifestError, OSError):
                 return False  # planning again raises the error with its message

@@ -19,6 +19,7 @@ from ..dataset import (
     check_append,
     check_kv_columns,
     commit_dataset,
+    load_manifest,
     split_storage_options,
 )
 from .columns import ColumnError, ColumnPlan, plan_column
@@ -204,7 +205,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
         only once written, and the commit checks them."""
         if not self.location.has(MANIFEST):
             return
-        previous = self.location.load_manifest()
+        previous = load_manifest(self.location)
         where = f"dataset {self.location.uri!r}"
         known = {p.name: _known_schema(p, previous.schema.get(p.name)) for p in self.plans}
         check_append(previous, self._template(), known, where)

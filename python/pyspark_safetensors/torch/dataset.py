@@ -15,8 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..dataset import DatasetLocation, Manifest, ManifestError, split_kv_name
-from ..dataset.location import ShardReader
+from ..dataset import (
+    DatasetLocation,
+    Manifest,
+    ManifestError,
+    ShardReader,
+    open_shard,
+    read_index,
+    split_kv_name,
+    verify_dataset,
+)
 from ..format.errors import InvalidTypeError
 from .dtypes import TORCH_DTYPES, as_torch
 
@@ -34,7 +42,7 @@ class _OpenShards:
             self.pid, self.shards = os.getpid(), {}
         f = self.shards.get(name)
         if f is None:
-            f = self.shards[name] = self.location.open_shard(name)
+            f = self.shards[name] = open_shard(self.location, name)
         return f
 
     def __getstate__(self):
@@ -140,7 +148,7 @@ class SafetensorsDataset(torch.utils.data.Dataset):
         if self._keys is None:
             if self.mode != "kv":
                 raise InvalidTypeError("key lookups need a KV dataset (written with name_col)")
-            table = self.location.read_index(self.manifest, checksums=self.checksums).to_pydict()
+            table = read_index(self.location, self.manifest, checksums=self.checksums).to_pydict()
             sep = self.manifest.kv_separator or "__"
             columns = list(self.manifest.schema)
             keys: dict[str, dict[str, KeyLocation]] = {}
@@ -210,6 +218,6 @@ def open_dataset(
     ``DatasetLocation.of`` (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``).
     """
     location = DatasetLocation.of(path, filesystem, storage_options)
-    ds = SafetensorsDataset(location, location.verify(checksums=checksums))
+    ds = SafetensorsDataset(location, verify_dataset(location, checksums=checksums))
     ds.checksums = checksums
     return ds

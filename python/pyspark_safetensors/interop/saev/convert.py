@@ -25,20 +25,20 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
 from ...dataset import (
     MANIFEST,
     ColumnSchema,
+    DatasetBuilder,
+    DatasetLocation,
     Manifest,
-    ShardEntry,
-    shard_name,
+    StagedShard,
+    stage_shard,
     verify_dataset,
-    write_manifest,
 )
 from ...dataset.publish import publishing
-from ...format import SafetensorsFile, cast_array, write_shard
+from ...format import SafetensorsFile, cast_array
 from ..convert import ConversionError
 from .dump import (
     SaevDump,
@@ -118,9 +118,16 @@ def _coordinates(meta: Metadata, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _dataset_part(
-    dump_dir: str, staging: str, part: int, start: int, stop: int, dtype: str
-) -> tuple[dict, int]:
-    """Images ``start:stop`` of the dump as one dataset shard; returns its entry."""
+    dump_dir: str,
+    location: DatasetLocation,
+    name: str,
+    part: int,
+    start: int,
+    stop: int,
+    dtype: str,
+) -> tuple[tuple[StagedShard, dict], int]:
+    """Images ``start:stop`` of the dump as dataset shard ``part`` named ``name``; returns
+    the staged shard with its column schema, and the bytes read."""
     dump = SaevDump(dump_dir)
     meta = dump.meta
     acts = dump.images(start, stop).reshape(-1, meta.d_vit)
@@ -132,15 +139,12 @@ def _dataset_part(
         "activation": acts,
         **_coordinates(meta, np.arange(first, first + len(acts), dtype=np.int64)),
     }
-    name = shard_name(0, part)
-    crc = [0]
-
-    def checksum(data):
-        crc[0] = crc32c.crc32c(data, crc[0])
-
-    header = write_shard(Path(staging) / name, columns, on_bytes=checksum)
-    entry = ShardEntry(name, len(acts), header.file_size, first, f"{crc[0]:08x}")
-    return entry.to_json(), (stop - start) * meta.img_nbytes
+    staged = stage_shard(location, name, part, columns, len(acts), index=False)
+    schema = {
+        "activation": ColumnSchema(dtype, acts.shape, (meta.d_vit,)),
+        **{c: ColumnSchema("I64", (len(acts),), ()) for c in COORDINATES},
+    }
+    return (staged, schema), (stop - start) * meta.img_nbytes
 
 
 def saev_to_dataset(
@@ -169,38 +173,32 @@ def saev_to_dataset(
     for s in range(meta.n_shards):  # parts never straddle a saev shard: one memmap each
         lo, hi = s * S, s * S + meta.imgs_in_shard(s)
         for a in range(lo, hi, imgs_per_part):
-            tasks.append((str(dump.path), None, len(tasks), a, min(a + imgs_per_part, hi), dtype))
+            tasks.append((str(dump.path), len(tasks), a, min(a + imgs_per_part, hi), dtype))
     text = (dump.path / "metadata.json").read_text(encoding="utf-8")
     name = dump.path.name if hash_matches(meta, dump.path.name) else meta.hash
+    metadata = {
+        META_JSON: text,
+        META_HASH: name,
+        "source_format": "saev",
+        "hook_point": f"{meta.vit_ckpt} layers {list(meta.layers)}",
+        "saev.rows_per_image": str(meta.n_layers * meta.n_tokens_per_img),
+    }
+    batch = min(imgs_per_part, max(meta.imgs_in_shard(s) for s in range(meta.n_shards)))
     created = not dst.parent.exists()
     try:
         with publishing(dst) as tmp:
-            tasks = [(t[0], str(tmp), *t[2:]) for t in tasks]
-            entries = _run(
-                tasks,
-                _dataset_part,
-                workers,
-                progress,
-                f"saev -> {dst.name}",
-                meta.n_imgs * meta.img_nbytes,
-            )
-            shards = tuple(ShardEntry(**e) for e in entries)
-            batch = max(s.samples_count for s in shards)
-            schema = {
-                "activation": ColumnSchema(dtype, (batch, meta.d_vit), (meta.d_vit,)),
-                **{c: ColumnSchema("I64", (batch,), ()) for c in COORDINATES},
-            }
-            metadata = {
-                META_JSON: text,
-                META_HASH: name,
-                "source_format": "saev",
-                "hook_point": f"{meta.vit_ckpt} layers {list(meta.layers)}",
-                "saev.rows_per_image": str(meta.n_layers * meta.n_tokens_per_img),
-            }
-            write_manifest(
-                tmp,
-                Manifest(shards, schema, mode="batch", batch_size=batch, metadata=metadata),
-            )
+            build = DatasetBuilder(
+                tmp, batch_size=batch * meta.n_layers * meta.n_tokens_per_img,
+                metadata=metadata, overwrite=True,
+            )  # fmt: skip
+            with build:
+                tasks = [(t[0], build.location, build.shard_name(t[1]), *t[1:]) for t in tasks]
+                parts = _run(
+                    tasks, _dataset_part, workers, progress, f"saev -> {dst.name}",
+                    meta.n_imgs * meta.img_nbytes,
+                )  # fmt: skip
+                for staged, schema in parts:
+                    build.add(staged, schema)
     except BaseException:
         if created:
             shutil.rmtree(dst.parent, ignore_errors=True)

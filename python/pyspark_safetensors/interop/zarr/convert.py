@@ -18,22 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ...dataset import (
-    INDEX,
-    ColumnSchema,
-    Manifest,
-    ShardEntry,
-    index_rows,
-    read_index,
-    shard_crc32c,
-    shard_name,
-    split_kv_name,
-    verify_dataset,
-    write_index,
-    write_manifest,
-)
+from ...dataset import DatasetBuilder, read_index, split_kv_name, verify_dataset
 from ...dataset.publish import publishing
-from ...format import cast_array, write_shard
+from ...format import cast_array
 from .store import (
     TEXT_FILES,
     ActivationStore,
@@ -64,14 +51,7 @@ def zarr_to_dataset(
         raise ZarrStoreError(f"--dtype {dtype}: choose F16, BF16 or F32")
     source = open_activations(src)
     arrays = _per_sample_arrays(source)
-    keys = (
-        [k.decode() for k in arrays["sample_key"]]
-        if "sample_key" in arrays
-        else [str(i) for i in range(len(source))]
-    )
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ZarrStoreError(f"{src}: sample_key {dup!r} appears twice; keys must be unique")
+    keys = _sample_keys(src, source, arrays)
     sample_bytes = source.seq_len.astype(np.int64) * source.num_layers * source.hidden_size * 2
     groups = _groups(sample_bytes * (2 if dtype == "F32" else 1), SHARD_BYTES)
     columns = [layer_column(layer) for layer in range(source.num_layers)]
@@ -84,58 +64,69 @@ def zarr_to_dataset(
     }
 
     with publishing(dst) as tmp:
+        build = DatasetBuilder(
+            tmp, mode="kv", name_col="sample_key", kv_separator=KV_SEPARATOR,
+            metadata=metadata, overwrite=True,
+        )  # fmt: skip
 
-        def write(part: int):
-            rows = groups[part]
-            tensors = {}
-            for i in rows:
-                for layer, column in enumerate(columns):
-                    x = source.read(int(i), layer)
-                    tensors[f"{keys[i]}{KV_SEPARATOR}{column}"] = cast_array(
-                        x, dtype, where=f"sample {i} layer {layer}"
+        def write(part: int) -> int:
+            samples = {
+                keys[i]: {
+                    column: cast_array(
+                        source.read(int(i), layer), dtype, where=f"sample {i} layer {layer}"
                     )
-            name = shard_name(0, part)
-            header = write_shard(tmp / name, tensors, {"format": "pt", **metadata})
-            return name, len(rows), header, shard_crc32c(tmp / name)
+                    for layer, column in enumerate(columns)
+                }
+                for i in groups[part]
+            }
+            build.add_kv(samples, part=part, shard_metadata={"format": "pt", **metadata})
+            return len(samples)
 
-        entries, index = [], []
         with (
+            build,
             ThreadPoolExecutor(max(1, workers)) as pool,
             tqdm(total=len(source), desc="zarr -> safetensors", unit="sample",
                  disable=not progress) as bar,
         ):  # fmt: skip
-            first = 0
-            for name, count, header, crc in pool.map(write, range(len(groups))):
-                entries.append(ShardEntry(name, count, header.file_size, first, crc))
-                index.append(index_rows(name, header))
-                first += count
+            for count in pool.map(write, range(len(groups))):
                 bar.update(count)
-        write_index(tmp, index)
-        shape = (-1, source.hidden_size)
-        manifest = Manifest(
-            tuple(entries),
-            {c: ColumnSchema(dtype, shape, shape) for c in columns},
-            mode="kv",
-            name_col="sample_key",
-            kv_separator=KV_SEPARATOR,
-            index_file=INDEX,
-            metadata=metadata,
-        )
-        table = {"i": pa.array(np.arange(len(source), dtype=np.int64))}
-        if "sample_key" in arrays:
-            table["sample_key"] = pa.array(keys, pa.string())
-        table["seq_len"] = pa.array(source.seq_len)
-        for name, values in arrays.items():
-            if name != "sample_key":
-                table[name] = pa.array(values)
-        pq.write_table(pa.table(table), tmp / SAMPLES_TABLE)
-        for name, records in _text_records(source).items():
-            (tmp / "text").mkdir(exist_ok=True)
-            with open(tmp / "text" / name, "w", encoding="utf-8") as f:
-                for g in sorted(records):
-                    f.write(json.dumps(records[g], ensure_ascii=False) + "\n")
-        write_manifest(tmp, manifest)
+        _write_samples_table(tmp, source, arrays, keys)
+        _write_texts(tmp, source)
     return dst
+
+
+def _sample_keys(src: Path, source, arrays: dict) -> list[str]:
+    """The dataset keys: the store's ``sample_key`` (unique), else the sample index."""
+    keys = (
+        [k.decode() for k in arrays["sample_key"]]
+        if "sample_key" in arrays
+        else [str(i) for i in range(len(source))]
+    )
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ZarrStoreError(f"{src}: sample_key {dup!r} appears twice; keys must be unique")
+    return keys
+
+
+def _write_samples_table(tmp: Path, source, arrays: dict, keys: list[str]) -> None:
+    """``zarr_samples.parquet``: the global order, ``seq_len`` and every per-sample array."""
+    table = {"i": pa.array(np.arange(len(source), dtype=np.int64))}
+    if "sample_key" in arrays:
+        table["sample_key"] = pa.array(keys, pa.string())
+    table["seq_len"] = pa.array(source.seq_len)
+    for name, values in arrays.items():
+        if name != "sample_key":
+            table[name] = pa.array(values)
+    pq.write_table(pa.table(table), tmp / SAMPLES_TABLE)
+
+
+def _write_texts(tmp: Path, source) -> None:
+    """The store's ``text/*.jsonl`` records, as they were."""
+    for name, records in _text_records(source).items():
+        (tmp / "text").mkdir(exist_ok=True)
+        with open(tmp / "text" / name, "w", encoding="utf-8") as f:
+            for g in sorted(records):
+                f.write(json.dumps(records[g], ensure_ascii=False) + "\n")
 
 
 def _groups(sizes: np.ndarray, target: int) -> list[np.ndarray]:
@@ -165,30 +156,8 @@ def dataset_to_zarr(
     if dtype not in (None, "F16", "float16"):
         raise ZarrStoreError(f"--dtype {dtype}: a Zarr activation store is float16 only")
     manifest = verify_dataset(src)
-    if manifest.mode != "kv" or manifest.index_file is None:
-        raise ZarrStoreError(
-            f"{src}: a Zarr store is made from a KV dataset with a tensor index "
-            "(one tensor per sample and layer); this one is a batch dataset"
-        )
-    layers = json.loads(manifest.metadata.get("layers", "null")) or list(manifest.schema)
-    widths = {c: manifest.schema[c].sample_shape[-1] for c in layers if c in manifest.schema}
-    if len(widths) != len(layers) or len(set(widths.values())) != 1:
-        raise ZarrStoreError(
-            f"{src}: every layer column needs the same hidden size; columns {widths}"
-        )
-    hidden = next(iter(widths.values()))
-    sep = manifest.kv_separator or KV_SEPARATOR
-    where: dict[str, dict[str, tuple]] = {}
-    table = read_index(src).to_pydict()
-    for name, file, shape, dt, begin, end in zip(
-        table["tensor_key"], table["file_name"], table["shape"], table["dtype"],
-        table["begin"], table["end"], strict=True,
-    ):  # fmt: skip
-        split = split_kv_name(name, manifest.schema, sep)  # the writer's own name rule
-        if split is None:
-            raise ZarrStoreError(f"{src}: tensor {name!r} names no column of the dataset")
-        key, column = split
-        where.setdefault(key, {})[column] = (file, tuple(shape), dt, begin, end)
+    layers, hidden = _layers(src, manifest)
+    where = _tensor_locations(src, manifest)
     samples = pq.read_table(src / SAMPLES_TABLE) if (src / SAMPLES_TABLE).is_file() else None
     if samples is not None and "sample_key" in samples.column_names:
         keys = samples.column("sample_key").to_pylist()
@@ -197,22 +166,7 @@ def dataset_to_zarr(
     else:
         keys = list(where)
     write_keys = samples is None or "sample_key" in samples.column_names
-    seq_lens = []
-    for key in keys:
-        entry = where.get(key)
-        if entry is None or set(entry) != set(layers):
-            raise ZarrStoreError(
-                f"{src}: key {key!r} has layers {sorted(entry or {})}, expected {layers}"
-            )
-        lengths = {c: entry[c][1][0] for c in layers}
-        if len(set(lengths.values())) != 1 or any(len(entry[c][1]) != 2 for c in layers):
-            raise ZarrStoreError(f"{src}: key {key!r} has layers of different shapes {lengths}")
-        seq_lens.append(lengths[layers[0]])
-        if write_keys and len(key.encode()) > KEY_BYTES:
-            raise ZarrStoreError(
-                f"{src}: key {key[:20]!r}... is longer than {KEY_BYTES} bytes; sample_key "
-                "cannot hold it"
-            )
+    seq_lens = _sequence_lengths(src, where, keys, layers, write_keys)
     attrs = json.loads(manifest.metadata.get("zarr_attrs", "{}"))
     t_max = int(attrs.get("T_max") or max(seq_lens, default=1) or 1)
     if seq_lens and max(seq_lens) > t_max:
@@ -232,10 +186,9 @@ def dataset_to_zarr(
         }
 
     def copy(i: int) -> None:
-        entry = where[keys[i]]
         acts = np.empty((len(layers), seq_lens[i], hidden), np.float16)
         for layer, column in enumerate(layers):
-            file, shape, dt, begin, end = entry[column]
+            file, shape, dt, begin, end = where[keys[i]][column]
             acts[layer] = _read_tensor(src / file, begin, end, dt, shape)
         writer.put(
             i, acts, sample_key=keys[i] if write_keys else None,
@@ -250,18 +203,79 @@ def dataset_to_zarr(
         ):  # fmt: skip
             for _ in pool.map(copy, range(len(keys))):
                 bar.update()
-        for name in TEXT_FILES:
-            path = src / "text" / name
-            if path.is_file():
-                with open(path, encoding="utf-8") as f:
-                    for line in f:
-                        if line.strip():
-                            record = json.loads(line)
-                            writer.texts[name][record["i"]] = record
+        _read_texts(src, writer)
     except BaseException:
         writer.abort()
         raise
     return writer.close()
+
+
+def _layers(src: Path, manifest) -> tuple[list[str], int]:
+    """The layer columns in store order and their common hidden size."""
+    if manifest.mode != "kv" or manifest.index_file is None:
+        raise ZarrStoreError(
+            f"{src}: a Zarr store is made from a KV dataset with a tensor index "
+            "(one tensor per sample and layer); this one is a batch dataset"
+        )
+    layers = json.loads(manifest.metadata.get("layers", "null")) or list(manifest.schema)
+    widths = {c: manifest.schema[c].sample_shape[-1] for c in layers if c in manifest.schema}
+    if len(widths) != len(layers) or len(set(widths.values())) != 1:
+        raise ZarrStoreError(
+            f"{src}: every layer column needs the same hidden size; columns {widths}"
+        )
+    return layers, next(iter(widths.values()))
+
+
+def _tensor_locations(src: Path, manifest) -> dict[str, dict[str, tuple]]:
+    """``{key: {column: (file, shape, dtype, begin, end)}}`` from the tensor index, names
+    split by the writer's own rule."""
+    sep = manifest.kv_separator or KV_SEPARATOR
+    where: dict[str, dict[str, tuple]] = {}
+    table = read_index(src, manifest).to_pydict()
+    for name, file, shape, dt, begin, end in zip(
+        table["tensor_key"], table["file_name"], table["shape"], table["dtype"],
+        table["begin"], table["end"], strict=True,
+    ):  # fmt: skip
+        split = split_kv_name(name, manifest.schema, sep)
+        if split is None:
+            raise ZarrStoreError(f"{src}: tensor {name!r} names no column of the dataset")
+        key, column = split
+        where.setdefault(key, {})[column] = (file, tuple(shape), dt, begin, end)
+    return where
+
+
+def _sequence_lengths(src: Path, where, keys, layers, write_keys: bool) -> list[int]:
+    """Each key's token count, checking it has every layer, all ``[seq_len, H]``, and a
+    key that fits ``sample_key`` when keys are written."""
+    seq_lens = []
+    for key in keys:
+        entry = where.get(key)
+        if entry is None or set(entry) != set(layers):
+            raise ZarrStoreError(
+                f"{src}: key {key!r} has layers {sorted(entry or {})}, expected {layers}"
+            )
+        lengths = {c: entry[c][1][0] for c in layers}
+        if len(set(lengths.values())) != 1 or any(len(entry[c][1]) != 2 for c in layers):
+            raise ZarrStoreError(f"{src}: key {key!r} has layers of different shapes {lengths}")
+        seq_lens.append(lengths[layers[0]])
+        if write_keys and len(key.encode()) > KEY_BYTES:
+            raise ZarrStoreError(
+                f"{src}: key {key[:20]!r}... is longer than {KEY_BYTES} bytes; sample_key "
+                "cannot hold it"
+            )
+    return seq_lens
+
+
+def _read_texts(src: Path, writer: StoreWriter) -> None:
+    """The dataset's ``text/*.jsonl`` records into the store's text files."""
+    for name in TEXT_FILES:
+        path = src / "text" / name
+        if path.is_file():
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        record = json.loads(line)
+                        writer.texts[name][record["i"]] = record
 
 
 def _chunk_of(attrs: dict, t_max: int) -> int | None:
