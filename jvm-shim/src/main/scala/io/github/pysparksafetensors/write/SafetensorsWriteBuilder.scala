@@ -77,8 +77,9 @@ object SafetensorsBatchWrite {
     val options = WriterOptions.parse(info.options().asCaseSensitiveMap())
     val schema = info.schema()
     val plans = planColumns(schema, options)
+    val given = info.options().asCaseSensitiveMap()
     val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
-      scala.jdk.CollectionConverters.MapHasAsScala(info.options().asCaseSensitiveMap()).asScala.toMap)
+      scala.jdk.CollectionConverters.MapHasAsScala(given).asScala.toMap ++ WriterOptions.storageConf(given))
     val files = new DatasetFiles(options.path, new SerializableConfiguration(hadoop))
     val jobId = UUID.randomUUID().toString.replace("-", "")
     val keyOrdinal = options.nameCol.map(schema.fieldIndex).getOrElse(-1)

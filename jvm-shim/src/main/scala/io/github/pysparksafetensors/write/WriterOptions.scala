@@ -68,6 +68,23 @@ object WriterOptions {
     "keep_previous_generation" -> "false"
   )
 
+  /** Storage options, as the Python writer takes them for S3-compatible stores; here they
+    * become the s3a connector's Hadoop settings (`storageConf`). */
+  val StorageOptions: Seq[String] = Seq("endpoint_url", "region", "path_style", "anonymous")
+
+  /** The Hadoop settings of the storage options in `options` (names case-insensitive). */
+  def storageConf(options: java.util.Map[String, String]): Map[String, String] =
+    options.asScala.toSeq.flatMap { case (k, v) =>
+      k.toLowerCase(Locale.ROOT) match {
+        case "endpoint_url" => Seq("fs.s3a.endpoint" -> v)
+        case "region" => Seq("fs.s3a.endpoint.region" -> v)
+        case "path_style" => Seq("fs.s3a.path.style.access" -> parseBool(k, v).toString)
+        case "anonymous" if parseBool(k, v) =>
+          Seq("fs.s3a.aws.credentials.provider" -> "org.apache.hadoop.fs.s3a.AnonymousAWSCredentialsProvider")
+        case _ => Nil
+      }
+    }.toMap
+
   /** `Names` and `Defaults` as JSON, for tools that compare the two writers' tables. */
   def describe(): String = {
     val mapper = new ObjectMapper()
@@ -173,7 +190,7 @@ object WriterOptions {
   /** Parse Spark's write options (names case-insensitive); `path` comes from `save(path)`. */
   def parse(options: java.util.Map[String, String]): WriterOptions = {
     val opts = options.asScala.map { case (k, v) => k.toLowerCase(Locale.ROOT) -> v }.toMap
-    val known = ("path" +: Names).map(_.toLowerCase(Locale.ROOT)).toSet
+    val known = ("path" +: (Names ++ StorageOptions)).map(_.toLowerCase(Locale.ROOT)).toSet
     val unknown = options.asScala.keys.filterNot(k => known(k.toLowerCase(Locale.ROOT))).toSeq.sorted
     if (unknown.nonEmpty) unknownOptions(unknown)
     def get(name: String): Option[String] = opts.get(name.toLowerCase(Locale.ROOT))
