@@ -140,6 +140,27 @@ def test_data_parallel_equals_one_process_with_the_double_batch(tmp_path, activa
             torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_data_parallel_jumprelu_equals_one_process_with_the_double_batch(tmp_path, activations):
+    config = SAEConfig(dataset=str(activations), architecture="jumprelu", n_latents=N, k=K,
+                       batch_size=64, tokens=64 * 10, warmup_steps=1, lr=1e-2,
+                       jumprelu_bandwidth=0.5, out_dir=str(tmp_path / "run"), progress=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, 32, generator=gen) + 1
+    torch.save(x, tmp_path / "x.pt")
+    _run(_dp_worker, tmp_path, json.dumps(config.to_dict()), str(tmp_path / "x.pt"))
+    single = Trainer(config)
+    single.init_decoder_bias(x[0])
+    want = [single.train_step(xs) for xs in x]
+    assert want[-1]["l0_penalty"] > 0  # the L0 penalty's gradient is exercised
+    for rank in range(2):
+        got = torch.load(tmp_path / f"dp{rank}.pt")
+        for a, b in zip(got["metrics"], want, strict=True):
+            assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
+            assert a["l0"] == b["l0"] and a["l0_penalty"] == pytest.approx(b["l0_penalty"])
+        for name, t in single.sae.full_state().items():
+            torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activations):
     common = [f"dataset={activations}", "n_latents=128", "k=6", "batch_size=256",
               "tokens=5120", "warmup_steps=2", "lr=0.002", "log_every=1", "progress=false",
