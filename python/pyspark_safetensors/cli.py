@@ -6,6 +6,7 @@ Commands:
   train     train a TopK SAE (one process, or --nproc N launching torchrun)
   lut       precompute lookup tables for linear layers from SAE checkpoints
   evaluate  a LUT directory against the exact layers on held-out corpus passages
+  features  what each SAE latent responds to, over every token, and a feature browser
   inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
   verify    check a dataset against its manifest, or a saev dump / Zarr store
   convert   convert between our datasets, saev dumps and Zarr stores
@@ -172,6 +173,39 @@ def extract(argv: list[str]) -> int:
             storage_options=storage_options,
         )  # fmt: skip
         print(summary)
+    finally:
+        spark.stop()
+    return 0
+
+
+# -- features -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeaturesCommand:
+    master: str = "local[*]"
+    """Spark master."""
+
+
+def features(argv: list[str]) -> int:
+    """Encode every token of an extraction's hook point with an SAE inside Spark and
+    write each latent's statistics, top-activating contexts and a static feature browser
+    (--out/index.html; see docs/features.md)."""
+    from .features import FeaturesConfig, plan_features, run_features
+    from .spark.session import local_session
+
+    omit = _tyro().conf.OmitArgPrefixes
+    args_type = dataclasses.make_dataclass(
+        "FeaturesArgs",
+        [("job", Annotated[FeaturesCommand, omit]),
+         ("config", Annotated[FeaturesConfig, omit], dataclasses.field(default_factory=FeaturesConfig))],
+        frozen=True,
+    )  # fmt: skip
+    args = _parse(args_type, argv, "features", features.__doc__)
+    plan_features(args.config)  # bad inputs stop here, before Spark starts
+    spark = local_session(args.job.master)
+    try:
+        print(run_features(spark, args.config))
     finally:
         spark.stop()
     return 0
@@ -383,6 +417,7 @@ COMMANDS = {
     "train": train,
     "lut": lut,
     "evaluate": evaluate,
+    "features": features,
     "inspect": inspect,
     "verify": verify,
     "convert": convert,

@@ -1,0 +1,71 @@
+"""The static feature browser: ``index.html`` and ``data/*.js`` beside it, opened from
+disk (no server, no network). The data are scripts assigning globals, since browsers
+refuse ``fetch()`` of ``file://`` URLs: ``data/latents.js`` (every latent's statistics,
+histogram and top tokens, for the list and the search) and ``data/contexts-NNNN.js``
+(the examples of ``CHUNK`` latents each, loaded when a latent of theirs is opened)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from .config import FeaturesConfig
+from .state import histogram_edges
+
+CHUNK = 256
+TOP_TOKENS = 8
+
+
+def _js(name: str, value) -> str:
+    return f"window.{name} = {json.dumps(value, separators=(',', ':'))};\n"
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def write_browser(out: str | Path, *, title: str, tokens: int, config: FeaturesConfig) -> Path:
+    """Write the browser of ``out/latents.parquet`` and ``out/contexts.parquet`` into
+    ``out``; returns ``out/index.html``."""
+    out = Path(out)
+    latents = pq.read_table(out / "latents.parquet").sort_by("latent").to_pylist()
+    contexts = pq.read_table(out / "contexts.parquet").to_pylist()
+    contexts.sort(key=lambda r: (r["latent"], r["kind"] != "top", r["kind"], r["rank"]))
+    by_latent: dict[int, list] = {}
+    for row in contexts:
+        acts = [_round(a) for a in row["acts"]]
+        by_latent.setdefault(row["latent"], []).append(
+            [row["kind"], row["rank"], _round(row["value"]), row["tokens"], acts, row["center"]]
+        )
+    rows = []
+    for r in latents:
+        top = [c[3][c[5]] for c in by_latent.get(r["latent"], []) if c[0] == "top"]
+        rows.append([
+            r["latent"], r["count"], _round(r["frequency"]), _round(r["mean"]), _round(r["max"]),
+            r["dead"], r["dense"], r["hist"], list(dict.fromkeys(top))[:TOP_TOKENS],
+        ])  # fmt: skip
+    data = out / "data"
+    data.mkdir(exist_ok=True)
+    edges = histogram_edges(config.hist_bins, config.hist_min, config.hist_max)
+    meta = {
+        "title": title, "tokens": tokens, "chunk": CHUNK, "top_n": config.top_n,
+        "dense_frequency": config.dense_frequency, "edges": [_round(e) for e in edges],
+        "columns": ["latent", "count", "frequency", "mean", "max", "dead", "dense", "hist", "top"],
+        "latents": rows,
+    }  # fmt: skip
+    (data / "latents.js").write_text(_js("FEATURE_DATA", meta))
+    for start in range(0, max(len(rows), 1), CHUNK):
+        chunk = {str(i): by_latent[i] for i in range(start, start + CHUNK) if i in by_latent}
+        script = "window.FEATURE_CONTEXTS = window.FEATURE_CONTEXTS || {};\n"
+        script += (
+            f"Object.assign(window.FEATURE_CONTEXTS, {json.dumps(chunk, separators=(',', ':'))});\n"
+        )
+        script += f"window.FEATURE_CHUNKS_LOADED = (window.FEATURE_CHUNKS_LOADED || []).concat([{start // CHUNK}]);\n"
+        (data / f"contexts-{start // CHUNK:04d}.js").write_text(script)
+    page = resources.files(__package__).joinpath("browser.html").read_text()
+    index = out / "index.html"
+    index.write_text(page)
+    return index

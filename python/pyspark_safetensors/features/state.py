@@ -1,0 +1,165 @@
+"""Per-latent state of one stream of tokens, bounded whatever the stream's length, and
+mergeable: two states of disjoint token sets merge into the state of their union.
+
+- statistics: non-zero count and sum per (latent, histogram bin), max per latent, tokens;
+- top-N: the N largest activations of each latent, ties broken by the token id (so the
+  lists do not depend on how the tokens were split between tasks);
+- random examples: per (latent, histogram bin) the R entries with the smallest hash
+  priority (bottom-k sampling: a uniform sample without replacement, and the bottom-k of a
+  union is the bottom-k of the parts' bottom-k, so any band made of whole bins can be
+  sampled exactly after the merge).
+
+Every update is a handful of vectorised torch operations over the batch's sparse code;
+memory is O(latents x (N + bins x R)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import FeaturesError
+
+POS_BITS, WINDOW_BITS = 12, 16
+"""A token's id: ``sample_id << 28 | window << 12 | token_pos`` (one int64, ordered like
+the dataset)."""
+_U32 = 1 << 32
+_MIX = (-49064778989728563, -4265267296055464877)  # murmur3's finalizer, as signed int64
+
+
+def token_ids(sample_id: np.ndarray, window: np.ndarray, token_pos: np.ndarray) -> np.ndarray:
+    """The int64 id of each token (see ``POS_BITS``)."""
+    if token_pos.size and (token_pos.max() >= 1 << POS_BITS or window.max() >= 1 << WINDOW_BITS):
+        raise FeaturesError(
+            f"token_pos must be < {1 << POS_BITS} and window < {1 << WINDOW_BITS} to number tokens"
+        )
+    return (
+        (sample_id.astype(np.int64) << (POS_BITS + WINDOW_BITS))
+        | (window.astype(np.int64) << POS_BITS)
+        | token_pos.astype(np.int64)
+    )
+
+
+def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(sample_id, window, token_pos)`` of token ids."""
+    ids = np.asarray(ids, np.int64)
+    return (
+        ids >> (POS_BITS + WINDOW_BITS),
+        (ids >> POS_BITS) & ((1 << WINDOW_BITS) - 1),
+        ids & ((1 << POS_BITS) - 1),
+    )
+
+
+def priority(ids: torch.Tensor, latents: torch.Tensor, seed: int) -> torch.Tensor:
+    """A pseudo-random 31-bit priority per (token, latent): a hash, so the same entry gets
+    the same priority in any task (int64 products wrap, as the hash wants)."""
+    x = ids * 1_000_003 + latents * 2_654_435_761 + seed
+    for c in _MIX:
+        x = (x ^ ((x >> 33) & ((1 << 31) - 1))) * c
+    return (x >> 32) & 0x7FFFFFFF
+
+
+def keep_first(group: torch.Tensor, key: torch.Tensor, ids: torch.Tensor, per_group: int):
+    """Indices of the ``per_group`` entries of each group with the smallest ``key``
+    (``0 <= key < 2**32``), ties by the smaller id: two stable sorts, no Python loop."""
+    if group.numel() == 0:
+        return group
+    by_id = torch.sort(ids, stable=True).indices
+    composite = group[by_id] * _U32 + key[by_id]
+    order = by_id[torch.sort(composite, stable=True).indices]
+    g = group[order]
+    n = g.numel()
+    arange = torch.arange(n, device=g.device)
+    new = torch.ones(n, dtype=torch.bool, device=g.device)
+    new[1:] = g[1:] != g[:-1]
+    start = torch.cummax(torch.where(new, arange, 0), 0).values
+    return order[(arange - start) < per_group]
+
+
+def descending_key(values: torch.Tensor) -> torch.Tensor:
+    """A key sorting non-negative float32 values from the largest (their bit patterns are
+    ordered like the values)."""
+    return (_U32 - 1) - values.float().contiguous().view(torch.int32).long()
+
+
+def histogram_edges(bins: int, low: float, high: float) -> np.ndarray:
+    """``bins + 1`` log-spaced edges from ``low`` to ``high``."""
+    return np.geomspace(low, high, bins + 1)
+
+
+@dataclass
+class LatentState:
+    """The state of one token stream (see the module docstring)."""
+
+    n_latents: int
+    top_n: int
+    per_bin: int
+    edges: torch.Tensor
+    seed: int = 0
+
+    def __post_init__(self):
+        n, bins = self.n_latents, len(self.edges) - 1
+        self.bins = bins
+        self.tokens = 0
+        self.counts = torch.zeros(n * bins, dtype=torch.int64)
+        self.sums = torch.zeros(n * bins, dtype=torch.float64)
+        self.maxima = torch.zeros(n, dtype=torch.float32)
+        self.top = _entries()
+        self.samples = _entries()
+
+    def bin_of(self, values: torch.Tensor) -> torch.Tensor:
+        inner = self.edges[1:-1].to(values.device, torch.float32)
+        return torch.bucketize(values.float(), inner, right=True)
+
+    def update(self, values: torch.Tensor, indices: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add a batch's code: ``values, indices [B, k]`` and the tokens' ``ids [B]``."""
+        self.tokens += int(ids.numel())
+        fired = values > 0
+        val = values[fired].float().cpu()
+        lat = indices[fired].long().cpu()
+        tid = ids.cpu().unsqueeze(1).expand_as(values)[fired.cpu()]
+        cell = lat * self.bins + self.bin_of(val)
+        self.counts += torch.bincount(cell, minlength=self.counts.numel())
+        self.sums.index_add_(0, cell, val.double())
+        self.maxima.scatter_reduce_(0, lat, val, "amax")
+        self.add_candidates(
+            {"latent": lat, "value": val, "id": tid},
+            {"latent": lat, "value": val, "id": tid, "cell": cell},
+        )
+
+    def add_candidates(self, top: dict, samples: dict) -> None:
+        """Fold candidate entries (another state's, or a batch's) into top-N and samples."""
+        top = _cat(self.top, top)
+        self.top = _take(top, keep_first(top["latent"], descending_key(top["value"]), top["id"],
+                                         self.top_n))  # fmt: skip
+        samples = _cat(self.samples, samples)
+        prio = priority(samples["id"], samples["latent"], self.seed)
+        self.samples = _take(
+            samples, keep_first(samples["cell"], prio, samples["id"], self.per_bin)
+        )
+
+    def merge(self, other: LatentState) -> None:
+        self.tokens += other.tokens
+        self.counts += other.counts
+        self.sums += other.sums
+        self.maxima = torch.maximum(self.maxima, other.maxima)
+        self.add_candidates(other.top, other.samples)
+
+
+def _entries() -> dict:
+    return {
+        "latent": torch.zeros(0, dtype=torch.int64),
+        "value": torch.zeros(0, dtype=torch.float32),
+        "id": torch.zeros(0, dtype=torch.int64),
+        "cell": torch.zeros(0, dtype=torch.int64),
+    }
+
+
+def _cat(a: dict, b: dict) -> dict:
+    return {name: torch.cat([a[name], b[name]]) for name in b}
+
+
+def _take(entries: dict, index: torch.Tensor) -> dict:
+    return {name: t[index] for name, t in entries.items()}

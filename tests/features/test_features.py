@@ -1,0 +1,150 @@
+"""The feature job in Spark on a tiny extraction: its statistics and examples equal the
+single-process reference's, its contexts hold the latent's activation on every token,
+its outputs are published whole, bad inputs stop it with one line, and the browser
+works in a real (headless) Chromium."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pyspark_safetensors.features import FeaturesConfig, FeaturesError, plan_features, run_features
+from pyspark_safetensors.features.merge import examples_table, latents_table
+from pyspark_safetensors.features.reference import reference_state
+
+pytestmark = pytest.mark.spark
+LATENTS = 96  # the random SAE of conftest.py
+
+
+@pytest.fixture(scope="module")
+def run(spark, extraction, sae_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("features-out") / "features"
+    config = FeaturesConfig(
+        extraction=str(extraction), sae=str(sae_file), out=str(out), top_n=6, context=4,
+        samples_per_band=2, batch_tokens=100,  # several batches per task
+    )  # fmt: skip
+    summary = run_features(spark, config)
+    return config, summary
+
+
+def test_statistics_and_examples_equal_the_reference(run):
+    config, summary = run
+    state = reference_state(plan_features(config), config)
+    assert summary.tokens == state.tokens > 500
+    want = latents_table(state, config).to_pandas()
+    got = pq.read_table(summary.out / "latents.parquet").to_pandas().sort_values("latent")
+    assert len(got) == LATENTS
+    for column in ("latent", "count", "max", "dead", "dense"):
+        assert got[column].tolist() == want[column].tolist(), column
+    assert np.allclose(got["mean"], want["mean"], rtol=1e-9)
+    assert [list(h) for h in got["hist"]] == [list(h) for h in want["hist"]]
+    assert 0 < got["dead"].sum() < LATENTS and got["dense"].any()  # the page has both kinds
+    keys = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]
+    examples = examples_table(state, config).to_pandas()[keys]
+    contexts = pq.read_table(summary.out / "contexts.parquet").to_pandas()
+    contexts = contexts[keys].sort_values(["latent", "kind", "rank"]).reset_index(drop=True)
+    examples = examples.sort_values(["latent", "kind", "rank"]).reset_index(drop=True)
+    assert contexts.equals(examples)
+    top = contexts[contexts.kind == "top"]
+    assert top.groupby("latent").size().max() == config.top_n
+    assert set(contexts.kind) > {"top"}  # random examples per quantile band too
+
+
+def test_contexts_hold_the_activation_of_every_token(run):
+    config, summary = run
+    contexts = pq.read_table(summary.out / "contexts.parquet").to_pylist()
+    for row in contexts:
+        assert len(row["tokens"]) == len(row["acts"]) <= 2 * config.context + 1
+        assert row["acts"][row["center"]] == pytest.approx(row["value"], rel=1e-5)
+        assert all(a >= 0 for a in row["acts"]) and max(row["acts"]) > 0
+    starts = [r for r in contexts if r["token_pos"] == 0]
+    assert starts and all(r["tokens"][r["center"]] == "[CLS]" for r in starts)
+
+
+def test_outputs_are_published_whole(run):
+    _, summary = run
+    names = sorted(p.name for p in summary.out.iterdir())
+    assert names == ["contexts.parquet", "data", "index.html", "latents.parquet"]
+    assert not [p for p in summary.out.parent.iterdir() if "staging" in p.name]
+    assert (summary.out / "data" / "latents.js").read_text().startswith("window.FEATURE_DATA")
+
+
+def test_bad_inputs_are_one_line_errors(run, extraction, make_sae, tmp_path):
+    config, _ = run
+    narrow = make_sae(tmp_path / "narrow.safetensors", width=128)
+    no_texts = tmp_path / "no-texts"
+    no_texts.mkdir()
+    for entry in extraction.iterdir():
+        if entry.name != "texts.jsonl":
+            os.symlink(entry, no_texts / entry.name)
+    cases = {
+        "width 128": {"sae": str(narrow)},
+        "encoder.layer.3:output": {"hook": "encoder.layer.3:output"},
+        "texts.jsonl": {"extraction": str(no_texts)},
+    }
+    for needle, change in cases.items():
+        bad = FeaturesConfig(**{**config.to_dict(), **change, "out": str(tmp_path / "o")})
+        with pytest.raises(FeaturesError) as e:
+            plan_features(bad)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+        assert isinstance(e.value, ValueError)
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_existing_output_is_kept_without_overwrite(spark, run):
+    config, summary = run
+    before = sorted(p.name for p in summary.out.iterdir())
+    with pytest.raises(FeaturesError, match="overwrite"):
+        run_features(spark, FeaturesConfig(**{**config.to_dict(), "overwrite": False}))
+    assert sorted(p.name for p in summary.out.iterdir()) == before
+
+
+def test_the_browser_in_headless_chromium(run, repo_root):
+    from pyspark_safetensors.features.screenshot import chromium, chromium_missing
+
+    missing = chromium_missing()
+    if missing:
+        pytest.skip(f"no headless Chromium: {missing}")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, summary = run
+    with chromium() as driver:
+        driver.get((summary.out / "index.html").resolve().as_uri())
+        rows = driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
+        assert len(rows) == LATENTS
+        freq_order = [r.get_attribute("data-latent") for r in rows]
+        driver.find_element(By.ID, "sort-max").click()
+        rows = driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
+        max_order = [r.get_attribute("data-latent") for r in rows]
+        assert max_order != freq_order
+        maxima = [float(r.find_elements(By.TAG_NAME, "td")[2].text) for r in rows]
+        assert maxima == sorted(maxima, reverse=True)
+        assert driver.find_elements(By.CSS_SELECTOR, "span.badge.dead")
+        rows[0].click()
+        WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".context"))
+        spans = driver.find_elements(By.CSS_SELECTOR, ".context .tok")
+        shading = {}
+        for span in spans[:200]:
+            shading.setdefault(
+                float(span.get_attribute("data-act")),
+                span.value_of_css_property("background-color"),
+            )
+        peak, low = max(shading), min(shading)
+        assert peak > low and shading[peak] != shading[low]
+        assert len(set(shading.values())) > 2  # the shade follows the activation
+        png = repo_root / "docs" / "img" / "feature-browser.png"
+        png.parent.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(png)) and png.stat().st_size > 10_000
+        token = driver.find_elements(By.CSS_SELECTOR, "tr.latent-row td.toks")[0].text.split()[0]
+        search = driver.find_element(By.ID, "search")
+        search.send_keys(token)
+        rows = driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
+        assert 0 < len(rows) < LATENTS
+        assert all(token.lower() in r.find_elements(By.TAG_NAME, "td")[4].get_attribute("textContent").lower()
+                   for r in rows)  # fmt: skip
+        search.send_keys("zzzz-no-such-token")
+        assert not driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
