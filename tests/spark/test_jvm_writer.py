@@ -17,9 +17,13 @@ from pyspark_safetensors.spark.options import WRITER_OPTIONS, WriterOptions
 
 pytestmark = pytest.mark.spark
 
-JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
-"""The JVM source's provider class, reachable by name whether or not its service entry
-makes it the ``safetensors`` format."""
+JVM_SOURCES = (
+    "io.github.pysparksafetensors.SafetensorsSource",
+    "io.github.pysparksafetensors.write.SafetensorsWriteProvider",
+)
+"""The JVM writer's entries by class name, reachable whether or not a service entry makes
+the JVM source the ``safetensors`` format: the full source (read and write) where the
+jar has it, else the write-only provider."""
 PYTHON_SOURCE = "safetensors"
 
 
@@ -33,10 +37,11 @@ def jvm_class(spark, name: str):
 
 @pytest.fixture(scope="module")
 def jvm(spark):
-    """The JVM source's format name; skips when the session has no shim jar with it."""
-    if jvm_class(spark, JVM_SOURCE) is None:
-        pytest.skip(f"{JVM_SOURCE} is not on the class path (build jvm-shim/build.sh)")
-    return JVM_SOURCE
+    """The JVM writer's format name; skips when the session has no shim jar with it."""
+    for name in JVM_SOURCES:
+        if jvm_class(spark, name) is not None:
+            return name
+    pytest.skip("no JVM writer on the class path (build it with jvm-shim/build.sh)")
 
 
 def write(df, fmt, path, mode="overwrite", **options):
