@@ -1,6 +1,7 @@
 """The research pipeline through the real CLI on a tiny config: Spark extraction of two
 hook points, two SAEs trained by torchrun with 2 processes, LUTs, held-out evaluation,
-the report; a rerun reuses every stage; a foreign output directory is refused."""
+a feature browser per SAE, the report; a rerun reuses every stage; a foreign output
+directory is refused."""
 
 import json
 import os
@@ -53,8 +54,9 @@ def run(tmp_path_factory):
 def test_every_artifact_exists_and_validates(run):
     summary = json.loads((run / "run" / "summary.json").read_text())
     stages = summary["stages"]
+    slugs = [h.replace(":", ".").replace(".", "_") for h in HOOKS]
     assert set(stages) == {"extract", "lut", "evaluation"} | {
-        f"sae-{h.replace(':', '.').replace('.', '_')}" for h in HOOKS
+        f"{stage}-{slug}" for stage in ("sae", "features") for slug in slugs
     }
     for name, stage in stages.items():  # stable names point at the current outputs
         assert (run / "run" / name).resolve() == (run / "run" / stage["dir"]).resolve()
@@ -73,6 +75,11 @@ def test_every_artifact_exists_and_validates(run):
     evaluation = run / "run" / summary["evaluation_dir"]
     for png in ("latent_frequency.png", "evaluation.png"):
         assert (evaluation / png).stat().st_size > 10_000
+    for hook, features in summary["features"].items():  # every latent of every SAE
+        browser = run / "run" / features["dir"] / "features"
+        assert features["latents"] == 768 and features["tokens"] == summary["extraction"]["tokens"]
+        assert (browser / "index.html").is_file() and (browser / "data" / "latents.js").is_file()
+        assert (browser / "latents.parquet").is_dir() and (browser / "contexts.parquet").is_dir()
 
 
 def test_report_and_summary_hold_every_figure(run):
@@ -91,11 +98,12 @@ def test_report_and_summary_hold_every_figure(run):
     assert set(ev["embedding_cosine"]) == {"0", "8"}
     assert all(0 < c <= 1.0001 for c in ev["embedding_cosine"].values())
     report = (run / "run" / "report.md").read_text()
-    for needle in ("FVU (held-out)", "LUT / dense", "Sentence embeddings", "**k=8**", HOOKS[1]):
+    for needle in ("FVU (held-out)", "LUT / dense", "Sentence embeddings", "**k=8**", HOOKS[1],
+                   "## Feature browsers", "/features/index.html"):  # fmt: skip
         assert needle in report
     for line in report.splitlines():  # every picture the report shows exists
-        if line.startswith("!["):
-            assert (run / "run" / line.split("](")[1].rstrip(")")).is_file(), line
+        if line.startswith("![") or line.startswith("- `"):
+            assert (run / "run" / line.split("](")[1].split(")")[0]).is_file(), line
 
 
 def test_rerun_reuses_every_stage(run):

@@ -14,9 +14,14 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
-    c, ev, stages = summary["config"], summary["evaluation"], summary["stages"]
-    ex = summary["extraction"]
-    lines = [
+    sections = (_overview, _stages, _extraction, _saes, _lut_errors, _lut_latency,
+                _embeddings, _features, _configuration)  # fmt: skip
+    return "\n".join(line for section in sections for line in section(summary))
+
+
+def _overview(summary: dict) -> list[str]:
+    c, ev = summary["config"], summary["evaluation"]
+    return [
         "# Pipeline report",
         "",
         f"Model `{summary['source_model']}`; {c['texts']} training passages, "
@@ -24,21 +29,32 @@ def render_report(summary: dict) -> str:
         f"SAEs trained on {c['nproc']} process(es) ({c['parallel']} parallel). "
         f"Created {summary['created_at']}, {summary['seconds']:.0f} s in all.",
         "",
-        "## Stages",
-        "",
-        *_table(
-            ["stage", "output", "config hash", "reused"],
-            [
-                [n, f"`{s['dir']}`", f"`{s['hash']}`", "yes" if s.get("reused") else "no"]
-                for n, s in stages.items()
-            ],
-        ),
-        "",
+    ]
+
+
+def _stages(summary: dict) -> list[str]:
+    rows = [
+        [n, f"`{s['dir']}`", f"`{s['hash']}`", "yes" if s.get("reused") else "no"]
+        for n, s in summary["stages"].items()
+    ]
+    return ["## Stages", "", *_table(["stage", "output", "config hash", "reused"], rows), ""]
+
+
+def _extraction(summary: dict) -> list[str]:
+    ex = summary["extraction"]
+    return [
         "## Extraction",
         "",
-        f"{ex['texts']:,} texts → {ex['samples']:,} model inputs, {ex['tokens']:,} tokens per hook point, "
-        f"{ex['bytes'] / 1e9:.3f} GB, {ex['tokens_per_s']:,.0f} tokens/s ({ex['seconds']:.1f} s).",
+        f"{ex['texts']:,} texts → {ex['samples']:,} model inputs, {ex['tokens']:,} tokens per "
+        f"hook point, {ex['bytes'] / 1e9:.3f} GB, {ex['tokens_per_s']:,.0f} tokens/s "
+        f"({ex['seconds']:.1f} s).",
         "",
+    ]
+
+
+def _saes(summary: dict) -> list[str]:
+    ev = summary["evaluation"]
+    lines = [
         "## SAEs",
         "",
         "Training figures are the last logged step; held-out figures are measured on the "
@@ -61,11 +77,13 @@ def render_report(summary: dict) -> str:
     )  # fmt: skip
     lines += [""]
     for hook in summary["training"]:
-        run = summary["sae_runs"][hook]
-        lines += [f"![training {hook}]({run}/training.png)", ""]
-    lines += [
-        f"![latent frequency]({summary['evaluation_dir']}/latent_frequency.png)",
-        "",
+        lines += [f"![training {hook}]({summary['sae_runs'][hook]}/training.png)", ""]
+    return [*lines, f"![latent frequency]({summary['evaluation_dir']}/latent_frequency.png)", ""]
+
+
+def _lut_errors(summary: dict) -> list[str]:
+    ev = summary["evaluation"]
+    lines = [
         "## LUT layers",
         "",
         f"Relative L2 error and cosine of each LUT layer against the exact layer on held-out "
@@ -84,43 +102,69 @@ def render_report(summary: dict) -> str:
             row.append(f"**{text}**" if k == ev["k_active"] and r else text)
         rows.append(row)
     header = ["layer", "m"] + [f"**k={k}**" if k == ev["k_active"] else f"k={k}" for k in ks]
-    lines += _table(header, rows)
-    lines += [
-        "",
-        f"![LUT error against k]({summary['evaluation_dir']}/evaluation.png)",
-        "",
+    return (
+        lines
+        + _table(header, rows)
+        + ["", f"![LUT error against k]({summary['evaluation_dir']}/evaluation.png)", ""]
+    )
+
+
+def _lut_latency(summary: dict) -> list[str]:
+    rows = [
+        [f"`{layer}`", t["tokens"], f"{t['lut_ms']:.2f}", f"{t['dense_ms']:.2f}",
+         f"{t['lut_over_dense']:.2f}×"]
+        for layer, t in summary["evaluation"]["latency"].items()
+    ]  # fmt: skip
+    return [
         "## LUT latency",
         "",
-    ]
-    rows = [
-        [
-            f"`{layer}`",
-            t["tokens"],
-            f"{t['lut_ms']:.2f}",
-            f"{t['dense_ms']:.2f}",
-            f"{t['lut_over_dense']:.2f}×",
-        ]
-        for layer, t in ev["latency"].items()
-    ]
-    lines += _table(["layer", "tokens", "LUT ms", "dense ms", "LUT / dense"], rows)
-    lines += [
+        *_table(["layer", "tokens", "LUT ms", "dense ms", "LUT / dense"], rows),
         "",
         "Median of 7 runs on this machine, float32; below 1× the LUT is faster. Per token the "
         "LUT's encoder costs num_basis × input_dim multiply-adds and the layer input_dim × "
         "output_dim, so the LUT can only win where num_basis < output_dim "
         "(see docs/lut.md).",
         "",
+    ]
+
+
+def _embeddings(summary: dict) -> list[str]:
+    cosines = summary["evaluation"]["embedding_cosine"]
+    return [
         "## Sentence embeddings",
         "",
         "Mean cosine between the model's mean-pooled embeddings with every LUT layer patched in "
         "and the original model's, on the held-out passages:",
         "",
-        *_table(["m", "cosine"], [[m, f"{v:.4f}"] for m, v in ev["embedding_cosine"].items()]),
+        *_table(["m", "cosine"], [[m, f"{v:.4f}"] for m, v in cosines.items()]),
         "",
-        "## Configuration",
-        "",
-        "```json",
     ]
 
-    lines += [json.dumps(c, indent=2), "```", ""]
-    return "\n".join(lines)
+
+def _features(summary: dict) -> list[str]:
+    """Each SAE's feature browser: a link to the page (it opens from disk) and its picture."""
+    if not summary.get("features"):
+        return []
+    lines = [
+        "## Feature browsers",
+        "",
+        "Every latent's frequency, activation histogram, top-activating contexts and random "
+        "examples per quantile band, computed in Spark over all extracted tokens "
+        "(docs/features.md). Open the page in a browser; it needs no server.",
+        "",
+    ]
+    for hook, f in summary["features"].items():
+        lines += [
+            f"- `{hook}`: [{f['dir']}/features/index.html]({f['dir']}/features/index.html) — "
+            f"{f['latents']:,} latents over {f['tokens']:,} tokens, {f['dead']} dead, "
+            f"{f['dense']} dense",
+        ]
+    lines += [""]
+    for hook, f in summary["features"].items():
+        if f.get("screenshot"):
+            lines += [f"![feature browser {hook}]({f['dir']}/feature-browser.png)", ""]
+    return lines
+
+
+def _configuration(summary: dict) -> list[str]:
+    return ["## Configuration", "", "```json", json.dumps(summary["config"], indent=2), "```", ""]

@@ -9,7 +9,9 @@
 4. evaluate: on texts no stage has seen, each SAE (FVU, L0, dead latents), each LUT layer
    against the exact layer (relative L2 and cosine against k and m, latency against the
    dense layer), and the sentence embeddings of the patched model;
-5. report: ``report.md`` and ``summary.json`` in the output directory.
+5. features (``features = true``): per SAE, every latent's statistics and contexts over
+   all extracted tokens, in Spark, and a static feature browser (``docs/features.md``);
+6. report: ``report.md`` and ``summary.json`` in the output directory.
 
 Every stage's output is content-addressed (``{stage}-{hash}``, the hash of its config
 and of its inputs' hashes), published whole, and reused on a rerun unless ``force``.
@@ -26,7 +28,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -86,6 +88,10 @@ class PipelineConfig:
     """k values of the LUT evaluation; empty = k/4, k/2, k, 2k of the trained k."""
     ms: tuple[int, ...] = (0, 32)
     """Compensation sizes m of the LUT evaluation."""
+    features: bool = True
+    """Compute each SAE's latent statistics and contexts and its feature browser."""
+    features_top_n: int = 20
+    """Top-activating tokens per latent in the feature browser."""
 
     def __post_init__(self):
         if self.texts < 1 or self.held_out_texts < 1 or self.epochs < 1 or self.nproc < 1:
@@ -211,6 +217,8 @@ class Pipeline:
         sae_files = {hook: self.train(hook, extract_dir) for hook in c.hooks}
         lut_dir = self.lut(sae_files)
         self.evaluate(sae_files, lut_dir)
+        if c.features:
+            self.features(sae_files, extract_dir)
         self.summary["seconds"] = time.perf_counter() - started
         self.write_report()
         return self.summary
@@ -222,7 +230,7 @@ class Pipeline:
         c = self.config
         key = config_hash(self.extract_config, self.model_hash)[:12]
         self.log(
-            f"[1/4] extract: {c.texts} passages, {len(c.hooks)} hook points, in Spark ({c.master})"
+            f"[1/{self.steps}] extract: {c.texts} passages, {len(c.hooks)} hook points, in Spark ({c.master})"
         )
 
         def build(tmp: Path) -> None:
@@ -258,7 +266,9 @@ class Pipeline:
         settings = self.sae_settings(hook, extract_dir)
         probe = SAEConfig.from_dict({**settings, "out_dir": "."})
         key = digest(self.summary["stages"]["extract"]["hash"], hook, probe.config_hash())
-        self.log(f"[2/4] train: TopK SAE on {hook} ({c.nproc} process(es), {c.parallel} parallel)")
+        self.log(
+            f"[2/{self.steps}] train: TopK SAE on {hook} ({c.nproc} process(es), {c.parallel} parallel)"
+        )
 
         def build(tmp: Path) -> None:
             overrides = [
@@ -293,7 +303,7 @@ class Pipeline:
         layers = {layer: sae_files[hook] for hook, names in c.hooks.items() for layer in names}
         sae_keys = [self.summary["stages"][f"sae-{hook_slug(h)}"]["hash"] for h in c.hooks]
         key = digest(sae_keys, sorted(layers), c.lut_dtype, self.model_hash)
-        self.log(f"[3/4] lut: {len(layers)} linear layers from {len(sae_files)} SAEs")
+        self.log(f"[3/{self.steps}] lut: {len(layers)} linear layers from {len(sae_files)} SAEs")
 
         def build(tmp: Path) -> None:
             precompute_lut(
@@ -313,7 +323,7 @@ class Pipeline:
 
         c = self.config
         key = digest(self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.ks, c.ms)
-        self.log(f"[4/4] evaluate on {c.held_out_texts} held-out passages")
+        self.log(f"[4/{self.steps}] evaluate on {c.held_out_texts} held-out passages")
 
         def build(tmp: Path) -> None:
             figures = evaluate_pipeline(
@@ -326,6 +336,48 @@ class Pipeline:
         path = self.stage("evaluation", key, build)
         self.summary["evaluation"] = json.loads((path / "figures.json").read_text())
         self.summary["evaluation_dir"] = path.name
+
+    @property
+    def steps(self) -> int:
+        return 5 if self.config.features else 4
+
+    def features(self, sae_files: dict[str, Path], extract_dir: Path) -> None:
+        """One feature browser per SAE (``features-{hook}/features/index.html``), computed
+        in Spark over every extracted token, with a screenshot when Chromium is here."""
+        from ..features import FeaturesConfig, run_features
+        from ..features.screenshot import screenshot
+        from ..spark.session import local_session
+
+        c = self.config
+        self.log(f"[5/5] features: statistics and contexts of every latent, in Spark ({c.master})")
+        sessions: list = []  # one Spark session, started only when a stage is built
+
+        def spark():
+            sessions[:] = sessions or [local_session(c.master)]
+            return sessions[0]
+
+        try:
+            for hook, sae_file in sae_files.items():
+                slug = hook_slug(hook)
+                sae_key = self.summary["stages"][f"sae-{slug}"]["hash"]
+                key = digest(self.summary["stages"]["extract"]["hash"], sae_key, c.features_top_n)
+                config = FeaturesConfig(extraction=str(extract_dir), sae=str(sae_file), hook=hook,
+                                        top_n=c.features_top_n)  # fmt: skip
+
+                def build(tmp: Path, config=config) -> None:
+                    summary = run_features(spark(), replace(config, out=str(tmp / "features")))
+                    shot = screenshot(tmp / "features" / "index.html", tmp / "feature-browser.png")
+                    figures = {"tokens": summary.tokens, "latents": summary.latents,
+                               "dead": summary.dead, "dense": summary.dense,
+                               "screenshot": shot is not None}  # fmt: skip
+                    (tmp / "features.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+                path = self.stage(f"features-{slug}", key, build)
+                figures = json.loads((path / "features.json").read_text())
+                self.summary.setdefault("features", {})[hook] = {**figures, "dir": path.name}
+        finally:
+            for session in sessions:
+                session.stop()
 
     # -- the report ---------------------------------------------------------------------
 
