@@ -280,3 +280,21 @@ def test_sql_functions_in_their_spelling(spark):
     back = df.select(st_to_array(arr_to_st("x", F.array(F.lit(4)), "F16", jvm=False), jvm=False))
     assert back.schema.fields[0].dataType.simpleString() == "array<float>"
     assert back.first()[0] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_overwrite_leaves_only_the_new_dataset_unless_asked(spark, tmp_path):
+    def write(value, **options):
+        writer = spark.createDataFrame([([value],)], "x array<float>").write.format("safetensors")
+        for k, v in {"batch_size": 1, **options}.items():
+            writer = writer.option(k, v)
+        writer.mode("overwrite").save(str(tmp_path))
+
+    write(1.0)
+    first = set(p.name for p in tmp_path.glob("*.safetensors"))
+    write(2.0)
+    second = set(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(second) == 1 and not first & second  # the replaced shard is gone
+    write(3.0, keep_previous_generation="true")
+    kept = set(p.name for p in tmp_path.glob("*.safetensors"))
+    assert second < kept and len(kept) == 2  # kept for readers of the old manifest
+    assert spark.read.format("safetensors").load(str(tmp_path)).collect()[0].x == [3.0]

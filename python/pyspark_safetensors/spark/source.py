@@ -250,6 +250,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 overwrite=self.overwrite,
                 generate_index=self.options.generate_index,
                 unique_keys=self.options.mode == "kv",
+                keep_previous_generation=self.options.keep_previous_generation,
             )
         except BaseException:
             self.abort(messages)
