@@ -443,7 +443,10 @@ class Trainer:
         )
         self.fire_count = LATENTS.distribute(state["fire_count"], self.mesh).to(self.device).clone()
         buffers = dict(self.sae.named_buffers())
-        for name, value in state.get("buffers", {}).items():
+        saved = state.get("buffers", {})
+        if "threshold" in state and "threshold" in buffers:  # BatchTopK's, before "buffers"
+            saved = {"threshold": state["threshold"], **saved}
+        for name, value in saved.items():
             buffers[name].copy_(value)
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
