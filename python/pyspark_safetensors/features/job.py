@@ -117,35 +117,14 @@ def pick_device(config: FeaturesConfig) -> str:
     return config.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def tensor_rows(column: pa.Array) -> np.ndarray:
-    """A column of Tensor Structs of one shape and dtype as a numpy array ``[rows, size]``
-    (the rows' bytes lie back to back in the binary child: no per-row copy)."""
-    from ..format.dtypes import get_dtype
-
-    fields = dict(zip((f.name for f in column.type), column.flatten(), strict=True))
-    data, dtypes = fields["data"], fields["dtype"]
-    n = len(data)
-    if n == 0:
-        return np.zeros((0, 0), np.float32)
-    dtype = get_dtype(dtypes[0].as_py()).numpy
-    wide = pa.types.is_large_binary(data.type)
-    offsets = np.frombuffer(data.buffers()[1], np.int64 if wide else np.int32)
-    offsets = offsets[data.offset : data.offset + n + 1].astype(np.int64)
-    row = int(offsets[1] - offsets[0])
-    if np.any(np.diff(offsets) != row):
-        raise FeaturesError("activation rows differ in size: not one hook point's dataset")
-    raw = np.frombuffer(data.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
-    return raw.view(dtype).reshape(n, row // dtype.itemsize)
-
-
 def activations_of(batch: pa.RecordBatch, width: int) -> np.ndarray:
-    """The batch's ``activation`` rows as float32 ``[rows, width]``."""
+    """The batch's ``activation`` rows (``array<float>``, as the reader gives them: F16 and
+    BF16 widened) as float32 ``[rows, width]``; the values lie back to back."""
     column = batch.column("activation")
-    if pa.types.is_struct(column.type):
-        x = tensor_rows(column).astype(np.float32)
-    else:  # array<float>: the values lie back to back
-        values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-        x = values.reshape(len(column), -1) if len(column) else values.reshape(0, width)
+    if len(column) == 0:
+        return np.zeros((0, width), np.float32)
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    x = values.reshape(len(column), -1)
     if x.shape[1] != width:
         raise FeaturesError(f"activation rows have width {x.shape[1]}, the SAE {width}")
     return x if x.flags.writeable else x.copy()  # torch wants writable memory
@@ -153,10 +132,7 @@ def activations_of(batch: pa.RecordBatch, width: int) -> np.ndarray:
 
 def scalars_of(batch: pa.RecordBatch, name: str) -> np.ndarray:
     """A per-token column (``sample_id``, ``window``, ``token_pos``) as int64."""
-    column = batch.column(name)
-    if pa.types.is_struct(column.type):
-        return tensor_rows(column).reshape(-1).astype(np.int64)
-    return column.to_numpy(zero_copy_only=False).astype(np.int64)
+    return batch.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def encode_batches(batches, sae, width: int, batch_tokens: int, device: str):
