@@ -207,6 +207,23 @@ def test_spark_batch_and_kv_writes_leave_the_spec_index(spark, tmp_path):
 
 
 @pytest.mark.spark
+def test_spark_keep_previous_generation_lets_a_torch_reader_finish(spark, tmp_path):
+    out = tmp_path / "ds"
+    save(frame(spark, 12, parts=3).select("id", "vec"), out, batch_size=2)
+    kept, dropped = open_dataset(out), open_dataset(out)
+    save(frame(spark, 4, parts=1).select("id", "vec"), out, batch_size=2,
+         keep_previous_generation="true")  # fmt: skip
+    assert sorted(kept[i]["id"].item() for i in range(len(kept))) == list(range(12))
+    assert sorted(r.id for r in spark.read.format("safetensors").load(str(out)).collect()) == [
+        0, 1, 2, 3
+    ]  # fmt: skip
+    save(frame(spark, 4, parts=1).select("id", "vec"), out, batch_size=2)
+    assert files(out) == named_by(manifest(out))
+    with pytest.raises(Exception, match="was replaced or deleted after it was opened"):
+        [dropped[i] for i in range(len(dropped))]
+
+
+@pytest.mark.spark
 def test_spark_overwrite_on_s3_leaves_only_the_new_dataset(spark, s3_bucket, s3_endpoint):
     uri = f"{s3_bucket}/gen"
     opts = {"endpoint_url": s3_endpoint, "batch_size": 4, "generate_index": "true"}
