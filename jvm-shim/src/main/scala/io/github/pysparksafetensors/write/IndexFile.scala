@@ -6,16 +6,18 @@ import scala.collection.mutable
 
 import org.apache.hadoop.conf.Configuration
 import org.apache.parquet.example.data.Group
-import org.apache.parquet.example.data.simple.SimpleGroupFactory
-import org.apache.parquet.hadoop.ParquetReader
-import org.apache.parquet.hadoop.example.{ExampleParquetWriter, GroupReadSupport}
+import org.apache.parquet.hadoop.api.WriteSupport
+import org.apache.parquet.hadoop.example.GroupReadSupport
+import org.apache.parquet.hadoop.{ParquetReader, ParquetWriter}
+import org.apache.parquet.io.api.{Binary, RecordConsumer}
 import org.apache.parquet.hadoop.metadata.CompressionCodecName
 import org.apache.parquet.io.{DelegatingPositionOutputStream, DelegatingSeekableInputStream, InputFile, OutputFile, PositionOutputStream, SeekableInputStream}
 import org.apache.parquet.schema.MessageTypeParser
 
 /** `_tensor_index.parquet`: one row per tensor, the columns of the Python `INDEX_SCHEMA`
   * (the spec's `tensor_key, file_name, shape, dtype` plus absolute offsets `begin, end`),
-  * written and read with parquet-hadoop's example object model (no Arrow on the JVM). */
+  * written with parquet-hadoop's record consumer and read with its example object model
+  * (no Arrow on the JVM). */
 private[write] object IndexFile {
   val Schema = MessageTypeParser.parseMessageType(
     """message schema {
@@ -27,8 +29,54 @@ private[write] object IndexFile {
       |  optional int64 end;
       |}""".stripMargin)
 
+  /** One index row: tensor `i` of `rows`. */
+  private final case class Row(rows: IndexRows, i: Int)
+
+  /** Writes index rows straight to parquet's record consumer (no object per field). */
+  private final class RowWriteSupport extends WriteSupport[Row] {
+    private var out: RecordConsumer = _
+    override def init(conf: Configuration): WriteSupport.WriteContext =
+      new WriteSupport.WriteContext(Schema, new java.util.HashMap[String, String]())
+    override def prepareForWrite(consumer: RecordConsumer): Unit = out = consumer
+    private def text(field: String, index: Int, value: String): Unit = {
+      out.startField(field, index); out.addBinary(Binary.fromString(value)); out.endField(field, index)
+    }
+    private def long(field: String, index: Int, value: Long): Unit = {
+      out.startField(field, index); out.addLong(value); out.endField(field, index)
+    }
+    override def write(row: Row): Unit = {
+      val r = row.rows
+      val i = row.i
+      out.startMessage()
+      text("tensor_key", 0, r.keys(i))
+      text("file_name", 1, r.fileName)
+      out.startField("shape", 2)
+      out.startGroup()
+      val dims = r.shapes(i)
+      if (dims.nonEmpty) {
+        out.startField("list", 0)
+        dims.foreach { d =>
+          out.startGroup(); out.startField("element", 0); out.addInteger(d); out.endField("element", 0); out.endGroup()
+        }
+        out.endField("list", 0)
+      }
+      out.endGroup()
+      out.endField("shape", 2)
+      text("dtype", 3, r.dtypes(i))
+      long("begin", 4, r.begins(i))
+      long("end", 5, r.ends(i))
+      out.endMessage()
+    }
+  }
+
+  private final class RowWriterBuilder(file: OutputFile) extends ParquetWriter.Builder[Row, RowWriterBuilder](file) {
+    override def self(): RowWriterBuilder = this
+    override def getWriteSupport(conf: Configuration): WriteSupport[Row] = new RowWriteSupport
+  }
+
   /** The parquet file of `rows`, as bytes (it is put twice: under its commit's name and
-    * as `_tensor_index.parquet`). */
+    * as `_tensor_index.parquet`). Keys are unique, so only `file_name` and `dtype` are
+    * dictionary-encoded, as the Python writer does. */
   def bytes(rows: Seq[IndexRows]): Array[Byte] = {
     val sink = new ByteArrayOutputStream()
     val file = new OutputFile {
@@ -40,19 +88,11 @@ private[write] object IndexFile {
       override def supportsBlockSize(): Boolean = false
       override def defaultBlockSize(): Long = 0L
     }
-    val writer = ExampleParquetWriter.builder(file).withType(Schema)
-      .withConf(new Configuration(false)).withCompressionCodec(CompressionCodecName.SNAPPY).build()
-    val groups = new SimpleGroupFactory(Schema)
-    try {
-      for (r <- rows; i <- r.keys.indices) {
-        val g = groups.newGroup()
-        g.append("tensor_key", r.keys(i)).append("file_name", r.fileName)
-        val shape = g.addGroup("shape")
-        r.shapes(i).foreach(d => shape.addGroup("list").append("element", d))
-        g.append("dtype", r.dtypes(i)).append("begin", r.begins(i)).append("end", r.ends(i))
-        writer.write(g)
-      }
-    } finally writer.close()
+    val writer = new RowWriterBuilder(file).withConf(new Configuration(false))
+      .withCompressionCodec(CompressionCodecName.SNAPPY).withDictionaryEncoding(false)
+      .withDictionaryEncoding("file_name", true).withDictionaryEncoding("dtype", true).build()
+    try for (r <- rows; i <- r.keys.indices) writer.write(Row(r, i))
+    finally writer.close()
     sink.toByteArray
   }
 
