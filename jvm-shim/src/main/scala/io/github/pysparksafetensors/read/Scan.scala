@@ -1,0 +1,90 @@
+package io.github.pysparksafetensors.read
+
+import org.apache.spark.sql.catalyst.InternalRow
+import org.apache.spark.sql.connector.read._
+import org.apache.spark.sql.sources.{EqualTo, Filter, In}
+import org.apache.spark.sql.types.StructType
+
+/** One shard (or a row range of one) of a dataset; `rowStop` exclusive. */
+final case class ShardPart(source: Int, shard: Int, rowStart: Long, rowStop: Long) extends InputPartition
+/** A group of files, for the `tensors` and `files` views. */
+final case class FilesPart(source: Int, files: Seq[Int]) extends InputPartition
+
+/** Equality filters the reader applies itself (Spark applies them again after the scan). */
+final case class Wanted(names: Option[Set[String]], dtypes: Option[Set[String]], keys: Option[Set[String]]) {
+  def keep(name: String, dtype: String): Boolean = names.forall(_(name)) && dtypes.forall(_(dtype))
+}
+
+/** Column pruning (selecting a column reads only its tensors' bytes; selecting none reads
+  * no shard, so `count()` is answered from the manifest) and equality filters on `name` and
+  * `dtype` (tensors view) and on the key (KV view). */
+final class SafetensorsScanBuilder(plan: ReadPlan) extends ScanBuilder
+    with SupportsPushDownRequiredColumns with SupportsPushDownFilters {
+  private var required: StructType = plan.schema
+  private var wanted = Wanted(None, None, None)
+  private var pushed = Array.empty[Filter]
+
+  override def pruneColumns(requiredSchema: StructType): Unit = {
+    val keep = requiredSchema.fieldNames.toSet
+    required = StructType(plan.schema.fields.filter(f => keep(f.name)))
+  }
+
+  override def pushFilters(filters: Array[Filter]): Array[Filter] = {
+    val keyCol = plan.sources.head.manifest.flatMap(_.nameCol).getOrElse("key")
+    def narrow(old: Option[Set[String]], values: Seq[Any]): Option[Set[String]] = {
+      val v = values.collect { case s: String => s }.toSet
+      Some(old.map(_ & v).getOrElse(v))
+    }
+    val used = filters.filter { f =>
+      val (column, values) = f match {
+        case EqualTo(a, v: String) => (a, Seq(v))
+        case In(a, vs) if vs.forall(_.isInstanceOf[String]) => (a, vs.toSeq)
+        case _ => ("", Seq.empty)
+      }
+      if (plan.view == "tensors" && column == "name") { wanted = wanted.copy(names = narrow(wanted.names, values)); true }
+      else if (plan.view == "tensors" && column == "dtype") { wanted = wanted.copy(dtypes = narrow(wanted.dtypes, values)); true }
+      else if (plan.view == "kv" && column == keyCol) { wanted = wanted.copy(keys = narrow(wanted.keys, values)); true }
+      else false
+    }
+    pushed = used
+    filters // Spark evaluates every filter again: a pushed one only narrows what is read
+  }
+
+  override def pushedFilters(): Array[Filter] = pushed
+
+  override def build(): Scan = new SafetensorsScan(plan, required, wanted)
+}
+
+final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted) extends Scan with Batch {
+  override def readSchema(): StructType = required
+  override def description(): String =
+    s"safetensors view=${plan.view} ${plan.options.paths.mkString(", ")} columns=${required.fieldNames.mkString(",")}"
+  override def toBatch: Batch = this
+
+  /** The Python reader's partitioning: rows by `rows_per_partition` within each shard, a
+    * KV shard whole, files grouped into about 64 partitions. */
+  override def planInputPartitions(): Array[InputPartition] = {
+    val step = plan.options.rowsPerPartition.toLong
+    val parts = plan.sources.zipWithIndex.flatMap { case (source, i) =>
+      if (plan.view == "tensors" || plan.view == "files") {
+        val per = math.max(1, source.files.size / 64)
+        source.files.indices.grouped(per).map(g => FilesPart(i, g): InputPartition).toSeq
+      } else source.manifest.get.shards.zipWithIndex.flatMap { case (entry, shard) =>
+        if (plan.view == "kv" || entry.samples <= step) Seq(ShardPart(i, shard, 0, entry.samples))
+        else (0L until entry.samples by step).map(a => ShardPart(i, shard, a, math.min(a + step, entry.samples)))
+      }
+    }
+    parts.toArray
+  }
+
+  override def createReaderFactory(): PartitionReaderFactory = new SafetensorsReaderFactory(plan, required, wanted)
+}
+
+final class SafetensorsReaderFactory(plan: ReadPlan, required: StructType, wanted: Wanted) extends PartitionReaderFactory {
+  override def createReader(partition: InputPartition): PartitionReader[InternalRow] = partition match {
+    case p: ShardPart if plan.view == "rows" => new RowsReader(plan, p, required)
+    case p: ShardPart => new KvReader(plan, p, required, wanted)
+    case p: FilesPart if plan.view == "files" => new FilesReader(plan, p, required)
+    case p: FilesPart => new TensorsReader(plan, p, required, wanted)
+  }
+}
