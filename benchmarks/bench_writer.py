@@ -1,7 +1,11 @@
-"""Spark writer throughput: our batch and KV modes against Spark's parquet writer.
+"""Spark writer throughput: our batch and KV modes, written by the Python source and by
+the JVM source (jvm-shim), against Spark's parquet writer and, when ``SCALA_CONNECTOR_JAR``
+names its jar, the Scala safetensors connector.
 
 One session (local[2]), a cached DataFrame of 200,000 rows x 256 float32 in 2 partitions,
-warm, median of several runs. Throughput is input float32 bytes per second.
+warm, median of several runs, cases taken in turn. Throughput is input float32 bytes per
+second. The noop sink (Spark scanning the cached rows and writing nothing) is the floor of
+any writer.
 """
 
 from __future__ import annotations
@@ -14,7 +18,17 @@ from pathlib import Path
 
 from benchmarks.common import interleaved_medians, table
 
-ROWS, DIM, PARTS, REPEAT = 200_000, 256, 2, 9
+ROWS, DIM, PARTS, REPEAT = 200_000, 256, 2, 5
+JVM_SOURCES = (
+    "io.github.pysparksafetensors.SafetensorsSource",
+    "io.github.pysparksafetensors.write.SafetensorsWriteProvider",
+)
+"""The JVM writer by class name: the full source where the jar has it, else the write-only
+provider."""
+SCALA_CONNECTOR = "io.github.semyonsinchenko.safetensors.SafetensorsTableProvider"
+PYTHON_SOURCE = "safetensors_python"
+"""The Python source under a name of its own: a jar that registers ``safetensors`` on the
+JVM (ours or the Scala connector's) would otherwise take the format name."""
 
 
 def make_df(spark):
@@ -53,10 +67,36 @@ def _discarding_source():
     return DiscardSource
 
 
+def _python_source():
+    """The Python data source, registered as ``PYTHON_SOURCE``."""
+    from pyspark_safetensors.spark.source import SafetensorsDataSource
+
+    class PythonSource(SafetensorsDataSource):
+        @classmethod
+        def name(cls):
+            return PYTHON_SOURCE
+
+    return PythonSource
+
+
+def _has_class(spark, name: str) -> bool:
+    try:
+        spark._jvm.org.apache.spark.util.Utils.classForName(name, True, False)
+    except Exception:  # py4j wraps the ClassNotFoundException
+        return False
+    return True
+
+
 def run() -> str:
     from pyspark_safetensors.spark.session import local_session
+    from pyspark_safetensors.spark.shim import shim_jar
 
-    spark = local_session("local[2]", **{"spark.ui.showConsoleProgress": "false"})
+    jars = [str(shim_jar())]
+    if os.environ.get("SCALA_CONNECTOR_JAR"):
+        jars.append(os.environ["SCALA_CONNECTOR_JAR"])
+    spark = local_session(
+        "local[2]", **{"spark.ui.showConsoleProgress": "false", "spark.jars": ",".join(jars)}
+    )
     df = make_df(spark)
     acts = df.select("activation")
     mb = ROWS * DIM * 4 / 1e6
@@ -67,10 +107,16 @@ def run() -> str:
             "noop"
         ).mode("overwrite").save()
 
-    def ours(frame, name, **options):
-        frame.write.format("safetensors").options(**options).mode("overwrite").save(str(out / name))
+    def save(fmt):
+        def write(frame, name, **options):
+            frame.write.format(fmt).options(**options).mode("overwrite").save(str(out / name))
 
+        return write
+
+    jvm_source = next((n for n in JVM_SOURCES if _has_class(spark, n)), None)
+    ours, jvm, scala = save(PYTHON_SOURCE), save(jvm_source), save(SCALA_CONNECTOR)
     spark.dataSource.register(_discarding_source())
+    spark.dataSource.register(_python_source())
     profile = {
         "scan only (noop sink)": lambda: acts.write.format("noop").mode("overwrite").save(),
         "scan + Arrow to Python (mapInArrow, noop)": arrow_transfer,
@@ -80,30 +126,51 @@ def run() -> str:
         "the same, with the key column": lambda: (
             df.write.format("discard").mode("overwrite").save()
         ),
-        "safetensors batch F32, checksum none": lambda: ours(
+        "Python source batch F32, checksum none": lambda: ours(
             acts, "f32n", batch_size=10_000, checksum="none"
         ),
     }
     cases = {
         "parquet (Spark's own)": lambda: acts.write.mode("overwrite").parquet(str(out / "pq")),
-        "safetensors batch F32": lambda: ours(acts, "f32", batch_size=10_000),
-        "safetensors batch F16": lambda: ours(acts, "f16", batch_size=10_000, dtype="F16"),
-        "safetensors KV F32": lambda: ours(df, "kv", name_col="key"),
+        "Python source batch F32": lambda: ours(acts, "f32", batch_size=10_000),
+        "Python source batch F16": lambda: ours(acts, "f16", batch_size=10_000, dtype="F16"),
+        "Python source KV F32": lambda: ours(df, "kv", name_col="key"),
         "parquet with key (KV baseline)": lambda: df.write.mode("overwrite").parquet(
             str(out / "pqkv")
         ),
     }
+    if jvm_source is not None:
+        cases["JVM source batch F32"] = lambda: jvm(acts, "jf32", batch_size=10_000)
+        cases["JVM source batch F16"] = lambda: jvm(acts, "jf16", batch_size=10_000, dtype="F16")
+        cases["JVM source KV F32"] = lambda: jvm(df, "jkv", name_col="key")
+    if _has_class(spark, SCALA_CONNECTOR):  # its dtype option is required for arrays
+        cases["Scala connector batch F32"] = lambda: scala(
+            acts, "sf32", batch_size=10_000, dtype="F32"
+        )
+        cases["Scala connector batch F16"] = lambda: scala(
+            acts, "sf16", batch_size=10_000, dtype="F16"
+        )
+        cases["Scala connector KV F32"] = lambda: scala(df, "skv", name_col="key", dtype="F32")
     measured = interleaved_medians({**cases, **profile}, repeat=REPEAT, settle=os.sync)
     seconds = {name: measured[name] for name in cases}
     profiled = {name: measured[name] for name in profile}
+    floor = profiled["scan only (noop sink)"]
     rows = []
     for name, s in seconds.items():
-        base = seconds[
-            "parquet with key (KV baseline)"
-            if "KV" in name or "with key" in name
-            else "parquet (Spark's own)"
-        ]
-        rows.append([name, f"{s:.2f}", f"{mb / s:.0f}", f"{base / s:.2f}x"])
+        kv = "KV" in name or "with key" in name
+        base = seconds["parquet with key (KV baseline)" if kv else "parquet (Spark's own)"]
+        kind = "KV F32" if kv else "batch F16" if "F16" in name else "batch F32"
+        connector = seconds.get(f"Scala connector {kind}")
+        rows.append(
+            [
+                name,
+                f"{s:.2f}",
+                f"{mb / s:.0f}",
+                f"{base / s:.2f}x",
+                f"{connector / s:.2f}x" if connector and "parquet" not in name else "",
+                f"{s - floor:.2f}",
+            ]
+        )
     spark.stop()
     shutil.rmtree(out, ignore_errors=True)
     breakdown = [[name, f"{t:.2f}"] for name, t in profiled.items()]
@@ -112,8 +179,13 @@ def run() -> str:
         f"Cached DataFrame, warm, median of {REPEAT} runs in one session (cases taken in turn, "
         "dirty pages flushed before each run); "
         "MB/s of float32 input "
-        f"({mb:.0f} MB). Batch mode uses batch_size=10,000; KV mode one tensor per row.\n\n"
-        + table(["writer", "seconds", "MB/s", "vs parquet"], rows)
+        f"({mb:.0f} MB). Batch mode uses batch_size=10,000; KV mode one tensor per row. "
+        "The Python and JVM sources write the same bytes; the Scala connector runs only when "
+        "SCALA_CONNECTOR_JAR names its jar (it needs dtype=F32 for arrays).\n\n"
+        + table(
+            ["writer", "seconds", "MB/s", "vs parquet", "vs Scala connector", "above noop floor"],
+            rows,
+        )
         + "\n\nWhere the time goes (same data, same session):\n\n"
         + table(["stage", "seconds"], breakdown)
     )
