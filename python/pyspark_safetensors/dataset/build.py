@@ -204,16 +204,10 @@ class DatasetBuilder:
     def commit(self) -> Manifest:
         """Publish every shard added as the dataset (``commit_dataset``); returns the
         manifest. On failure the build is aborted."""
-        result = TaskResult(
-            0,
-            tuple(self._staged),
-            merge_schemas(
-                self._schemas, f"dataset {self.location.uri!r}", varying=self.template.mode == "kv"
-            )
-            if self._schemas
-            else {},
-        )
+        where = f"dataset {self.location.uri!r}"
         try:
+            schema = merge_schemas(self._schemas, where, varying=self.template.mode == "kv")
+            result = TaskResult(0, tuple(self._staged), schema)
             self.manifest = commit_dataset(
                 self.location,
                 self.job_id,
