@@ -174,9 +174,12 @@ class DatasetBuilder:
         """Write one KV shard: ``{key: {column: array}}``, each array one tensor named by
         the dataset's tensor-name rule (``layout.kv_tensor_name``)."""
         sep = self.template.kv_separator
-        tensors, schemas = {}, []
+        tensors, schemas, checked = {}, [], set()
         for key, columns in samples.items():
-            check_kv_columns(list(columns), sep)
+            names = tuple(columns)
+            if names not in checked:  # once per column set: the check is quadratic
+                check_kv_columns(list(names), sep)
+                checked.add(names)
             for column, a in columns.items():
                 tensors[kv_tensor_name(key, column, sep)] = a
             schemas.append(
