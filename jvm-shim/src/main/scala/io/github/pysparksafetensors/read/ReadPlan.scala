@@ -121,7 +121,9 @@ object ReadPlan {
         .map(_.getPath).filter(_.getName.endsWith(".safetensors"))
       if (matches.isEmpty || matches.map(_.getParent.toString).distinct.size != 1)
         throw new SafetensorsReadException(s"'$path': no such file or directory")
-      plainFiles(Storage(matches.head.getParent.toString, conf), matches.map(_.getName).sorted)
+      val given = path.substring(0, math.max(0, path.lastIndexOf('/')))
+      val root = if (given.nonEmpty && !given.exists("*?[{".contains(_))) given else matches.head.getParent.toString
+      plainFiles(Storage(root, conf), matches.map(_.getName).sorted)
     }
   }
 

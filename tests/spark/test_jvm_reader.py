@@ -1,0 +1,160 @@
+"""The JVM reader (jvm-shim, ``SafetensorsSource``) against the Python reader: for the same
+dataset or files and the same options both give the same schema and the same rows; the JVM
+reader prunes columns to their bytes, counts from the manifest, pushes key/name/dtype
+filters, and refuses what the Python reader refuses, naming the file and the rule."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyspark.sql import functions as F
+from safetensors.numpy import save_file
+
+from pyspark_safetensors.dataset import write_batch_dataset
+from pyspark_safetensors.format import to_bf16, to_f16
+
+pytestmark = pytest.mark.spark
+
+JVM = "io.github.pysparksafetensors.SafetensorsSource"
+PYTHON = "safetensors"
+
+
+@pytest.fixture(scope="module")
+def jvm(spark):
+    """The JVM source's class name; skips when the session's jar does not have it."""
+    try:
+        spark._jvm.org.apache.spark.util.Utils.classForName(JVM, True, False)
+    except Exception:  # py4j wraps the ClassNotFoundException
+        pytest.skip("no JVM reader on the class path (build it with jvm-shim/build.sh)")
+    return JVM
+
+
+def load(spark, fmt, path, **options):
+    return spark.read.format(fmt).options(**{k: str(v) for k, v in options.items()}).load(str(path))
+
+
+def same(spark, jvm, path, **options):
+    """Both readers' DataFrames, checked to have one schema and the same rows."""
+    a, b = load(spark, PYTHON, path, **options), load(spark, jvm, path, **options)
+    assert a.schema == b.schema
+    rows_a, rows_b = sorted(map(repr, a.collect())), sorted(map(repr, b.collect()))
+    assert rows_a == rows_b
+    return b
+
+
+@pytest.fixture(scope="module")
+def every_dtype(tmp_path_factory):
+    """A batch dataset with one column per readable dtype, vector and scalar, in 3 shards."""
+    out = tmp_path_factory.mktemp("dtypes") / "ds"
+    x = np.linspace(-3, 3, 40, dtype=np.float32).reshape(10, 4)
+    cols = {
+        "f32": x,
+        "f64": x.astype(np.float64),
+        "f16": to_f16(x),
+        "bf16": to_bf16(x),
+        "i8": np.arange(40, dtype=np.int8).reshape(10, 4),
+        "u8": np.arange(200, 240, dtype=np.uint8).reshape(10, 4),
+        "i16": np.arange(40, dtype=np.int16).reshape(10, 4),
+        "u16": np.arange(65000, 65040, dtype=np.uint16).reshape(10, 4),
+        "i32": np.arange(40, dtype=np.int32).reshape(10, 2, 2),
+        "u32": np.arange(4294967000, 4294967040, dtype=np.uint32).reshape(10, 4),
+        "i64": np.arange(10, dtype=np.int64),
+    }
+    write_batch_dataset(out, cols, rows_per_shard=4)
+    return out
+
+
+def test_rows_view_matches_for_every_dtype_and_rank(spark, jvm, every_dtype):
+    df = same(spark, jvm, every_dtype)
+    assert df.count() == 10
+    same(spark, jvm, every_dtype, tensor_format="struct")
+
+
+def test_row_ranges_split_shards_by_rows_per_partition(spark, jvm, every_dtype):
+    df = same(spark, jvm, every_dtype, rows_per_partition=3)
+    # 3 shards of 4, 4 and 2 rows: 2 + 2 + 1 ranges
+    assert df.rdd.getNumPartitions() == 5
+
+
+def test_kv_view_with_ragged_rows_and_key_filter(spark, jvm, tmp_path):
+    df = spark.range(30).select(
+        F.concat(F.lit("doc"), F.col("id").cast("string")).alias("doc"),
+        F.sequence(F.lit(0), F.col("id") % 5).cast("array<float>").alias("v"),
+        F.col("id").cast("int").alias("n"),
+    )
+    df.write.format(PYTHON).option("name_col", "doc").mode("overwrite").save(str(tmp_path))
+    same(spark, jvm, tmp_path)
+    same(spark, jvm, tmp_path, tensor_format="struct")
+    picked = load(spark, jvm, tmp_path).where(F.col("doc").isin("doc3", "doc12"))
+    assert sorted((r.doc, r.n, len(r.v)) for r in picked.collect()) == [("doc12", 12, 3), ("doc3", 3, 4)]
+
+
+def test_tensors_and_files_views_on_plain_files(spark, jvm, tmp_path):
+    save_file({"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.int64)}, str(tmp_path / "a.safetensors"))
+    save_file({"w": np.full((2, 3), 2, np.float32)}, str(tmp_path / "b.safetensors"))
+    same(spark, jvm, tmp_path)
+    same(spark, jvm, tmp_path, include_data="false")
+    same(spark, jvm, tmp_path / "a.safetensors")
+    same(spark, jvm, tmp_path, view="files")
+    same(spark, jvm, str(tmp_path / "*.safetensors"))
+    only = load(spark, jvm, tmp_path).where((F.col("name") == "w") & (F.col("dtype") == "F32"))
+    assert sorted(r.file.rsplit("/", 1)[1] for r in only.collect()) == ["a.safetensors", "b.safetensors"]
+
+
+def test_count_reads_no_shard_and_one_column_reads_only_its_bytes(spark, jvm, tmp_path):
+    out = tmp_path / "ds"
+    write_batch_dataset(out, {"a": np.ones((8, 4), np.float32), "b": np.ones((8, 2), np.float32)})
+    shard = next(out.glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    # Spoil b's bytes only (same size, so the stat checks pass): a and count() stay right.
+    begin, end = header["b"]["data_offsets"]
+    raw[8 + n + begin : 8 + n + end] = np.full((8, 2), 9, np.float32).tobytes()
+    shard.write_bytes(bytes(raw))
+    assert load(spark, jvm, out).select("a").collect()[0].a == [1.0] * 4
+    # a header that no longer parses: count() still answers from the manifest
+    shard.write_bytes(b"\xff" * len(raw))
+    assert load(spark, jvm, out).count() == 8
+    with pytest.raises(Exception, match="header length"):
+        load(spark, jvm, out).select("a").collect()
+
+
+def test_refusals_name_the_file_and_the_rule(spark, jvm, tmp_path):
+    out = tmp_path / "ds"
+    write_batch_dataset(out, {"a": np.ones((4, 2), np.float32)})
+    with pytest.raises(Exception, match="view='kv' does not fit a batch-mode dataset"):
+        load(spark, jvm, out, view="kv").schema
+    with pytest.raises(Exception, match="unknown read option 'colour'"):
+        load(spark, jvm, out, colour="red").schema
+    with pytest.raises(Exception, match="rows_per_partition=0 must be at least 1"):
+        load(spark, jvm, out, rows_per_partition=0).schema
+    shard = next(out.glob("*.safetensors"))
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(Exception, match=f"shard '{shard.name}' has .* bytes, the manifest says"):
+        load(spark, jvm, out).schema
+    shard.unlink()
+    with pytest.raises(Exception, match=f"shard '{shard.name}' listed in the manifest is missing"):
+        load(spark, jvm, out).schema
+    (tmp_path / "x.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(Exception, match="x.safetensors'.*header length"):
+        load(spark, jvm, tmp_path / "x.safetensors").schema
+
+
+def test_header_disagreeing_with_the_manifest_is_refused(spark, jvm, tmp_path):
+    out = tmp_path / "ds"
+    write_batch_dataset(out, {"a": np.ones((4, 2), np.float32)})
+    doc = json.loads((out / "dataset_manifest.json").read_text())
+    doc["schema"]["a"]["dtype"] = "F64"
+    (out / "dataset_manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(Exception, match="tensor 'a' is F32\\[4, 2\\], the manifest says F64"):
+        load(spark, jvm, out).collect()
+
+
+def test_the_jvm_table_writes_what_it_reads(spark, jvm, tmp_path):
+    df = spark.range(5).select(F.array(F.col("id").cast("float"), F.lit(1.0).cast("float")).alias("x"))
+    df.write.format(jvm).option("batch_size", 2).mode("overwrite").save(str(tmp_path))
+    assert sorted(r.x[0] for r in load(spark, jvm, tmp_path).collect()) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert Path(tmp_path, "dataset_manifest.json").is_file()
