@@ -44,8 +44,27 @@ def vectors_df(spark, n=10, dim=3, parts=2):
     )
 
 
+JVM_WRITER = "io.github.pysparksafetensors.write.SafetensorsWriteProvider"
+_writer_format = "safetensors"
+
+
+@pytest.fixture(params=["python", "jvm"], autouse=True)
+def impl(request, spark):
+    """Every test writes with the Python writer, then with the JVM writer (jvm-shim) when
+    the session's shim jar has it; ``write`` uses the one of the running test."""
+    global _writer_format
+    if request.param == "jvm":
+        try:
+            spark._jvm.org.apache.spark.util.Utils.classForName(JVM_WRITER, True, False)
+        except Exception:  # py4j wraps the ClassNotFoundException
+            pytest.skip("no JVM writer in the session's shim jar (build jvm-shim/build.sh)")
+    _writer_format = JVM_WRITER if request.param == "jvm" else "safetensors"
+    yield request.param
+    _writer_format = "safetensors"
+
+
 def write(df, path, mode="overwrite", **options):
-    w = df.write.format("safetensors").mode(mode)
+    w = df.write.format(_writer_format).mode(mode)
     for k, v in options.items():
         w = w.option(k, v)
     w.save(str(path))
