@@ -63,8 +63,24 @@ def test_plain_dtype_covers_integer_columns():
 # ------------------------------------------------------------------ through Spark
 
 
-def write(df, path, **options):
-    df.write.format("safetensors").options(**options).mode("overwrite").save(str(path))
+JVM_WRITER = "io.github.pysparksafetensors.write.SafetensorsWriteProvider"
+
+
+@pytest.fixture(params=["python", "jvm"])
+def fmt(request, spark):
+    """The format of the writer under test: the Python source, then the JVM writer
+    (jvm-shim) when the session's shim jar has it."""
+    if request.param == "python":
+        return "safetensors"
+    try:
+        spark._jvm.org.apache.spark.util.Utils.classForName(JVM_WRITER, True, False)
+    except Exception:  # py4j wraps the ClassNotFoundException
+        pytest.skip("no JVM writer in the session's shim jar (build jvm-shim/build.sh)")
+    return JVM_WRITER
+
+
+def write(df, path, fmt="safetensors", **options):
+    df.write.format(fmt).options(**options).mode("overwrite").save(str(path))
 
 
 def frame(spark, ids):
@@ -75,9 +91,9 @@ def frame(spark, ids):
 
 
 @pytest.mark.spark
-def test_plain_dtype_applies_to_every_numeric_column(spark, tmp_path):
+def test_plain_dtype_applies_to_every_numeric_column(spark, tmp_path, fmt):
     df = frame(spark, [0, 2, 4, 2048])
-    write(df.select("id", "vec"), tmp_path / "f16", batch_size=4, dtype="half")
+    write(df.select("id", "vec"), tmp_path / "f16", fmt, batch_size=4, dtype="half")
     m = json.loads((tmp_path / "f16" / "dataset_manifest.json").read_text())
     assert {c: s["dtype"] for c, s in m["schema"].items()} == {"id": "F16", "vec": "F16"}
     (shard,) = sorted(Path(tmp_path / "f16").glob("*.safetensors"))
@@ -85,7 +101,12 @@ def test_plain_dtype_applies_to_every_numeric_column(spark, tmp_path):
     assert tensors["id"].dtype == np.float16 and tensors["id"].tolist() == [0, 2, 4, 2048]
 
     write(
-        frame(spark, [0, 2, 4, 200]), tmp_path / "u8", name_col="key", dtype="U8", columns="id,vec"
+        frame(spark, [0, 2, 4, 200]),
+        tmp_path / "u8",
+        fmt,
+        name_col="key",
+        dtype="U8",
+        columns="id,vec",
     )
     kv = {}
     for f in sorted(Path(tmp_path / "u8").glob("*.safetensors")):
@@ -105,20 +126,20 @@ def test_plain_dtype_applies_to_every_numeric_column(spark, tmp_path):
          r"column 'id' \(key '300'\): value 300 .*overflows U8"),
     ],
 )  # fmt: skip
-def test_plain_dtype_casts_are_checked(spark, tmp_path, ids, options, message):
+def test_plain_dtype_casts_are_checked(spark, tmp_path, fmt, ids, options, message):
     df = frame(spark, ids)
     if "name_col" not in options:
         df = df.select("id", "vec")
     with pytest.raises(Exception, match=message):
-        write(df, tmp_path / "bad", **options)
+        write(df, tmp_path / "bad", fmt, **options)
     assert not list((tmp_path / "bad").glob("*.safetensors"))
     assert not (tmp_path / "bad" / "dataset_manifest.json").exists()
 
 
 @pytest.mark.spark
-def test_unknown_option_is_refused_before_writing(spark, tmp_path):
+def test_unknown_option_is_refused_before_writing(spark, tmp_path, fmt):
     with pytest.raises(Exception, match=r"batch_szie \(did you mean batch_size\?\)"):
-        frame(spark, [1]).select("vec").write.format("safetensors").option("batch_szie", 2).mode(
+        frame(spark, [1]).select("vec").write.format(fmt).option("batch_szie", 2).mode(
             "overwrite"
         ).save(str(tmp_path / "x"))
     assert not list(Path(tmp_path).rglob("*.safetensors"))
