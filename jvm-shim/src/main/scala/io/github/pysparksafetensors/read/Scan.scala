@@ -4,6 +4,7 @@ import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.read._
 import org.apache.spark.sql.sources.{EqualTo, Filter, In}
 import org.apache.spark.sql.types.StructType
+import org.apache.spark.sql.vectorized.ColumnarBatch
 
 /** One shard (or a row range of one) of a dataset; `rowStop` exclusive. */
 final case class ShardPart(source: Int, shard: Int, rowStart: Long, rowStop: Long) extends InputPartition
@@ -81,6 +82,10 @@ final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted
 }
 
 final class SafetensorsReaderFactory(plan: ReadPlan, required: StructType, wanted: Wanted) extends PartitionReaderFactory {
+  private val columnar = Columnar.supports(plan, required)
+  override def supportColumnarReads(partition: InputPartition): Boolean = columnar
+  override def createColumnarReader(partition: InputPartition): PartitionReader[ColumnarBatch] =
+    new RowsColumnarReader(plan, partition.asInstanceOf[ShardPart], required)
   override def createReader(partition: InputPartition): PartitionReader[InternalRow] = partition match {
     case p: ShardPart if plan.view == "rows" => new RowsReader(plan, p, required)
     case p: ShardPart => new KvReader(plan, p, required, wanted)
