@@ -117,6 +117,8 @@ def test_count_reads_no_shard_and_one_column_reads_only_its_bytes(spark, jvm, tm
     # a header that no longer parses: count() still answers from the manifest
     shard.write_bytes(b"\xff" * len(raw))
     assert load(spark, jvm, out).count() == 8
+    plan = load(spark, jvm, out).groupBy().count()._jdf.queryExecution().executedPlan().toString()
+    assert "count(*) = 8 from the manifest" in plan
     with pytest.raises(Exception, match="header length"):
         load(spark, jvm, out).select("a").collect()
 

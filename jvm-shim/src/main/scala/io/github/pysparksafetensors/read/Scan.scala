@@ -3,7 +3,8 @@ package io.github.pysparksafetensors.read
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.read._
 import org.apache.spark.sql.sources.{EqualTo, Filter, In}
-import org.apache.spark.sql.types.StructType
+import org.apache.spark.sql.types.{LongType, StructField, StructType}
+import org.apache.spark.sql.connector.expressions.aggregate.{Aggregation, CountStar}
 import org.apache.spark.sql.vectorized.ColumnarBatch
 
 /** One shard (or a row range of one) of a dataset; `rowStop` exclusive. */
@@ -20,8 +21,9 @@ final case class Wanted(names: Option[Set[String]], dtypes: Option[Set[String]],
   * no shard, so `count()` is answered from the manifest) and equality filters on `name` and
   * `dtype` (tensors view) and on the key (KV view). */
 final class SafetensorsScanBuilder(plan: ReadPlan) extends ScanBuilder
-    with SupportsPushDownRequiredColumns with SupportsPushDownFilters {
+    with SupportsPushDownRequiredColumns with SupportsPushDownFilters with SupportsPushDownAggregates {
   private var required: StructType = plan.schema
+  private var countOnly = false
   private var wanted = Wanted(None, None, None)
   private var pushed = Array.empty[Filter]
 
@@ -53,7 +55,34 @@ final class SafetensorsScanBuilder(plan: ReadPlan) extends ScanBuilder
 
   override def pushedFilters(): Array[Filter] = pushed
 
-  override def build(): Scan = new SafetensorsScan(plan, required, wanted)
+  /** `COUNT(*)` of a dataset's rows or keys with no filter: the manifests' `samples_count`. */
+  override def pushAggregation(aggregation: Aggregation): Boolean = {
+    countOnly = (plan.view == "rows" || plan.view == "kv") && pushed.isEmpty &&
+      aggregation.groupByExpressions().isEmpty && aggregation.aggregateExpressions().nonEmpty &&
+      aggregation.aggregateExpressions().forall(_.isInstanceOf[CountStar])
+    countOnly
+  }
+
+  override def supportCompletePushDown(aggregation: Aggregation): Boolean = true
+
+  override def build(): Scan =
+    if (countOnly) new ManifestCountScan(plan.sources.flatMap(_.manifest).map(_.shards.map(_.samples).sum).sum)
+    else new SafetensorsScan(plan, required, wanted)
+}
+
+/** `COUNT(*)` answered from the manifests: one partition, one row, no shard opened. */
+final class ManifestCountScan(total: Long) extends Scan with Batch {
+  override def readSchema(): StructType = StructType(Seq(StructField("count(*)", LongType, nullable = false)))
+  override def description(): String = s"safetensors count(*) = $total from the manifest"
+  override def toBatch: Batch = this
+  override def planInputPartitions(): Array[InputPartition] = Array(FilesPart(0, Seq.empty))
+  override def createReaderFactory(): PartitionReaderFactory = new CountReaderFactory(total)
+}
+
+final class CountReaderFactory(total: Long) extends PartitionReaderFactory {
+  override def createReader(partition: InputPartition): PartitionReader[InternalRow] = new IteratorReader {
+    override protected def rows: Iterator[InternalRow] = Iterator.single(InternalRow(total))
+  }
 }
 
 final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted) extends Scan with Batch {
