@@ -69,7 +69,9 @@ def _cases(spark, out: Path, jvm: bool, scala: bool) -> dict:
             "rows → noop | jvm": noop(ours),
             "count() | jvm": lambda: ours().count(),
             "tensors struct → noop | jvm": noop(lambda: ours(view="tensors")),
-            "one column: activation (1024 B/row) | jvm": noop(lambda: ours(three).select("activation")),
+            "one column: activation (1024 B/row) | jvm": noop(
+                lambda: ours(three).select("activation")
+            ),
             "one column: small (64 B/row) | jvm": noop(lambda: ours(three).select("small")),
             "all three columns (2112 B/row) | jvm": noop(lambda: ours(three)),
         }
@@ -96,7 +98,9 @@ def run() -> str:
         df = make_df(spark)
         _datasets(spark, df, out)
         df.unpersist()
-        cases = _cases(spark, out, _has_class(spark, JVM_SOURCE), _has_class(spark, SCALA_CONNECTOR))
+        cases = _cases(
+            spark, out, _has_class(spark, JVM_SOURCE), _has_class(spark, SCALA_CONNECTOR)
+        )
         seconds = interleaved_medians(cases, repeat=REPEAT, settle=os.sync)
     finally:
         spark.stop()
