@@ -295,7 +295,7 @@ def run_features(spark, config: FeaturesConfig) -> FeaturesSummary:
     with publishing(out) as tmp:
         tokens = spark.read.format("safetensors").load(plan.dataset)
         tokens = tokens.select("activation", "sample_id", "window", "token_pos")
-        candidates = tmp / "_candidates"
+        candidates = tmp / "candidates"  # a name Spark lists (it skips "_" and ".")
         tokens.mapInArrow(_encode_fn(plan, config), CANDIDATES_SCHEMA).write.parquet(
             str(candidates)
         )
@@ -356,7 +356,8 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
     state.tokens = int(col["count"][kind == TOKENS].sum())
     state.top = _entries_of(top)
     cells = samples.column("cell").to_numpy().astype(np.int64)
-    state.samples = {**_entries_of(samples), "cell": torch.from_numpy(cells)}
+    entries = {**_entries_of(samples), "cell": torch.from_numpy(cells)}
+    state.samples = {**entries, "prio": priority(entries["id"], entries["latent"], state.seed)}
     return state
 
 

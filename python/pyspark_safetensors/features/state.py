@@ -107,7 +107,7 @@ class LatentState:
         self.sums = torch.zeros(n * bins, dtype=torch.float64)
         self.maxima = torch.zeros(n, dtype=torch.float32)
         self.top = _entries()
-        self.samples = _entries()
+        self.samples = _entries("cell", "prio")
 
     def bin_of(self, values: torch.Tensor) -> torch.Tensor:
         inner = self.edges[1:-1].to(values.device, torch.float32)
@@ -130,30 +130,58 @@ class LatentState:
         )
 
     def add_candidates(self, top: dict, samples: dict) -> None:
-        """Fold candidate entries (another state's, or a batch's) into top-N and samples."""
-        top = _cat(self.top, top)
-        self.top = _take(top, keep_first(top["latent"], descending_key(top["value"]), top["id"],
-                                         self.top_n))  # fmt: skip
-        samples = _cat(self.samples, samples)
-        prio = priority(samples["id"], samples["latent"], self.seed)
-        self.samples = _take(
-            samples, keep_first(samples["cell"], prio, samples["id"], self.per_bin)
+        """Fold candidate entries (another state's, or a batch's) into top-N and samples.
+        Candidates that cannot enter (below a full top-N's smallest value, above a full
+        cell's largest priority) are dropped before the sorts, so once the state fills up
+        a batch costs little more than its encoding."""
+        floor = self._top_floor()
+        top = _take(top, torch.nonzero(top["value"] >= floor[top["latent"]]).flatten())
+        if top["latent"].numel():
+            top = _cat({name: self.top[name] for name in top}, top)
+            order = keep_first(top["latent"], descending_key(top["value"]), top["id"], self.top_n)
+            self.top = _take(top, order)
+        samples = {**samples, "prio": priority(samples["id"], samples["latent"], self.seed)}
+        ceiling = self._sample_ceiling()
+        samples = _take(
+            samples, torch.nonzero(samples["prio"] <= ceiling[samples["cell"]]).flatten()
         )
+        if samples["latent"].numel():
+            samples = _cat(self.samples, samples)
+            order = keep_first(samples["cell"], samples["prio"], samples["id"], self.per_bin)
+            self.samples = _take(samples, order)
+
+    def _top_floor(self) -> torch.Tensor:
+        """Per latent, the value a candidate must reach to enter its top-N (0 until full)."""
+        latent, value = self.top["latent"], self.top["value"]
+        full = torch.bincount(latent, minlength=self.n_latents) >= self.top_n
+        smallest = torch.full((self.n_latents,), float("inf")).scatter_reduce(
+            0, latent, value, "amin"
+        )
+        return torch.where(full, smallest, torch.zeros(()))
+
+    def _sample_ceiling(self) -> torch.Tensor:
+        """Per (latent, bin), the priority a candidate must not exceed to enter (any until
+        the cell holds ``per_bin`` entries)."""
+        cells = self.n_latents * self.bins
+        cell, prio = self.samples["cell"], self.samples["prio"]
+        full = torch.bincount(cell, minlength=cells) >= self.per_bin
+        largest = torch.zeros(cells, dtype=torch.int64).scatter_reduce(0, cell, prio, "amax")
+        return torch.where(full, largest, torch.full((), _U32))
 
     def merge(self, other: LatentState) -> None:
         self.tokens += other.tokens
         self.counts += other.counts
         self.sums += other.sums
         self.maxima = torch.maximum(self.maxima, other.maxima)
-        self.add_candidates(other.top, other.samples)
+        self.add_candidates(other.top, {n: t for n, t in other.samples.items() if n != "prio"})
 
 
-def _entries() -> dict:
+def _entries(*names: str) -> dict:
     return {
         "latent": torch.zeros(0, dtype=torch.int64),
         "value": torch.zeros(0, dtype=torch.float32),
         "id": torch.zeros(0, dtype=torch.int64),
-        "cell": torch.zeros(0, dtype=torch.int64),
+        **{name: torch.zeros(0, dtype=torch.int64) for name in names},
     }
 
 
