@@ -11,7 +11,6 @@ import org.apache.spark.sql.sources.DataSourceRegister
 import org.apache.spark.sql.types.StructType
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
 
-import io.github.pysparksafetensors.core.SafetensorsReadException
 import io.github.pysparksafetensors.read.{ReadPlan, SafetensorsScanBuilder}
 import io.github.pysparksafetensors.write.{SafetensorsWriteBuilder, SafetensorsWriteException}
 
@@ -42,7 +41,8 @@ object SafetensorsSource {
 }
 
 /** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation.
-  * A read plans itself from the scan's options; a schema given by the user must match. */
+  * A read plans itself from the scan's options; a schema given by the user names some of
+  * the data's columns with their types. */
 final class SafetensorsTable(tableSchema: StructType) extends Table with SupportsRead with SupportsWrite {
   override def name(): String = "safetensors"
   override def schema(): StructType = tableSchema
@@ -51,11 +51,8 @@ final class SafetensorsTable(tableSchema: StructType) extends Table with Support
 
   override def newScanBuilder(options: CaseInsensitiveStringMap): ScanBuilder = {
     val plan = SafetensorsSource.plan(options)
-    if (plan.schema.catalogString != tableSchema.catalogString)
-      throw new SafetensorsReadException(
-        s"the given schema ${tableSchema.simpleString} differs from the data's ${plan.schema.simpleString}; " +
-          "drop .schema(...) or give the inferred one")
-    new SafetensorsScanBuilder(plan)
+    new SafetensorsScanBuilder(if (plan.schema.catalogString == tableSchema.catalogString) plan
+      else ReadPlan.withSchema(plan, tableSchema))
   }
 
   override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder = new SafetensorsWriteBuilder(info)

@@ -29,11 +29,14 @@ object Header {
   /** The largest header the reference library accepts. */
   val MaxHeaderBytes: Long = 100L * 1000 * 1000
   private val mapper = new ObjectMapper()
+  /** The rules named at the end of an error, as the Python format layer names them. */
+  val FormatRule = "safetensors format"
+  val SizeRule = "file holds the 8-byte header length, the header and every tensor's bytes"
 
   /** The header of `name`, `size` bytes long, read with two small ranged reads. */
   def read(storage: Storage, name: String, size: Long): Header = {
     val where = storage.display(name)
-    def fail(msg: String): Nothing = throw new SafetensorsReadException(s"file '$where': $msg")
+    def fail(msg: String): Nothing = throw new SafetensorsReadException(s"file '$where': $msg [rule: $FormatRule]")
     if (size < 8) fail(s"$size bytes is too short for a safetensors file (8-byte header length first)")
     val n = ByteBuffer.wrap(storage.readRange(name, 0, 8)).order(ByteOrder.LITTLE_ENDIAN).getLong
     if (n < 2 || n > MaxHeaderBytes || n > size - 8)
@@ -44,7 +47,7 @@ object Header {
   /** A header's JSON checked as the reference library checks it: known dtypes, byte
     * ranges that match shapes, tile the data area without holes and end at the file end. */
   def parse(json: Array[Byte], size: Long, where: String): Header = {
-    def fail(msg: String): Nothing = throw new SafetensorsReadException(s"file '$where': $msg")
+    def fail(msg: String): Nothing = throw new SafetensorsReadException(s"file '$where': $msg [rule: $FormatRule]")
     val doc: JsonNode =
       try mapper.readTree(json)
       catch { case e: com.fasterxml.jackson.core.JacksonException => fail(s"the header is not valid JSON (${e.getOriginalMessage})") }
@@ -64,7 +67,8 @@ object Header {
       if (t.begin != at) fail(s"tensor '${t.name}' begins at byte ${t.begin - dataStart} of the data, expected ${at - dataStart} (holes or overlaps are invalid)")
       at = t.end
     }
-    if (at != size) fail(s"the tensors end at byte $at but the file has $size bytes")
+    if (at != size) throw new SafetensorsReadException(
+      s"file '$where': the tensors end at byte $at but the file has $size bytes [rule: $SizeRule]")
     Header(tensors, dataStart, metadata)
   }
 

@@ -95,6 +95,22 @@ object ReadPlan {
     ReadPlan(o, sources, views.head, schemas.head)
   }
 
+  /** The plan reading `given` (a schema the user gave): each column one of the data's, of
+    * the same type (nullability aside). */
+  def withSchema(plan: ReadPlan, given: StructType): ReadPlan = {
+    val inferred = plan.schema
+    val missing = given.fieldNames.filterNot(inferred.fieldNames.contains)
+    def names(ns: Seq[String]) = ns.map(n => s"'$n'").mkString("[", ", ", "]")
+    if (missing.nonEmpty) throw new SafetensorsReadException(
+      s"schema names column(s) ${names(missing.toSeq)} that '${plan.options.paths.head}' does not have; it has ${names(inferred.fieldNames.toSeq)}")
+    given.fields.foreach { f =>
+      val have = inferred(f.name).dataType
+      if (f.dataType.simpleString != have.simpleString) throw new SafetensorsReadException(
+        s"column '${f.name}': the given schema says ${f.dataType.simpleString}, the data is ${have.simpleString}")
+    }
+    plan.copy(schema = StructType(given.fields.map(f => inferred(f.name))))
+  }
+
   /** A dataset directory or its manifest, a `.safetensors` file, a directory or a glob. */
   def resolve(path: String, conf: Configuration): Source = {
     val dir = if (path.endsWith("/" + Manifest)) path.dropRight(Manifest.length + 1) else path
@@ -141,11 +157,11 @@ object ReadPlan {
     val manifest = core.Manifest.load(storage)
     manifest.shards.foreach { s =>
       val st = storage.status(s.path).getOrElse(throw new SafetensorsReadException(
-        s"dataset '${storage.root}': shard '${s.path}' listed in the manifest is missing"))
+        s"dataset '${storage.root}': ${s.path} is missing (listed in the manifest)"))
       if (!st.isFile) throw new SafetensorsReadException(
-        s"dataset '${storage.root}': shard '${s.path}' is not a regular file")
+        s"dataset '${storage.root}': ${s.path} is not a regular file")
       if (st.getLen != s.bytes) throw new SafetensorsReadException(
-        s"dataset '${storage.root}': shard '${s.path}' has ${st.getLen} bytes, the manifest says ${s.bytes}")
+        s"dataset '${storage.root}': size differs from the manifest: ${s.path} (${st.getLen} bytes, the manifest says ${s.bytes})")
     }
     Source(storage, Some(manifest), manifest.shards.map(_.path), manifest.shards.map(_.bytes))
   }
