@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-try:
-    from ..errors import PysparkSafetensorsError as _Base
-except ImportError:  # a package without the shared error base
-    _Base = Exception
+from ..errors import PysparkSafetensorsError
 
 
-class FeaturesError(_Base, ValueError):
+class FeaturesError(PysparkSafetensorsError, ValueError):
     """Input the feature job cannot use; the message names it and says what to change."""
 
 
