@@ -195,3 +195,13 @@ def test_remote_paths_are_read_by_ranged_reads_through_hadoop(spark, jvm, tmp_pa
     assert [(r.k, r.v) for r in got] == [("4", [4.0])]
     tensors = load(spark, jvm, f"stlocal://{kv}", view="tensors").collect()
     assert {r.file.split("://")[0] for r in tensors} == {"stlocal"}
+
+
+def test_struct_dimensions_beyond_int32_are_refused_with_the_tensor_named(spark, jvm, tmp_path):
+    from pyspark_safetensors.format import write_shard
+
+    write_shard(tmp_path / "huge.safetensors", {"k1__x": np.empty((0, 2**33), np.float32)})
+    with pytest.raises(Exception, match=r"'k1__x'.*above 2\^31 - 1.*view=tensors"):
+        load(spark, jvm, tmp_path).collect()
+    listed = load(spark, jvm, tmp_path, include_data="false").collect()
+    assert [(r.name, r.shape) for r in listed] == [("k1__x", [0, 2**33])]
