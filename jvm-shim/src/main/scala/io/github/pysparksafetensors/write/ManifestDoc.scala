@@ -97,7 +97,8 @@ object ManifestDoc {
     if (shards.map(_.samples).sum != doc.get("total_samples").asLong || shards.map(_.bytes).sum != doc.get("total_bytes").asLong)
       fail(where, "total_samples/total_bytes disagree with the sum over shards")
     val schemaNode = doc.get("schema").asInstanceOf[ObjectNode]
-    val schema = schemaNode.properties().asScala.map { e =>
+    // A Seq over the entries keeps the manifest's column order (a Set would lose it).
+    val schema = schemaNode.properties().asScala.toSeq.map { e =>
       val c = e.getValue
       val shape = c.get("shape").elements().asScala.map(_.asInt).toSeq
       val sample = Option(c.get("sample_shape")).map(_.elements().asScala.map(_.asInt).toSeq).getOrElse(shape.drop(1))
