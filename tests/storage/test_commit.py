@@ -8,41 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
-import pyarrow as pa
 import pytest
-from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
+from direct_writes import batch, files, writer
 
 from pyspark_safetensors.dataset import ConcurrentCommitError, DatasetLocation, load_manifest
 from pyspark_safetensors.dataset.commit import _publish_manifest
-from pyspark_safetensors.spark.source import SafetensorsDataSource
 from pyspark_safetensors.spark.writer import JobEndedError
 from pyspark_safetensors.torch import open_dataset
-
-SCHEMA = StructType(
-    [
-        StructField("key", StringType()),
-        StructField("id", LongType()),
-        StructField("vec", ArrayType(FloatType())),
-    ]
-)
-
-
-def batch(start, n):
-    ids = np.arange(start, start + n)
-    vec = pa.array([[float(i), float(i) + 0.5] for i in ids], pa.list_(pa.float32()))
-    keys = pa.array([f"k{i}" for i in ids])
-    return pa.record_batch([keys, pa.array(ids), vec], names=["key", "id", "vec"])
-
-
-def writer(path, overwrite=False, **options):
-    mode = {"batch_size": "4"} if "name_col" not in options else {}
-    opts = {"path": str(path), "columns": "id,vec", **mode, **options}
-    return SafetensorsDataSource(opts).writer(SCHEMA, overwrite)
-
-
-def files(root):
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
 def test_losing_attempt_and_failed_attempt_leave_nothing(tmp_path):

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+from direct_writes import batch, files, writer
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
 
 from pyspark_safetensors.dataset import (
     DatasetBuilder,
@@ -19,32 +19,10 @@ from pyspark_safetensors.dataset import (
     verify_dataset,
 )
 from pyspark_safetensors.dataset.commit import commit_dataset
-from pyspark_safetensors.spark.source import SafetensorsDataSource
 from pyspark_safetensors.torch import open_dataset
 
 SPEC_INDEX = "_tensor_index.parquet"
 SPEC_COLUMNS = ["tensor_key", "file_name", "shape", "dtype"]
-
-SCHEMA = StructType(
-    [
-        StructField("key", StringType()),
-        StructField("id", LongType()),
-        StructField("vec", ArrayType(FloatType())),
-    ]
-)
-
-
-def batch(start, n):
-    ids = np.arange(start, start + n)
-    vec = pa.array([[float(i), float(i) + 0.5] for i in ids], pa.list_(pa.float32()))
-    keys = pa.array([f"k{i}" for i in ids])
-    return pa.record_batch([keys, pa.array(ids), vec], names=["key", "id", "vec"])
-
-
-def writer(path, overwrite=False, **options):
-    mode = {"batch_size": "4"} if "name_col" not in options else {}
-    opts = {"path": str(path), "columns": "id,vec", **mode, **options}
-    return SafetensorsDataSource(opts).writer(SCHEMA, overwrite)
 
 
 def write(path, start, n, overwrite=False, **options):
@@ -54,10 +32,6 @@ def write(path, start, n, overwrite=False, **options):
 
 def manifest(root):
     return json.loads((root / "dataset_manifest.json").read_text())
-
-
-def files(root):
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
 def named_by(m):
