@@ -1,5 +1,5 @@
 """Shared fixtures. Tiers are pytest markers (see pyproject): unit, spark, distributed,
-integration, jvm. Spark sessions are made per module by the ``spark`` fixture."""
+integration, jvm. Spark sessions are shared by the whole run (``tests/spark_sessions.py``)."""
 
 from __future__ import annotations
 
@@ -90,13 +90,14 @@ def s3_bucket(s3_endpoint, request) -> str:
 
 @pytest.fixture(scope="module")
 def spark():
-    """One local Spark session per test module (local[2]; task retries for retry tests)."""
-    from pyspark_safetensors.spark.session import local_session
+    """The run's shared local Spark session (local[2]; task retries for retry tests),
+    from ``tests/spark_sessions.py``."""
+    from spark_sessions import spark_session
 
-    session = local_session(
-        "local[2, 4]",
-        app_name="pyspark-safetensors-tests",
-        **{"spark.ui.showConsoleProgress": "false"},
-    )
-    yield session
-    session.stop()
+    return spark_session("local")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from spark_sessions import stop_all
+
+    stop_all()

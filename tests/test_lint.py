@@ -24,3 +24,19 @@ def test_ruff(repo_root, args):
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_python_files_under_tests_have_unique_names(repo_root):
+    # pytest imports test modules and helpers by basename (no packages under tests/): two
+    # files of one name make the second fail to collect, or import the wrong helper.
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((repo_root / "tests").rglob("*.py")):
+        if path.name == "conftest.py":
+            continue  # pytest loads each conftest by path
+        if path.name in seen:
+            clashes.append(
+                f"{seen[path.name].relative_to(repo_root)} and {path.relative_to(repo_root)}"
+            )
+        seen.setdefault(path.name, path)
+    assert not clashes, "rename one of each pair: " + "; ".join(clashes)

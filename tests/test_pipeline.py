@@ -75,7 +75,8 @@ def test_every_artifact_exists_and_validates(run):
     evaluation = run / "run" / summary["evaluation_dir"]
     for png in ("latent_frequency.png", "evaluation.png"):
         assert (evaluation / png).stat().st_size > 10_000
-    for hook, features in summary["features"].items():  # every latent of every SAE
+    assert sorted(summary["features"]) == sorted(HOOKS)
+    for features in summary["features"].values():  # every latent of every SAE
         browser = run / "run" / features["dir"] / "features"
         assert features["latents"] == 768 and features["tokens"] == summary["extraction"]["tokens"]
         assert (browser / "index.html").is_file() and (browser / "data" / "latents.js").is_file()

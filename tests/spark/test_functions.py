@@ -14,7 +14,6 @@ from pyspark.sql import functions as F
 from pyspark_safetensors.format.casts import cast_array
 from pyspark_safetensors.format.dtypes import WRITABLE, get_dtype
 from pyspark_safetensors.functions import (
-    SHIM_EXTENSIONS,
     TensorFunctionError,
     arr_to_st,
     shim_jar,
@@ -44,20 +43,11 @@ SPECIAL = np.array(
 
 @pytest.fixture(scope="module")
 def spark():
-    """A session with the shim loaded (the jar must have been built by the set-up)."""
-    from pyspark_safetensors.spark.session import local_session
+    """The run's shared session with the shim loaded (the jar must have been built by the
+    set-up)."""
+    from spark_sessions import spark_session
 
-    session = local_session(
-        "local[2]",
-        app_name="pyspark-safetensors-functions",
-        **{
-            "spark.jars": str(shim_jar()),
-            "spark.sql.extensions": SHIM_EXTENSIONS,
-            "spark.ui.showConsoleProgress": "false",
-        },
-    )
-    yield session
-    session.stop()
+    return spark_session("shim")
 
 
 def frame(spark, rows: list[np.ndarray], element: str):

@@ -15,15 +15,9 @@ pytestmark = pytest.mark.spark
 
 @pytest.fixture(scope="module")
 def cluster():
-    from pyspark_safetensors.spark.session import local_session
+    from spark_sessions import spark_session
 
-    session = local_session(
-        "local-cluster[2,1,1024]",
-        app_name="pyspark-safetensors-cluster-tests",
-        **{"spark.ui.showConsoleProgress": "false", "spark.task.maxFailures": "2"},
-    )
-    yield session
-    session.stop()
+    return spark_session("cluster")
 
 
 def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_endpoint):
