@@ -19,12 +19,8 @@ from pathlib import Path
 from benchmarks.common import interleaved_medians, table
 
 ROWS, DIM, PARTS, REPEAT = 200_000, 256, 2, 5
-JVM_SOURCES = (
-    "io.github.pysparksafetensors.SafetensorsSource",
-    "io.github.pysparksafetensors.write.SafetensorsWriteProvider",
-)
-"""The JVM writer by class name: the full source where the jar has it, else the write-only
-provider."""
+JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
+"""The JVM source by class name: the Scala connector's jar registers ``safetensors`` too."""
 SCALA_CONNECTOR = "io.github.semyonsinchenko.safetensors.SafetensorsTableProvider"
 PYTHON_SOURCE = "safetensors_python"
 """The Python source under a name of its own: a jar that registers ``safetensors`` on the
@@ -113,7 +109,7 @@ def run() -> str:
 
         return write
 
-    jvm_source = next((n for n in JVM_SOURCES if _has_class(spark, n)), None)
+    jvm_source = JVM_SOURCE if _has_class(spark, JVM_SOURCE) else None
     ours, jvm, scala = save(PYTHON_SOURCE), save(jvm_source), save(SCALA_CONNECTOR)
     spark.dataSource.register(_discarding_source())
     spark.dataSource.register(_python_source())

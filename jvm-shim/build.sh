@@ -17,9 +17,11 @@ JARS=$("$PY" -c 'import os, pyspark; print(os.path.join(os.path.dirname(pyspark.
 VERSION=$(sed -n 's/^ThisBuild \/ version := "\(.*\)"/\1/p' "$ROOT/build.sbt")
 JAR=$HERE/target/pyspark-safetensors-shim-$VERSION.jar
 SOURCES=$(find "$HERE/src/main/scala" -name '*.scala' | sort)
+# Resources go into the jar as they are: the service entry that registers the short name.
+RESOURCES=$HERE/src/main/resources
 
 STAMP=$HERE/target/.sources.sha256
-want=$(cat $SOURCES "$0" | sha256sum | cut -d' ' -f1)-$(basename "$(ls "$JARS"/spark-sql_*.jar)")
+want=$(cat $SOURCES $(find "$RESOURCES" -type f | sort) "$0" | sha256sum | cut -d' ' -f1)-$(basename "$(ls "$JARS"/spark-sql_*.jar)")
 if [ -f "$JAR" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -32,15 +34,16 @@ mkdir -p "$CLASSES"
 java -Xss8m -cp "$JARS/*" scala.tools.nsc.Main -usejavacp -nowarn -deprecation -feature \
   -d "$CLASSES" $SOURCES
 # A jar is a zip with a manifest; Python's zipfile writes it where no JDK 'jar' tool exists.
-"$PY" - "$CLASSES" "$JAR" <<'PY'
+"$PY" - "$CLASSES" "$RESOURCES" "$JAR" <<'PY'
 import os, sys, zipfile
-classes, jar = sys.argv[1:]
+classes, resources, jar = sys.argv[1:]
 with zipfile.ZipFile(jar + ".tmp", "w", zipfile.ZIP_DEFLATED) as z:
     z.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\r\nCreated-By: pyspark-safetensors jvm-shim/build.sh\r\n\r\n")
-    for folder, _, files in sorted(os.walk(classes)):
-        for name in sorted(files):
-            path = os.path.join(folder, name)
-            z.write(path, os.path.relpath(path, classes))
+    for root in (classes, resources):
+        for folder, _, files in sorted(os.walk(root)):
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                z.write(path, os.path.relpath(path, root))
 os.replace(jar + ".tmp", jar)
 PY
 echo "$want" >"$STAMP"

@@ -11,6 +11,9 @@ import pyarrow.fs as pafs
 import pytest
 from pyspark.sql import functions as F
 
+from implementations import IMPLEMENTATIONS, require, writer
+from pyspark_safetensors.spark.options import IMPLEMENTATION_CONF
+
 pytestmark = pytest.mark.spark
 
 BOOM = "computed although the append was refused"
@@ -225,32 +228,44 @@ def test_other_files_are_refused_when_loaded_not_in_a_task(spark, tmp_path):
 # ------------------------------------------------------------ partitioning and catalog tables
 
 
-def test_partition_by_and_bucket_by_are_refused_and_write_nothing(spark, tmp_path):
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_partition_by_and_bucket_by_are_refused_and_write_nothing(spark, tmp_path, impl):
     df = frame(spark).select("id", "vec")
     out = tmp_path / "p"
-    w = df.write.format("safetensors").mode("overwrite").option("batch_size", 2)
-    # Spark refuses both before the source is asked: the source never sees them
-    with pytest.raises(Exception, match="partitioning or clustering columns do not match"):
+    w = writer(df, require(spark, impl)).mode("overwrite").option("batch_size", 2)
+    # Spark refuses partitionBy before a Python source is asked; the JVM source is asked
+    refused = {
+        "python": "partitioning or clustering columns do not match",
+        "jvm": "a safetensors dataset has no partition columns: drop partitionBy",
+    }
+    with pytest.raises(Exception, match=refused[impl]):
         w.partitionBy("id").save(str(out))
     with pytest.raises(Exception, match="does not support bucketBy"):
         w.bucketBy(2, "id").save(str(out))
     assert not out.exists()
 
 
-def test_catalog_tables_get_no_path_and_say_what_to_do(spark, tmp_path):
-    df = frame(spark).select("id", "vec")
-    w = df.write.format("safetensors").mode("overwrite").option("batch_size", 2)
-    with pytest.raises(
-        Exception,
-        match=r"saveAsTable.*hand no path to a Python data source: write the dataset with .save\(path\)",
-    ):
-        w.saveAsTable("conventions_no_path")
-    # with a path the dataset is written, but the catalog entry cannot read it back
-    out = tmp_path / "t"
-    w.option("path", str(out)).saveAsTable("conventions_with_path")
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_catalog_tables_get_no_path_and_say_what_to_do(spark, tmp_path, impl):
+    # a catalog write sees the session's conf, not the option: the conf picks the source
+    spark.conf.set(IMPLEMENTATION_CONF, require(spark, impl))
     try:
+        df = frame(spark).select("id", "vec")
+        w = df.write.format("safetensors").mode("overwrite").option("batch_size", 2)
+        no_path = {
+            "python": r"saveAsTable.*hand no path to a Python data source",
+            "jvm": r"a catalog table hands the writer no path",
+        }
+        with pytest.raises(
+            Exception, match=no_path[impl] + r".*write the dataset with \.save\(path\)"
+        ):
+            w.saveAsTable("conventions_no_path")
+        # with a path the dataset is written, but the catalog entry cannot read it back
+        out = tmp_path / "t"
+        w.option("path", str(out)).saveAsTable("conventions_with_path")
         assert spark.read.format("safetensors").load(str(out)).count() == 4
         with pytest.raises(Exception, match=r"A catalog table .* hands no path.*load\(path\)"):
             spark.table("conventions_with_path").collect()
     finally:
+        spark.conf.unset(IMPLEMENTATION_CONF)
         spark.sql("DROP TABLE IF EXISTS conventions_with_path")

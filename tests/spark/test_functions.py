@@ -3,6 +3,7 @@ fallback give the format core's bytes and agree with each other."""
 
 from __future__ import annotations
 
+import json
 import zipfile
 
 import numpy as np
@@ -74,20 +75,25 @@ def expected_bytes(row: np.ndarray, dtype: str) -> bytes:
     return cast_array(row, dtype).tobytes()
 
 
-def test_jar_registers_functions_and_no_data_source(spark, tmp_path):
+def test_jar_registers_functions_and_the_data_source(spark, tmp_path):
     with zipfile.ZipFile(shim_jar()) as jar:
         names = jar.namelist()
+        services = jar.read(f"META-INF/services/{DATA_SOURCE_REGISTER}").decode().split()
     assert "io/github/pysparksafetensors/SafetensorsExtensions.class" in names
-    assert not [n for n in names if n.startswith("META-INF/services/")]  # no DataSourceRegister
+    assert services == ["io.github.pysparksafetensors.SafetensorsSource"]
     assert shim_loaded(spark)
     for fn in ("arr_to_st", "st_to_array", "st_shape", "st_dtype", "st_numel"):
         assert spark.catalog.functionExists(fn)
-    # format("safetensors") still reaches the Python source, with the shim loaded
+    # with the jar, format("safetensors") is the JVM source, which writes Tensor Structs
     df = spark.range(6).selectExpr("arr_to_st(array(cast(id as float), 1.0f), 'F16') AS t")
     df.write.format("safetensors").option("batch_size", 3).mode("overwrite").save(
         str(tmp_path / "d")
     )
-    assert (tmp_path / "d" / "dataset_manifest.json").exists()
+    manifest = json.loads((tmp_path / "d" / "dataset_manifest.json").read_text())
+    assert manifest["created_by"].endswith("(JVM)") and manifest["total_samples"] == 6
+
+
+DATA_SOURCE_REGISTER = "org.apache.spark.sql.sources.DataSourceRegister"
 
 
 @pytest.mark.parametrize("element", ["float", "double"])

@@ -11,27 +11,23 @@ import pytest
 from pyspark.sql import functions as F
 from safetensors.numpy import save_file
 
+from implementations import reader, require, writer
 from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.format import to_bf16, to_f16
 
 pytestmark = pytest.mark.spark
 
-JVM = "io.github.pysparksafetensors.SafetensorsSource"
-PYTHON = "safetensors"
+PYTHON = "python"
 
 
 @pytest.fixture(scope="module")
 def jvm(spark):
-    """The JVM source's class name; skips when the session's jar does not have it."""
-    try:
-        spark._jvm.org.apache.spark.util.Utils.classForName(JVM, True, False)
-    except Exception:  # py4j wraps the ClassNotFoundException
-        pytest.skip("no JVM reader on the class path (build it with jvm-shim/build.sh)")
-    return JVM
+    """The JVM reader's implementation name; skips when the session's jar lacks it."""
+    return require(spark, "jvm")
 
 
 def load(spark, fmt, path, **options):
-    return spark.read.format(fmt).options(**{k: str(v) for k, v in options.items()}).load(str(path))
+    return reader(spark, fmt).options(**{k: str(v) for k, v in options.items()}).load(str(path))
 
 
 def same(spark, jvm, path, **options):
@@ -83,7 +79,7 @@ def test_kv_view_with_ragged_rows_and_key_filter(spark, jvm, tmp_path):
         F.sequence(F.lit(0), F.col("id") % 5).cast("array<float>").alias("v"),
         F.col("id").cast("int").alias("n"),
     )
-    df.write.format(PYTHON).option("name_col", "doc").mode("overwrite").save(str(tmp_path))
+    writer(df, PYTHON).option("name_col", "doc").mode("overwrite").save(str(tmp_path))
     same(spark, jvm, tmp_path)
     same(spark, jvm, tmp_path, tensor_format="struct")
     picked = load(spark, jvm, tmp_path).where(F.col("doc").isin("doc3", "doc12"))
@@ -168,7 +164,7 @@ def test_the_jvm_table_writes_what_it_reads(spark, jvm, tmp_path):
     df = spark.range(5).select(
         F.array(F.col("id").cast("float"), F.lit(1.0).cast("float")).alias("x")
     )
-    df.write.format(jvm).option("batch_size", 2).mode("overwrite").save(str(tmp_path))
+    writer(df, jvm).option("batch_size", 2).mode("overwrite").save(str(tmp_path))
     assert sorted(r.x[0] for r in load(spark, jvm, tmp_path).collect()) == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert Path(tmp_path, "dataset_manifest.json").is_file()
 
@@ -190,7 +186,9 @@ def test_remote_paths_are_read_by_ranged_reads_through_hadoop(spark, jvm, tmp_pa
     kv = tmp_path / "kv"
     spark.range(6).select(
         F.col("id").cast("string").alias("k"), F.array(F.col("id").cast("float")).alias("v")
-    ).write.format(PYTHON).option("name_col", "k").mode("overwrite").save(str(kv))
+    ).write.format("safetensors").options(implementation=PYTHON, name_col="k").mode(
+        "overwrite"
+    ).save(str(kv))
     got = load(spark, jvm, f"stlocal://{kv}").where(F.col("k") == "4").collect()
     assert [(r.k, r.v) for r in got] == [("4", [4.0])]
     tensors = load(spark, jvm, f"stlocal://{kv}", view="tensors").collect()

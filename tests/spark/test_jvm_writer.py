@@ -12,42 +12,23 @@ import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import functions as F
 
+from implementations import reader, require, writer
 from pyspark_safetensors.dataset import verify_dataset
 from pyspark_safetensors.spark.options import WRITER_OPTIONS, WriterOptions
 
 pytestmark = pytest.mark.spark
 
-JVM_SOURCES = (
-    "io.github.pysparksafetensors.SafetensorsSource",
-    "io.github.pysparksafetensors.write.SafetensorsWriteProvider",
-)
-"""The JVM writer's entries by class name, reachable whether or not a service entry makes
-the JVM source the ``safetensors`` format: the full source (read and write) where the
-jar has it, else the write-only provider."""
-PYTHON_SOURCE = "safetensors"
-
-
-def jvm_class(spark, name: str):
-    """The JVM class ``name`` from the session's class path, or None."""
-    try:
-        return spark._jvm.org.apache.spark.util.Utils.classForName(name, True, False)
-    except Exception:  # py4j wraps the ClassNotFoundException
-        return None
+PYTHON_SOURCE = "python"
 
 
 @pytest.fixture(scope="module")
 def jvm(spark):
-    """The JVM writer's format name; skips when the session has no shim jar with it."""
-    for name in JVM_SOURCES:
-        if jvm_class(spark, name) is not None:
-            return name
-    pytest.skip("no JVM writer on the class path (build it with jvm-shim/build.sh)")
+    """The JVM writer's implementation name; skips when the session has no shim jar."""
+    return require(spark, "jvm")
 
 
 def write(df, fmt, path, mode="overwrite", **options):
-    df.write.format(fmt).options(**{k: str(v) for k, v in options.items()}).mode(mode).save(
-        str(path)
-    )
+    writer(df, fmt).options(**{k: str(v) for k, v in options.items()}).mode(mode).save(str(path))
 
 
 def shard_bytes(path) -> dict[str, bytes]:
@@ -60,6 +41,7 @@ def manifest_of(path) -> dict:
     doc = json.loads((Path(path) / "dataset_manifest.json").read_text())
     for key in ("commit_id", "parent_commit", "created_at", "index_file", "index_crc32c"):
         doc.pop(key, None)
+    doc["created_by"] = doc["created_by"].removesuffix(" (JVM)")  # which writer made it
     for shard in doc["shards"]:
         shard["shard_path"] = shard["shard_path"][:15]
     return doc
@@ -136,7 +118,7 @@ def test_either_writer_appends_to_the_others_dataset(spark, jvm, tmp_path, first
     assert doc["total_samples"] == 600 and len(doc["shards"]) == 4
     assert [s["first_sample"] for s in doc["shards"]] == [0, 150, 300, 450]
     assert len(index_of(tmp_path / "kv")) == 600 * 3
-    back = spark.read.format(PYTHON_SOURCE).load(str(tmp_path / "kv"))
+    back = reader(spark, PYTHON_SOURCE).load(str(tmp_path / "kv"))
     assert back.count() == 600
     with pytest.raises(Exception, match="duplicate tensor keys across shards"):
         write(df.limit(5), fmt[second], tmp_path / "kv", mode="append", name_col="key")
@@ -177,11 +159,8 @@ def test_failed_first_write_leaves_no_directory(spark, jvm, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_option_table_is_the_python_writers(spark):
+def test_option_table_is_the_python_writers(spark, jvm):
     """Both writers take the same option names, with the same defaults."""
-    describe = jvm_class(spark, "io.github.pysparksafetensors.write.WriterOptions")
-    if describe is None:
-        pytest.skip("no shim jar with the JVM writer on the class path")
     table = json.loads(spark._jvm.io.github.pysparksafetensors.write.WriterOptions.describe())
     assert table["names"] == list(WRITER_OPTIONS[1:])
     fields = {f.name: f for f in dataclasses.fields(WriterOptions)}
@@ -199,9 +178,10 @@ def test_option_table_is_the_python_writers(spark):
             if isinstance(default, bool)
             else default == type(default)(parsed)
         ), name
-    # batch_size, name_col, dtype, columns, shapes have no default; generate_index's depends on the mode
+    # batch_size, name_col, dtype, columns, shapes have no default; generate_index's depends
+    # on the mode; implementation picks the source before either parses the options
     assert set(WRITER_OPTIONS[1:]) - set(table["defaults"]) == {
-        "batch_size", "name_col", "dtype", "columns", "shapes", "generate_index",
+        "batch_size", "name_col", "dtype", "columns", "shapes", "generate_index", "implementation",
     }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import torch
 from pyspark.sql import functions as F
 from safetensors.torch import save_file
 
+from implementations import IMPLEMENTATIONS, reader, require
 from pyspark_safetensors.format import WRITABLE, get_dtype
 
 pytestmark = pytest.mark.spark
@@ -23,28 +24,21 @@ def write(df, path, mode="overwrite", **options):
     w.save(str(path))
 
 
-JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
-FORMATS = {"python": "safetensors", "jvm": JVM_SOURCE}
-"""Each test reads with both readers: the Python source and the JVM one (jvm-shim)."""
-reader_format = FORMATS["python"]
+_implementation = "python"
+"""The reader of the running test: each test reads with both (tests/implementations.py)."""
 
 
-@pytest.fixture(autouse=True, params=sorted(FORMATS))
+@pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
 def impl(request, spark):
     """The reader under test; the JVM one skips when the session's jar lacks it."""
-    global reader_format
-    if request.param == "jvm":
-        try:
-            spark._jvm.org.apache.spark.util.Utils.classForName(JVM_SOURCE, True, False)
-        except Exception:  # py4j wraps the ClassNotFoundException
-            pytest.skip("no JVM reader on the class path (build it with jvm-shim/build.sh)")
-    reader_format = FORMATS[request.param]
+    global _implementation
+    _implementation = require(spark, request.param)
     yield request.param
-    reader_format = FORMATS["python"]
+    _implementation = "python"
 
 
 def read(spark, path, **options):
-    r = spark.read.format(reader_format)
+    r = reader(spark, _implementation)
     for k, v in options.items():
         r = r.option(k, v)
     return r.load(str(path))
@@ -148,14 +142,12 @@ def test_explicit_schema_is_honoured_and_checked(spark, tmp_path):
         tmp_path / "s",
         batch_size=4,
     )
-    r = spark.read.format(reader_format).schema("v array<float>").load(str(tmp_path / "s"))
+    r = reader(spark, _implementation).schema("v array<float>").load(str(tmp_path / "s"))
     assert r.columns == ["v"] and r.count() == 4
     with pytest.raises(Exception, match=r"column 'v'.*array<double>"):
-        spark.read.format(reader_format).schema("v array<double>").load(
-            str(tmp_path / "s")
-        ).collect()
+        reader(spark, _implementation).schema("v array<double>").load(str(tmp_path / "s")).collect()
     with pytest.raises(Exception, match=r"column\(s\) \['nope'\]"):
-        spark.read.format(reader_format).schema("nope int").load(str(tmp_path / "s")).collect()
+        reader(spark, _implementation).schema("nope int").load(str(tmp_path / "s")).collect()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import save
 
+from implementations import IMPLEMENTATIONS, require, writer
 from pyspark_safetensors.format import WRITABLE, get_dtype, write_shard
 
 pytestmark = pytest.mark.spark
@@ -44,27 +45,22 @@ def vectors_df(spark, n=10, dim=3, parts=2):
     )
 
 
-JVM_WRITER = "io.github.pysparksafetensors.write.SafetensorsWriteProvider"
-_writer_format = "safetensors"
+_implementation = "python"
+"""The writer of the running test: each test writes with both (tests/implementations.py)."""
 
 
-@pytest.fixture(params=["python", "jvm"], autouse=True)
+@pytest.fixture(params=IMPLEMENTATIONS, autouse=True)
 def impl(request, spark):
-    """Every test writes with the Python writer, then with the JVM writer (jvm-shim) when
-    the session's shim jar has it; ``write`` uses the one of the running test."""
-    global _writer_format
-    if request.param == "jvm":
-        try:
-            spark._jvm.org.apache.spark.util.Utils.classForName(JVM_WRITER, True, False)
-        except Exception:  # py4j wraps the ClassNotFoundException
-            pytest.skip("no JVM writer in the session's shim jar (build jvm-shim/build.sh)")
-    _writer_format = JVM_WRITER if request.param == "jvm" else "safetensors"
+    """Every test writes with the Python writer, then with the JVM one when the session's
+    shim jar has it; ``write`` uses the one of the running test."""
+    global _implementation
+    _implementation = require(spark, request.param)
     yield request.param
-    _writer_format = "safetensors"
+    _implementation = "python"
 
 
 def write(df, path, mode="overwrite", **options):
-    w = df.write.format(_writer_format).mode(mode)
+    w = writer(df, _implementation).mode(mode)
     for k, v in options.items():
         w = w.option(k, v)
     w.save(str(path))

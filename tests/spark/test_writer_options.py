@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from implementations import IMPLEMENTATIONS, require, writer
 from pyspark_safetensors.spark.options import MAX_ROWS, OptionError, WriterOptions
 
 
@@ -63,24 +64,15 @@ def test_plain_dtype_covers_integer_columns():
 # ------------------------------------------------------------------ through Spark
 
 
-JVM_WRITER = "io.github.pysparksafetensors.write.SafetensorsWriteProvider"
-
-
-@pytest.fixture(params=["python", "jvm"])
+@pytest.fixture(params=IMPLEMENTATIONS)
 def fmt(request, spark):
-    """The format of the writer under test: the Python source, then the JVM writer
-    (jvm-shim) when the session's shim jar has it."""
-    if request.param == "python":
-        return "safetensors"
-    try:
-        spark._jvm.org.apache.spark.util.Utils.classForName(JVM_WRITER, True, False)
-    except Exception:  # py4j wraps the ClassNotFoundException
-        pytest.skip("no JVM writer in the session's shim jar (build jvm-shim/build.sh)")
-    return JVM_WRITER
+    """The implementation of the writer under test: the Python source, then the JVM one
+    when the session's shim jar has it."""
+    return require(spark, request.param)
 
 
-def write(df, path, fmt="safetensors", **options):
-    df.write.format(fmt).options(**options).mode("overwrite").save(str(path))
+def write(df, path, fmt="python", **options):
+    writer(df, fmt).options(**options).mode("overwrite").save(str(path))
 
 
 def frame(spark, ids):
@@ -139,7 +131,5 @@ def test_plain_dtype_casts_are_checked(spark, tmp_path, fmt, ids, options, messa
 @pytest.mark.spark
 def test_unknown_option_is_refused_before_writing(spark, tmp_path, fmt):
     with pytest.raises(Exception, match=r"batch_szie \(did you mean batch_size\?\)"):
-        frame(spark, [1]).select("vec").write.format(fmt).option("batch_szie", 2).mode(
-            "overwrite"
-        ).save(str(tmp_path / "x"))
+        write(frame(spark, [1]).select("vec"), tmp_path / "x", fmt, batch_szie="2")
     assert not list(Path(tmp_path).rglob("*.safetensors"))

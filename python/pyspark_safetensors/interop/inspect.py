@@ -12,8 +12,8 @@ from .convert import detect_source
 
 
 def describe(path: str, *, limit: int = 20) -> list[str]:
-    """Lines summarising ``path``: a dataset (mode, samples, shards, size, columns,
-    metadata), a ``.safetensors`` file (its first ``limit`` tensors), or, for a saev dump
+    """Lines summarising ``path``: a dataset (mode, samples, shards, size, the writer,
+    columns, metadata), a ``.safetensors`` file (its first ``limit`` tensors), or, for a saev dump
     or a Zarr store, what ``verify`` says of it (their summaries are their checks)."""
     location = DatasetLocation.of(path)  # a local path or any URI (s3://, gs://, ...)
     has_manifest = location.has(MANIFEST)
@@ -25,7 +25,8 @@ def describe(path: str, *, limit: int = 20) -> list[str]:
         m = load_manifest(location)
         lines = [
             f"{location}: {m.mode} dataset, {m.total_samples:,} samples in "
-            f"{len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB"
+            f"{len(m.shards)} shards, {m.total_bytes / 1e6:,.1f} MB",
+            f"  written by {m.created_by}",  # "(JVM)" when the shim's writer wrote it
         ]
         lines += [
             f"  {name}: {col.dtype} sample shape {list(col.sample_shape)}"

@@ -19,6 +19,10 @@ DUPLICATE_STRATEGIES = ("fail", "lastWin")
 CHECKSUMS = ("crc32c", "none")
 VIEWS = ("rows", "kv", "tensors", "files")
 TENSOR_FORMATS = ("array", "struct")
+IMPLEMENTATIONS = ("auto", "jvm", "python")
+IMPLEMENTATION_CONF = "spark.pyspark_safetensors.implementation"
+"""The session conf that picks the implementation of ``format("safetensors")`` where the JVM
+shim's jar is on the classpath (the option ``implementation`` does it for one read or write)."""
 
 MIN_SHARD_MB, DEFAULT_SHARD_MB, MAX_SHARD_MB = 50, 300, 1000
 """Bounds and default of ``target_shard_size_mb`` (KV shards): a task holds up to two
@@ -134,6 +138,18 @@ def _kv_separator_option(value: str) -> dict:
     return {"kv_separator": value}
 
 
+def _implementation_option(value: str) -> dict:
+    # The JVM source answers auto and jvm where its jar is on the classpath, and hands
+    # python to this source; reaching here with jvm means the jar is absent.
+    if parse_choice("implementation", value, IMPLEMENTATIONS) == "jvm":
+        raise OptionError(
+            "option implementation=jvm, but the JVM implementation is not on this session's "
+            "classpath: start the session with pyspark_safetensors.with_shim(builder), or put "
+            "the shim jar on spark.jars (a cluster library on Databricks)"
+        )
+    return {}
+
+
 def _dtype_option(value: str) -> dict:
     raw = value.strip()
     if not raw.startswith("{"):
@@ -196,6 +212,7 @@ _WRITER_PARSERS: dict[str, Callable[[str], dict]] = {
     "keep_previous_generation": lambda v: {
         "keep_previous_generation": parse_bool("keep_previous_generation", v)
     },
+    "implementation": _implementation_option,
 }
 """One parser per writer option (besides ``path``), in the order they are checked: each
 returns the ``WriterOptions`` fields it sets."""
@@ -292,6 +309,7 @@ _READER_PARSERS: dict[str, Callable[[str], dict]] = {
     # Spark's own file sources and the Scala connector take it; a safetensors header always
     # holds the schema, so it only picks the files view for plain files (see default_view).
     "inferSchema": lambda v: {"infer_schema": parse_bool("inferSchema", v)},
+    "implementation": _implementation_option,
 }
 """One parser per read option (besides the paths)."""
 

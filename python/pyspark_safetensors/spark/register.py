@@ -15,7 +15,11 @@ import os
 import re
 
 from ..format.errors import PysparkSafetensorsError
+from .options import IMPLEMENTATION_CONF
 from .source import SafetensorsDataSource
+
+JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
+"""The JVM shim's data source class, registered under the short name by its jar."""
 
 
 class WorkerPythonError(PysparkSafetensorsError, RuntimeError):
@@ -99,16 +103,39 @@ def _statically_registered(spark) -> bool:
         return False
 
 
-def register(spark, *, check: bool = True) -> None:
+def implementation(spark) -> str:
+    """Which implementation answers ``format("safetensors")`` in ``spark``: ``"jvm"`` where
+    the shim jar is on the classpath (its source takes the short name) and the conf
+    ``spark.pyspark_safetensors.implementation`` does not say ``python``, else
+    ``"python"``. A Spark Connect client cannot see the server's classpath: it answers
+    ``"python"`` when the conf says so and ``"auto"`` (the server's jar decides) otherwise.
+    The option ``implementation`` overrides this for one read or write."""
+    chosen = (spark.conf.get(IMPLEMENTATION_CONF, None) or "auto").strip().lower()
+    if chosen == "python":
+        return "python"
+    try:
+        jvm, session = spark._jvm, spark._jsparkSession
+    except Exception:  # Spark Connect: no JVM handle
+        return "auto"
+    provider = jvm.org.apache.spark.sql.execution.datasources.DataSource.lookupDataSource(
+        SafetensorsDataSource.name(), session.sessionState().conf()
+    )
+    return "jvm" if provider.getName() == JVM_SOURCE else "python"
+
+
+def register(spark, *, check: bool = True) -> str:
     """Register the ``safetensors`` data source in ``spark`` (a classic or Spark Connect
     session) and, unless ``check=False``, make sure Spark's Python workers can import this
     package (one task of one row); raises :class:`WorkerPythonError` saying which Python
-    they run otherwise.
+    they run otherwise. Returns the implementation that answers ``format("safetensors")``
+    (see :func:`implementation`).
 
     >>> import pyspark_safetensors
     >>> pyspark_safetensors.register(spark)
+    'jvm'
     """
     if not _statically_registered(spark):
         spark.dataSource.register(SafetensorsDataSource)
     if check:
         worker_python(spark)
+    return implementation(spark)

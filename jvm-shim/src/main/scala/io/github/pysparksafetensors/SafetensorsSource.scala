@@ -1,6 +1,9 @@
 package io.github.pysparksafetensors
 
 import java.util
+import java.util.Locale
+
+import scala.jdk.CollectionConverters._
 
 import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.connector.catalog.{SupportsRead, SupportsWrite, Table, TableCapability, TableProvider}
@@ -16,21 +19,108 @@ import io.github.pysparksafetensors.write.{SafetensorsWriteBuilder, SafetensorsW
 
 /** The `safetensors` data source on the JVM: the twin of the Python source's reader (views
   * `rows`, `kv`, `tensors`, `files`, the same options, schemas and checks) and writer.
-  * Reachable by class name, `format("io.github.pysparksafetensors.SafetensorsSource")`;
-  * the short name stays with the Python source unless the jar registers this class. */
+  *
+  * The jar registers it under the short name, so with the jar on the classpath
+  * `format("safetensors")` resolves here (Spark prefers a JVM source to a Python one of the
+  * same name). [[Implementation]] hands a read or a write to the Python source instead when
+  * the option or the session's conf asks for it. */
 class SafetensorsSource extends TableProvider with DataSourceRegister {
-  override def shortName(): String = "safetensors"
+  override def shortName(): String = Implementation.ShortName
 
-  override def inferSchema(options: CaseInsensitiveStringMap): StructType = SafetensorsSource.plan(options).schema
+  // One provider instance serves one read or write: the Python source keeps state between
+  // inferSchema and getTable, so the delegate is made once, when first asked for.
+  private var python: Option[TableProvider] = None
+  private def delegate(options: util.Map[String, String]): Option[TableProvider] = {
+    if (python.isEmpty && Implementation.python(options)) python = Some(Implementation.pythonSource())
+    python
+  }
+
+  override def inferSchema(options: CaseInsensitiveStringMap): StructType = delegate(options) match {
+    case Some(p) => p.inferSchema(options)
+    case None => SafetensorsSource.plan(options).schema
+  }
 
   override def supportsExternalMetadata(): Boolean = true
 
   override def getTable(schema: StructType, partitioning: Array[Transform],
-      properties: util.Map[String, String]): Table = {
+      properties: util.Map[String, String]): Table = delegate(properties) match {
+    case Some(p) => p.getTable(schema, partitioning, properties)
+    case None => jvmTable(schema, partitioning)
+  }
+
+  private def jvmTable(schema: StructType, partitioning: Array[Transform]): Table = {
     if (partitioning.nonEmpty)
       throw new SafetensorsWriteException(
         "a safetensors dataset has no partition columns: drop partitionBy and write with save(path)")
     new SafetensorsTable(schema)
+  }
+}
+
+/** Which implementation answers `format("safetensors")` where this jar is on the classpath:
+  * the read or write option `implementation`, else the session's conf
+  * `spark.pyspark_safetensors.implementation`, else `auto`. `jvm` means this one; `python`
+  * hands the read or write to the Python source of the `pyspark-safetensors` package (the
+  * one that answers alone where the jar is absent); `auto` means this one unless a path's
+  * scheme has no Hadoop `FileSystem` here (`s3://` without a connector for it, fsspec-only
+  * protocols), which the Python source reaches through pyarrow and fsspec. */
+object Implementation {
+  val ShortName = "safetensors"
+  val Conf = "spark.pyspark_safetensors.implementation"
+  val OptionName = "implementation"
+  val Choices = Seq("auto", "jvm", "python")
+  private val PythonProvider = "org.apache.spark.sql.execution.datasources.v2.python.PythonDataSourceV2"
+
+  /** The chosen implementation's name, checked: `auto`, `jvm` or `python`. */
+  def chosen(options: util.Map[String, String]): String = {
+    val given = option(options, OptionName).map((s"option $OptionName", _))
+      .getOrElse((Conf, SparkSession.active.conf.get(Conf, "auto")))
+    val value = given._2.trim.toLowerCase(Locale.ROOT)
+    if (!Choices.contains(value))
+      throw new IllegalArgumentException(s"${given._1}='${given._2}' is not one of ${Choices.mkString(", ")}")
+    value
+  }
+
+  /** Whether the Python source takes this read or write. */
+  def python(options: util.Map[String, String]): Boolean = chosen(options) match {
+    case "python" => true
+    case "jvm" => false
+    case _ => !paths(options).forall(hasHadoopFileSystem)
+  }
+
+  // A catalog write (saveAsTable) hands the options as table properties, `option.`-prefixed.
+  private def option(options: util.Map[String, String], name: String): Option[String] =
+    options.asScala.collectFirst {
+      case (k, v) if k.equalsIgnoreCase(name) || k.equalsIgnoreCase(s"option.$name") => v
+    }
+
+  /** The paths of a read or write: `path`, and `paths` as a JSON list or comma-separated. */
+  private def paths(options: util.Map[String, String]): Seq[String] =
+    option(options, "path").toSeq ++ option(options, "paths").toSeq.flatMap { v =>
+      if (v.trim.startsWith("["))
+        scala.util.Try(new com.fasterxml.jackson.databind.ObjectMapper().readTree(v).elements().asScala
+          .map(_.asText).toSeq).getOrElse(Seq.empty)
+      else v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
+    }
+
+  private def hasHadoopFileSystem(path: String): Boolean = {
+    val scheme = scala.util.Try(new org.apache.hadoop.fs.Path(path).toUri.getScheme).getOrElse(null)
+    scheme == null || scala.util.Try(org.apache.hadoop.fs.FileSystem.getFileSystemClass(
+      scheme, SparkSession.active.sessionState.newHadoopConf())).isSuccess
+  }
+
+  /** Spark's provider for the Python source registered as `safetensors`, or an error saying
+    * how to make it available. Built by reflection: the class is internal to Spark. */
+  def pythonSource(): TableProvider = {
+    val registered = scala.util.Try(
+      SparkSession.active.sessionState.dataSourceManager.dataSourceExists(ShortName)).getOrElse(false)
+    if (!registered)
+      throw new IllegalArgumentException(
+        s"implementation=python, but no Python data source '$ShortName' is registered in this " +
+          "session: install pyspark-safetensors where the driver's Python runs, or call " +
+          "pyspark_safetensors.register(spark)")
+    val provider = Class.forName(PythonProvider).getDeclaredConstructor().newInstance().asInstanceOf[TableProvider]
+    provider.getClass.getMethod("setShortName", classOf[String]).invoke(provider, ShortName)
+    provider
   }
 }
 

@@ -20,7 +20,8 @@ final case class ReaderOptions(paths: Seq[String], view: Option[String], tensorF
 
 object ReaderOptions {
   val Views = Seq("rows", "kv", "tensors", "files")
-  val Known = Set("path", "paths", "view", "tensor_format", "include_data", "rows_per_partition", "inferschema")
+  val Known = Set("path", "paths", "view", "tensor_format", "include_data", "rows_per_partition", "inferschema",
+    "implementation")
   /** Storage settings the Python source takes; here the cluster's Hadoop configuration rules. */
   val Storage = Set("endpoint_url", "region", "path_style", "anonymous")
   val DefaultRowsPerPartition = 65536
@@ -48,10 +49,17 @@ object ReaderOptions {
       if (n < 1) fail(s"option rows_per_partition=$n must be at least 1")
       n
     }.getOrElse(DefaultRowsPerPartition)
+    // `paths`: a JSON list (Spark's load(p1, p2)) or a comma-separated list (the Scala connector's)
     val paths = given.get("path").filter(_.nonEmpty).toSeq ++ given.get("paths").toSeq.flatMap { v =>
-      new ObjectMapper().readTree(v).elements().asScala.map(_.asText).toSeq
+      if (v.trim.startsWith("[")) scala.util.Try(new ObjectMapper().readTree(v).elements().asScala.map(_.asText).toSeq)
+        .getOrElse(fail(s"option paths='$v': expected a JSON list or a comma-separated list of paths"))
+      else v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
     }
-    if (paths.isEmpty) fail("no path: use .load(path) or .load(path1, path2, ...)")
+    if (paths.isEmpty)
+      fail("no path: use .load(path) or .load(path1, path2, ...). A catalog table (saveAsTable, " +
+        "CREATE TABLE ... USING safetensors) hands no path to this source: read the dataset with " +
+        "spark.read.format('safetensors').load(path), or CREATE TEMPORARY VIEW ... USING " +
+        "safetensors OPTIONS (path '...')")
     ReaderOptions(paths, choice("view", Views), choice("tensor_format", Seq("array", "struct")).getOrElse("array"),
       bool("include_data", default = true), rows, bool("inferschema", default = false))
   }
@@ -89,15 +97,33 @@ object ReadPlan {
     sources.indices.drop(1).foreach { i =>
       if (views(i) != views(0) || schemas(i) != schemas(0))
         throw new SafetensorsReadException(
-          s"'${o.paths(i)}' reads as view=${views(i)} ${schemas(i).simpleString}, but '${o.paths(0)}' as " +
-            s"view=${views(0)} ${schemas(0).simpleString}; load paths of the same layout together")
+          s"the loaded paths cannot be read as one DataFrame: ${disagreement(o.paths(0), o.paths(i),
+            (views(0), schemas(0)), (views(i), schemas(i)))}. Load paths of one schema together, " +
+            "or load them one by one and combine the DataFrames (unionByName)")
     }
     ReadPlan(o, sources, views.head, schemas.head)
   }
 
+  /** Why two loaded paths differ, worded as the Python reader words it. */
+  private def disagreement(first: String, other: String, a: (String, StructType), b: (String, StructType)): String = {
+    def names(s: StructType) = s.fieldNames.map(n => s"'$n'").mkString("[", ", ", "]")
+    if (a._1 != b._1) s"'$first' is read as view=${a._1}, '$other' as view=${b._1}"
+    else a._2.fields.zip(b._2.fields).collectFirst {
+      case (fa, fb) if fa.name != fb.name => s"column '${fa.name}' of '$first' is '${fb.name}' in '$other'"
+      case (fa, fb) if fa.dataType != fb.dataType =>
+        s"column '${fa.name}' is ${fa.dataType.simpleString} in '$first' and ${fb.dataType.simpleString} in '$other'"
+    }.getOrElse(s"'$first' has columns ${names(a._2)}, '$other' has ${names(b._2)}")
+  }
+
   /** The plan reading `given` (a schema the user gave): each column one of the data's, of
     * the same type (nullability aside). */
-  def withSchema(plan: ReadPlan, given: StructType): ReadPlan = {
+  def withSchema(planned: ReadPlan, given: StructType): ReadPlan = {
+    // Tensor Struct columns named after tensors, on plain files read by default: the
+    // Scala connector's read model, the files view
+    val plan =
+      if (planned.view == "tensors" && planned.options.view.isEmpty && namesTensors(given, planned.schema))
+        planned.copy(view = "files", schema = schema(planned.sources.head, "files", planned.options))
+      else planned
     val inferred = plan.schema
     val missing = given.fieldNames.filterNot(inferred.fieldNames.contains)
     def names(ns: Seq[String]) = ns.map(n => s"'$n'").mkString("[", ", ", "]")
@@ -110,6 +136,11 @@ object ReadPlan {
     }
     plan.copy(schema = StructType(given.fields.map(f => inferred(f.name))))
   }
+
+  private def namesTensors(given: StructType, tensorsView: StructType): Boolean =
+    given.nonEmpty && given.fields.forall { f =>
+      !tensorsView.fieldNames.contains(f.name) && f.dataType.simpleString == TensorStruct.simpleString
+    }
 
   /** A dataset directory or its manifest, a `.safetensors` file, a directory or a glob. */
   def resolve(path: String, conf: Configuration): Source = {
@@ -130,6 +161,10 @@ object ReadPlan {
       }
     } else if (st.exists(_.isFile)) {
       val p = new Path(path)
+      if (!p.getName.endsWith(".safetensors"))
+        throw new SafetensorsReadException(
+          s"'$path' is a file but neither a .safetensors file nor a dataset's $Manifest: give a " +
+            "dataset directory, a .safetensors file, or a directory or glob of them")
       plainFiles(Storage(Option(p.getParent).map(_.toString).getOrElse("."), conf), Seq(p.getName))
     } else {
       val p = new Path(path)

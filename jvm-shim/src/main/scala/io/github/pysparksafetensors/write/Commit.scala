@@ -51,13 +51,19 @@ object Commit {
       throw new SafetensorsWriteException(
         s"$where: cannot append ${template.mode}-mode data to a ${previous.mode}-mode dataset")
     if (previous.shards.isEmpty) return schema.getOrElse(Seq.empty)
-    val settings =
-      if (previous.mode == "batch") Seq(("batch_size", previous.batchSize.map(_.toString), template.batchSize.map(_.toString)))
+    // values as the Python writer's message shows them: numbers bare, text quoted
+    def shown(v: Option[Any]): String = v match {
+      case Some(s: String) => s"'$s'"
+      case Some(other) => other.toString
+      case None => "None"
+    }
+    val settings: Seq[(String, Option[Any], Option[Any])] =
+      if (previous.mode == "batch") Seq(("batch_size", previous.batchSize, template.batchSize))
       else Seq(("name_col", previous.nameCol, template.nameCol), ("kv_separator", previous.kvSeparator, template.kvSeparator))
     for ((option, theirs, ours) <- settings if theirs.isDefined && theirs != ours)
       throw new SafetensorsWriteException(
-        s"$where: the dataset's $option is '${theirs.get}', this write's is '${ours.getOrElse("")}'; " +
-          s"append with $option='${theirs.get}', or overwrite the dataset")
+        s"$where: the dataset's $option is ${shown(theirs)}, this write's is ${shown(ours)}; " +
+          s"append with $option=${shown(theirs)}, or overwrite the dataset")
     schema match {
       case None => previous.schema
       case Some(cols) =>

@@ -56,7 +56,7 @@ final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) ex
     val o = job.options
     ManifestDoc(Seq.empty, Seq.empty, o.mode, o.batchSize, o.nameCol,
       if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata,
-      s"pyspark-safetensors ${Layout.Version}", None)
+      s"pyspark-safetensors ${Layout.Version} (JVM)", None)
   }
 
   override def commit(messages: Array[WriterCommitMessage]): Unit = {

@@ -53,7 +53,7 @@ object WriterOptions {
   val Names: Seq[String] = Seq(
     "batch_size", "name_col", "dtype", "columns", "shapes", "tail_strategy",
     "duplicatesStrategy", "kv_separator", "target_shard_size_mb", "generate_index",
-    "metadata", "checksum", "keep_previous_generation"
+    "metadata", "checksum", "keep_previous_generation", "implementation"
   )
 
   /** The default of each option that has one, as the text a user would pass
