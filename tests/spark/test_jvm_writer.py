@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from implementations import reader, require, writer
 from pyspark_safetensors.dataset import verify_dataset
 from pyspark_safetensors.spark.options import WRITER_OPTIONS, WriterOptions
+from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
 
@@ -204,3 +205,29 @@ def test_both_writers_refuse_the_same_options(spark, jvm, tmp_path, case):
     for fmt in (PYTHON_SOURCE, jvm):
         with pytest.raises(Exception, match=message):
             write(df, fmt, tmp_path / re.sub(r"\W", "", fmt), **options)
+
+
+def test_object_store_paths_are_written_without_renames(spark, jvm, tmp_path):
+    """A file system that is not ``file`` and refuses ``rename`` (the shim's ``stlocal``
+    test store, with an object store's semantics): the JVM writer puts each file once under
+    its final name, the bytes are those of a local write, and the Python readers read it."""
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    conf.set("fs.stlocal.impl", "io.github.pysparksafetensors.testing.LocalObjectStore")
+    conf.set("fs.stlocal.impl.disable.cache", "true")
+    for name, options in (
+        ("batch", dict(batch_size=128, generate_index="true")),
+        ("kv", dict(name_col="key")),
+    ):
+        df = frame(spark) if "name_col" in options else frame(spark).drop("key")
+        remote, local = tmp_path / name, tmp_path / f"{name}-local"
+        for _ in range(2):  # the second overwrite deletes the first generation
+            write(df, jvm, f"stlocal://{remote}", **options)
+        write(df, jvm, local, **options)
+        assert shard_bytes(remote) == shard_bytes(local)
+        assert manifest_of(remote) == manifest_of(local)
+        manifest = verify_dataset(str(remote), checksums=True)
+        named = {s.shard_path for s in manifest.shards} | {"dataset_manifest.json", "_SUCCESS"}
+        named |= {"_tensor_index.parquet", manifest.index_file} - {None}
+        assert {p.name for p in remote.iterdir()} == named
+        assert len(open_dataset(str(remote))) == 700
+        assert reader(spark, PYTHON_SOURCE).load(str(remote)).count() == 700
