@@ -77,7 +77,7 @@ def _cases(spark, out: Path, jvm: bool, scala: bool) -> dict:
         }
     if scala:
         cases["tensors struct → noop | scala connector"] = noop(
-            lambda: spark.read.format(SCALA_CONNECTOR).load(st)
+            lambda: spark.read.format(SCALA_CONNECTOR).option("inferSchema", "true").load(st)
         )
     return cases
 
