@@ -4,7 +4,8 @@ import java.nio.{ByteBuffer, ByteOrder}
 
 import scala.jdk.CollectionConverters._
 
-import com.fasterxml.jackson.databind.{JsonNode, ObjectMapper}
+import com.fasterxml.jackson.core.JsonParser
+import com.fasterxml.jackson.databind.{DeserializationFeature, JsonNode, ObjectMapper}
 
 /** One tensor of a header: `begin`/`end` are absolute offsets in the file. */
 final case class TensorInfo(name: String, dtype: String, shape: Array[Long], begin: Long, end: Long) {
@@ -28,7 +29,11 @@ object Header {
     "C64" -> 64, "F64" -> 64, "I64" -> 64, "U64" -> 64)
   /** The largest header the reference library accepts. */
   val MaxHeaderBytes: Long = 100L * 1000 * 1000
+  /** Strict as the Python format layer: a key repeated in an object and anything after
+    * the closing brace but padding are refused (Jackson accepts both by default). */
   private val mapper = new ObjectMapper()
+    .enable(JsonParser.Feature.STRICT_DUPLICATE_DETECTION)
+    .enable(DeserializationFeature.FAIL_ON_TRAILING_TOKENS)
   /** The rules named at the end of an error, as the Python format layer names them. */
   val FormatRule = "safetensors format"
   val SizeRule = "file holds the 8-byte header length, the header and every tensor's bytes"
@@ -48,6 +53,7 @@ object Header {
     * ranges that match shapes, tile the data area without holes and end at the file end. */
   def parse(json: Array[Byte], size: Long, where: String): Header = {
     def fail(msg: String): Nothing = throw new SafetensorsReadException(s"file '$where': $msg [rule: $FormatRule]")
+    if (json.isEmpty || json(0) != '{') fail("the header must begin with '{'")
     val doc: JsonNode =
       try mapper.readTree(json)
       catch { case e: com.fasterxml.jackson.core.JacksonException => fail(s"the header is not valid JSON (${e.getOriginalMessage})") }
@@ -57,7 +63,8 @@ object Header {
     val tensors = doc.properties().asScala.toSeq.flatMap { e =>
       val (name, t) = (e.getKey, e.getValue)
       if (name == "__metadata__") {
-        if (!t.isObject) fail("__metadata__ must be an object of strings")
+        if (!t.isObject || !t.properties().asScala.forall(_.getValue.isTextual))
+          fail("__metadata__ must be an object of strings")
         metadata = t.properties().asScala.map(m => m.getKey -> m.getValue.asText).toMap
         None
       } else Some(tensor(name, t, dataStart, fail))
@@ -76,13 +83,19 @@ object Header {
     if (!t.isObject || !t.has("dtype") || !t.has("shape") || !t.has("data_offsets"))
       fail(s"tensor '$name' needs dtype, shape and data_offsets")
     val dtype = t.get("dtype").asText
-    val bits = Bits.getOrElse(dtype, fail(s"tensor '$name' has unknown dtype '$dtype'"))
+    val bits = Bits.get(dtype).filter(_ => t.get("dtype").isTextual)
+      .getOrElse(fail(s"tensor '$name' has unknown dtype ${t.get("dtype")}"))
+    def whole(n: JsonNode): Boolean = n.isIntegralNumber && n.canConvertToLong && n.asLong >= 0
+    if (!t.get("shape").isArray) fail(s"tensor '$name' has shape ${t.get("shape")}, not a list")
     val shape = t.get("shape").elements().asScala.map { d =>
-      if (!d.isIntegralNumber || d.asLong < 0) fail(s"tensor '$name' has a bad dimension $d")
+      if (!whole(d)) fail(s"tensor '$name' has a bad dimension $d")
       d.asLong
     }.toArray
-    val offsets = t.get("data_offsets").elements().asScala.map(_.asLong).toArray
-    if (offsets.length != 2 || offsets(0) < 0 || offsets(1) < offsets(0))
+    val given = t.get("data_offsets")
+    if (!given.isArray || !given.elements().asScala.forall(whole))
+      fail(s"tensor '$name' has bad data_offsets $given")
+    val offsets = given.elements().asScala.map(_.asLong).toArray
+    if (offsets.length != 2 || offsets(1) < offsets(0))
       fail(s"tensor '$name' has bad data_offsets ${t.get("data_offsets")}")
     val numel = shape.foldLeft(BigInt(1))(_ * _)
     val bytes = (numel * bits + 7) / 8
