@@ -107,6 +107,32 @@ def test_tensors_and_files_views_on_plain_files(spark, jvm, tmp_path):
     ]
 
 
+def test_small_files_are_packed_into_partitions_as_spark_packs_its_file_sources(
+    spark, jvm, tmp_path
+):
+    for i in range(20):
+        save_file({"w": np.full((4, 4), i, np.float32)}, str(tmp_path / f"{i:02d}.safetensors"))
+    size = (tmp_path / "00.safetensors").stat().st_size
+    packed = load(spark, jvm, tmp_path)
+    # 20 small files over local[2]'s 2 cores: about one partition per core, not 20 tasks
+    assert packed.rdd.getNumPartitions() <= 3
+    # every file read once, its own bytes
+    firsts = sorted(np.frombuffer(r.data.data, np.float32)[0] for r in packed.collect())
+    assert firsts == list(range(20))
+    conf = spark.conf
+    keep = conf.get("spark.sql.files.maxPartitionBytes"), conf.get("spark.sql.files.openCostInBytes")
+    try:
+        # each file (its bytes plus the open cost) alone fills a partition
+        conf.set("spark.sql.files.maxPartitionBytes", str(size + 1))
+        conf.set("spark.sql.files.openCostInBytes", "1")
+        split = load(spark, jvm, tmp_path)
+        assert split.rdd.getNumPartitions() == 20
+        assert split.count() == 20
+    finally:
+        conf.set("spark.sql.files.maxPartitionBytes", keep[0])
+        conf.set("spark.sql.files.openCostInBytes", keep[1])
+
+
 def test_count_reads_no_shard_and_one_column_reads_only_its_bytes(spark, jvm, tmp_path):
     out = tmp_path / "ds"
     write_batch_dataset(out, {"a": np.ones((8, 4), np.float32), "b": np.ones((8, 2), np.float32)})

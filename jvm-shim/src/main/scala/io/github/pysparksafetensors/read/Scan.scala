@@ -1,5 +1,6 @@
 package io.github.pysparksafetensors.read
 
+import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.read._
 import org.apache.spark.sql.sources.{EqualTo, Filter, In}
@@ -91,14 +92,15 @@ final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted
     s"safetensors view=${plan.view} ${plan.options.paths.mkString(", ")} columns=${required.fieldNames.mkString(",")}"
   override def toBatch: Batch = this
 
-  /** The Python reader's partitioning: rows by `rows_per_partition` within each shard, a
-    * KV shard whole, files grouped into about 64 partitions. */
+  /** Rows by `rows_per_partition` within each shard and a KV shard whole, as the Python
+    * reader splits them; files packed as Spark's file sources pack them (see `packFiles`). */
   override def planInputPartitions(): Array[InputPartition] = {
     val step = plan.options.rowsPerPartition.toLong
+    val readsData = if (plan.view == "files") required.nonEmpty else required.fieldNames.contains("data")
     val parts = plan.sources.zipWithIndex.flatMap { case (source, i) =>
       if (plan.view == "tensors" || plan.view == "files") {
-        val per = math.max(1, source.files.size / 64)
-        source.files.indices.grouped(per).map(g => FilesPart(i, g): InputPartition).toSeq
+        val bytes = if (readsData) source.sizes else source.sizes.map(_ => 0L)
+        SafetensorsScan.packFiles(bytes).map(g => FilesPart(i, g): InputPartition)
       } else source.manifest.get.shards.zipWithIndex.flatMap { case (entry, shard) =>
         if (plan.view == "kv" || entry.samples <= step) Seq(ShardPart(i, shard, 0, entry.samples))
         else (0L until entry.samples by step).map(a => ShardPart(i, shard, a, math.min(a + step, entry.samples)))
@@ -108,6 +110,31 @@ final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted
   }
 
   override def createReaderFactory(): PartitionReaderFactory = new SafetensorsReaderFactory(plan, required, wanted)
+}
+
+object SafetensorsScan {
+  /** Consecutive files in partitions of about `spark.sql.files.maxPartitionBytes`, each file
+    * counted `spark.sql.files.openCostInBytes` more than the bytes it reads, and no larger
+    * than spreads them over `spark.sql.files.minPartitionNum` (default: the cores), as
+    * Spark's file sources pack theirs: a task per file would spend more time scheduled than
+    * copying a small file. */
+  def packFiles(bytes: Seq[Long]): Seq[Seq[Int]] = {
+    val spark = SparkSession.active
+    val conf = spark.sessionState.conf
+    val open = conf.filesOpenCostInBytes
+    val cores = conf.filesMinPartitionNum.getOrElse(spark.sparkContext.defaultParallelism)
+    val target = math.min(conf.filesMaxPartitionBytes, math.max(open, bytes.map(_ + open).sum / math.max(1, cores)))
+    val groups = Seq.newBuilder[Seq[Int]]
+    var current = Vector.empty[Int]
+    var filled = 0L
+    bytes.zipWithIndex.foreach { case (b, f) =>
+      if (current.nonEmpty && filled + b + open > target) { groups += current; current = Vector.empty; filled = 0L }
+      current :+= f
+      filled += b + open
+    }
+    if (current.nonEmpty) groups += current
+    groups.result()
+  }
 }
 
 final class SafetensorsReaderFactory(plan: ReadPlan, required: StructType, wanted: Wanted) extends PartitionReaderFactory {
