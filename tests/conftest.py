@@ -31,12 +31,14 @@ _LONGEST_FIRST = {"tests/test_docs.py", "tests/test_pipeline.py"}
 def pytest_collection_modifyitems(config, items):
     # Tests with no tier marker are unit tests.
     tiers = {"spark", "distributed", "integration", "jvm"}
+    grouped = config.pluginmanager.hasplugin("xdist")  # absent under -p no:xdist
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
         module = item.nodeid.split("::")[0]
-        group = item.nodeid if module in _SPLIT_BY_TEST else module
-        item.add_marker(pytest.mark.xdist_group(group))
+        if grouped:
+            group = item.nodeid if module in _SPLIT_BY_TEST else module
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)
 
 
