@@ -107,6 +107,40 @@ def test_tensors_and_files_views_on_plain_files(spark, jvm, tmp_path):
     ]
 
 
+def sparse_file_over_2_gib(path: Path) -> bytes:
+    """A safetensors file of 2^31 + 64 bytes of data, sparse on disk: a 2^31-byte tensor
+    ``big`` (zeros) and a 64-byte tensor ``small``; returns ``small``'s bytes."""
+    small = np.arange(16, dtype=np.float32)
+    big_n = 1 << 31
+    header = {
+        "big": {"dtype": "U8", "shape": [big_n], "data_offsets": [0, big_n]},
+        "small": {"dtype": "F32", "shape": [16], "data_offsets": [big_n, big_n + 64]},
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.seek(8 + len(text) + big_n)
+        f.write(small.tobytes())
+    return small.tobytes()
+
+
+def test_a_file_over_2_gib_reads_the_tensors_asked_for(spark, jvm, tmp_path):
+    """A tensor of a file over 2 GiB is read by its own range (no whole-file map, which Java
+    caps at 2 GiB); a tensor over 2 GiB is listed, and refused naming the file if its bytes
+    are asked for."""
+    path = tmp_path / "huge.safetensors"
+    small = sparse_file_over_2_gib(path)
+    listed = load(spark, jvm, path, include_data="false").orderBy("name").collect()
+    assert [(r.name, list(r.shape)) for r in listed] == [("big", [1 << 31]), ("small", [16])]
+    picked = load(spark, jvm, path).where(F.col("name") == "small").select("data").collect()
+    assert bytes(picked[0].data.data) == small
+    one_column = load(spark, jvm, path, view="files").select("small").collect()
+    assert bytes(one_column[0].small.data) == small
+    with pytest.raises(Exception, match=r"huge\.safetensors.*over 2 GiB"):
+        load(spark, jvm, path, view="files").select("big").collect()
+
+
 def test_small_files_are_packed_into_partitions_as_spark_packs_its_file_sources(
     spark, jvm, tmp_path
 ):
@@ -120,7 +154,10 @@ def test_small_files_are_packed_into_partitions_as_spark_packs_its_file_sources(
     firsts = sorted(np.frombuffer(r.data.data, np.float32)[0] for r in packed.collect())
     assert firsts == list(range(20))
     conf = spark.conf
-    keep = conf.get("spark.sql.files.maxPartitionBytes"), conf.get("spark.sql.files.openCostInBytes")
+    keep = (
+        conf.get("spark.sql.files.maxPartitionBytes"),
+        conf.get("spark.sql.files.openCostInBytes"),
+    )
     try:
         # each file (its bytes plus the open cost) alone fills a partition
         conf.set("spark.sql.files.maxPartitionBytes", str(size + 1))

@@ -60,7 +60,7 @@ final class Storage(val root: String, conf: HadoopConf) extends Serializable {
 
   /** `length` bytes at `offset` of `name` (one ranged read on object stores). */
   def readRange(name: String, offset: Long, length: Long): Array[Byte] = naming(name) {
-    if (length > Int.MaxValue - 16)
+    if (length > Storage.MaxRead)
       throw new SafetensorsReadException(s"file '${display(name)}': a range of $length bytes is over 2 GiB; split the read")
     val out = new Array[Byte](length.toInt)
     val in = fs.open(path(name))
@@ -71,6 +71,8 @@ final class Storage(val root: String, conf: HadoopConf) extends Serializable {
   /** The bytes `[offset, offset + length)` of `name` as a little-endian buffer: a read-only
     * memory map for local files (no copy), a ranged read elsewhere. */
   def slice(name: String, offset: Long, length: Long): ByteBuffer = naming(name) {
+    if (length > Storage.MaxRead)
+      throw new SafetensorsReadException(s"file '${display(name)}': a range of $length bytes is over 2 GiB, more than a Spark value holds")
     val buf =
       if (isLocal && length > 0) {
         val file = java.nio.file.Paths.get(fs.makeQualified(path(name)).toUri)
@@ -79,8 +81,37 @@ final class Storage(val root: String, conf: HadoopConf) extends Serializable {
       } else ByteBuffer.wrap(readRange(name, offset, length))
     buf.order(ByteOrder.LITTLE_ENDIAN)
   }
+
+  /** The byte ranges `spans` (begin, end) of `name` in as few reads as the rules allow, each
+    * returned as its buffer and the range's offset in it, in the order given. Ranges closer
+    * than `Storage.CoalesceBytes` share a ranged read (locally any gap: a memory map pages
+    * in only what is touched), and no read spans over 2 GiB, so a tensor of a file of any
+    * size is read and a filter that keeps a few tensors fetches only theirs. */
+  def ranges(name: String, spans: IndexedSeq[(Long, Long)]): IndexedSeq[(ByteBuffer, Int)] = {
+    val gap = if (isLocal) Long.MaxValue else Storage.CoalesceBytes
+    val order = spans.indices.sortBy(i => spans(i)._1)
+    val out = new Array[(ByteBuffer, Int)](spans.length)
+    var i = 0
+    while (i < order.length) {
+      val start = spans(order(i))._1
+      var end = spans(order(i))._2
+      var j = i + 1
+      while (j < order.length && spans(order(j))._1 - end <= gap &&
+          math.max(end, spans(order(j))._2) - start <= Storage.MaxRead) {
+        end = math.max(end, spans(order(j))._2); j += 1
+      }
+      val buf = slice(name, start, end - start)
+      (i until j).foreach(k => out(order(k)) = (buf, (spans(order(k))._1 - start).toInt))
+      i = j
+    }
+    out.toIndexedSeq
+  }
 }
 
 object Storage {
+  /** The largest single read: a Java array or buffer holds under 2^31 bytes. */
+  val MaxRead: Long = Int.MaxValue - 16
+  /** Remote ranges closer than this share one read (the Python reader's READ_COALESCING_BYTES). */
+  val CoalesceBytes: Long = 1L << 20
   def apply(root: String, conf: Configuration): Storage = new Storage(root, new HadoopConf(conf))
 }

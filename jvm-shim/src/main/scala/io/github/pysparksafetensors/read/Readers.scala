@@ -8,7 +8,7 @@ import org.apache.spark.sql.connector.read.PartitionReader
 import org.apache.spark.sql.types.StructType
 import org.apache.spark.unsafe.types.UTF8String
 
-import io.github.pysparksafetensors.core.{Header, SafetensorsReadException, TensorInfo}
+import io.github.pysparksafetensors.core.{Header, SafetensorsReadException, Storage, TensorInfo}
 
 /** A partition reader over an iterator of rows. */
 abstract class IteratorReader extends PartitionReader[InternalRow] {
@@ -40,6 +40,13 @@ object Readers {
       }
     }
     (header, file)
+  }
+
+  /** Where the bytes of `tensors` of file `name` lie once read (`Storage.ranges`: only
+    * their ranges, coalesced): each tensor's name to its buffer and offset there. */
+  def located(storage: Storage, name: String, tensors: Iterable[TensorInfo]): Map[String, (ByteBuffer, Int)] = {
+    val ts = tensors.toIndexedSeq
+    ts.map(_.name).zip(storage.ranges(name, ts.map(t => (t.begin, t.end)))).toMap
   }
 
   /** The column `name` of a KV tensor name: the longest `{separator}{column}` suffix wins. */
@@ -95,16 +102,17 @@ final class KvReader(plan: ReadPlan, p: ShardPart, required: StructType, wanted:
         s"file '$file': tensor '${t.name}' is not '<key>$sep<column>' for a column of the dataset"))
       if (wanted.keys.forall(_(key))) byKey.getOrElseUpdate(key, scala.collection.mutable.HashMap.empty)(col) = t
     }
-    val needData = required.fieldNames.exists(_ != keyCol)
-    val whole = if (needData) src.storage.slice(m.shards(p.shard).path, 0, m.shards(p.shard).bytes) else null
+    val dataCols = required.fieldNames.filter(_ != keyCol)
+    val at = Readers.located(src.storage, m.shards(p.shard).path, byKey.values.flatMap(cols => dataCols.flatMap(cols.get)))
     val struct = plan.options.tensorFormat == "struct"
     byKey.keys.toSeq.sorted.iterator.map { key =>
       val values = required.fieldNames.map { name =>
         if (name == keyCol) UTF8String.fromString(key)
         else {
           val t = byKey(key).getOrElse(name, throw new SafetensorsReadException(s"file '$file': key '$key' has no tensor for column '$name'"))
-          if (struct) Values.struct(whole, t.begin.toInt, (t.end - t.begin).toInt, t.shape.toSeq, t.dtype, s"tensor '${t.name}'")
-          else Values.nested(whole, t.begin.toInt, t.shape.toSeq, t.dtype, Values.elemBytes(t))
+          val (buf, off) = at(t.name)
+          if (struct) Values.struct(buf, off, (t.end - t.begin).toInt, t.shape.toSeq, t.dtype, s"tensor '${t.name}'")
+          else Values.nested(buf, off, t.shape.toSeq, t.dtype, Values.elemBytes(t))
         }
       }
       new GenericInternalRow(values.toArray[Any]): InternalRow
@@ -120,14 +128,15 @@ final class TensorsReader(plan: ReadPlan, p: FilesPart, required: StructType, wa
       val (name, size) = (src.files(f), src.sizes(f))
       val shown = UTF8String.fromString(src.storage.display(name))
       val tensors = Header.read(src.storage, name, size).tensors.filter(t => wanted.keep(t.name, t.dtype))
-      val whole = if (required.fieldNames.contains("data") && tensors.nonEmpty) src.storage.slice(name, 0, size) else null
+      val at = if (required.fieldNames.contains("data")) Readers.located(src.storage, name, tensors) else Map.empty[String, (ByteBuffer, Int)]
       tensors.iterator.map { t =>
         val values = required.fieldNames.map {
           case "file" => shown
           case "name" => UTF8String.fromString(t.name)
           case "dtype" => UTF8String.fromString(t.dtype)
           case "shape" => Values.longs(t.shape.toSeq)
-          case "data" => Values.struct(whole, t.begin.toInt, (t.end - t.begin).toInt, t.shape.toSeq, t.dtype, s"tensor '${t.name}'")
+          case "data" => val (buf, off) = at(t.name)
+            Values.struct(buf, off, (t.end - t.begin).toInt, t.shape.toSeq, t.dtype, s"tensor '${t.name}'")
         }
         new GenericInternalRow(values.toArray[Any]): InternalRow
       }
@@ -143,10 +152,12 @@ final class FilesReader(plan: ReadPlan, p: FilesPart, required: StructType) exte
     p.files.iterator.map { f =>
       val (name, size) = (src.files(f), src.sizes(f))
       val header = if (src.manifest.isDefined) Readers.checkedHeader(plan, p.source, f)._1 else Header.read(src.storage, name, size)
-      val whole = if (required.nonEmpty) src.storage.slice(name, 0, size) else null
+      val at = Readers.located(src.storage, name, required.fieldNames.flatMap(header.get))
       val values = required.fieldNames.map { col =>
-        header.get(col).map(t => Values.struct(whole, t.begin.toInt, (t.end - t.begin).toInt, t.shape.toSeq, t.dtype,
-          s"file '${src.storage.display(name)}': tensor '${t.name}'")).orNull
+        header.get(col).map { t => val (buf, off) = at(t.name)
+          Values.struct(buf, off, (t.end - t.begin).toInt, t.shape.toSeq, t.dtype,
+            s"file '${src.storage.display(name)}': tensor '${t.name}'")
+        }.orNull
       }
       new GenericInternalRow(values.toArray[Any]): InternalRow
     }
