@@ -19,8 +19,16 @@ pytestmark = pytest.mark.spark
 BOOM = "computed although the append was refused"
 
 
-def write(df, path, mode="overwrite", **options):
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request, spark):
+    """Each writer in turn: the Python source and the JVM one (skipped without the jar)."""
+    return require(spark, request.param)
+
+
+def write(df, path, mode="overwrite", implementation=None, **options):
     w = df.write.format("safetensors").mode(mode)
+    if implementation:
+        w = w.option("implementation", implementation)
     for k, v in options.items():
         w = w.option(k, v)
     w.save(str(path))
@@ -76,18 +84,20 @@ def files(path) -> list[str]:
     ],
     ids=["dtype", "dtype-option", "missing-column", "rank", "batch_size", "shapes"],
 )
-def test_batch_append_is_refused_before_any_task(spark, tmp_path, change, options, message):
+def test_batch_append_is_refused_before_any_task(
+    spark, tmp_path, implementation, change, options, message
+):
     out = tmp_path / "ds"
     write(frame(spark).select("id", "vec"), out, batch_size=2)
     before = files(out)
     df = exploding(change(frame(spark).select("id", "vec")))
     with pytest.raises(Exception, match=message) as caught:
-        write(df, out, mode="append", **{"batch_size": "2", **options})
+        write(df, out, "append", implementation, **{"batch_size": "2", **options})
     assert BOOM not in str(caught.value)
     assert files(out) == before
 
 
-def test_kv_append_settings_are_checked_before_any_task(spark, tmp_path):
+def test_kv_append_settings_are_checked_before_any_task(spark, tmp_path, implementation):
     out = tmp_path / "kv"
     write(frame(spark).select("key", "vec"), out, name_col="key")
     before = files(out)
@@ -106,40 +116,52 @@ def test_kv_append_settings_are_checked_before_any_task(spark, tmp_path):
         ),
     ]:
         with pytest.raises(Exception, match=message) as caught:
-            write(exploding(df), out, mode="append", **options)
+            write(exploding(df), out, "append", implementation, **options)
         assert BOOM not in str(caught.value)
     assert files(out) == before
 
 
-def test_compatible_appends_pass_the_driver_check(spark, tmp_path):
+def test_compatible_appends_pass_the_driver_check(spark, tmp_path, implementation):
     # KV rows of other lengths, and batch arrays whose length the type leaves open: the
     # driver lets them through; the commit still checks what the tasks wrote.
     kv = tmp_path / "kv"
     write(frame(spark).select("key", "vec"), kv, name_col="key")
     longer = frame(spark, dim=5).select(F.concat(F.lit("b"), "key").alias("key"), "vec")
-    write(longer, kv, mode="append", name_col="key")
+    write(longer, kv, "append", implementation, name_col="key")
     manifest = json.loads((kv / "dataset_manifest.json").read_text())
     assert manifest["total_samples"] == 8 and manifest["schema"]["vec"]["sample_shape"] == [-1]
     batch = tmp_path / "batch"
     write(frame(spark).select("vec"), batch, batch_size=2)
     with pytest.raises(Exception, match=r"column 'vec' is F32\[3\] in one part and F32\[5\]"):
-        write(frame(spark, dim=5).select("vec"), batch, mode="append", batch_size=2)
-    write(frame(spark).select("vec"), batch, mode="append", batch_size=2)
+        write(frame(spark, dim=5).select("vec"), batch, "append", implementation, batch_size=2)
+    write(frame(spark).select("vec"), batch, "append", implementation, batch_size=2)
     assert spark.read.format("safetensors").load(str(batch)).count() == 8
 
 
 # ------------------------------------------------------------ a failed first write leaves nothing
 
 
-def test_failed_write_into_a_new_path_leaves_no_directory(spark, tmp_path):
+def test_failed_write_into_a_new_path_leaves_no_directory(spark, tmp_path, implementation):
     new = tmp_path / "new" / "ds"
     with pytest.raises(Exception, match=BOOM):
-        write(exploding(frame(spark).select("id", "vec")), new, batch_size=2)
+        write(
+            exploding(frame(spark).select("id", "vec")),
+            new,
+            "overwrite",
+            implementation,
+            batch_size=2,
+        )
     assert not new.exists()
     existing = tmp_path / "existing"
     existing.mkdir()
     with pytest.raises(Exception, match=BOOM):
-        write(exploding(frame(spark).select("id", "vec")), existing, batch_size=2)
+        write(
+            exploding(frame(spark).select("id", "vec")),
+            existing,
+            "overwrite",
+            implementation,
+            batch_size=2,
+        )
     assert existing.is_dir() and files(existing) == []  # it was there before: it stays
 
 
