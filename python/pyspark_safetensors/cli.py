@@ -35,19 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from .format.errors import PysparkSafetensorsError
-
-USER_ERRORS = (
-    PysparkSafetensorsError,
-    FileNotFoundError,
-    NotADirectoryError,
-    IsADirectoryError,
-    PermissionError,
-    FileExistsError,
-)
-"""Exceptions that mean the input was wrong: the package's own errors, and a path that is
-missing, of the wrong kind or not permitted. Shown as one line; anything else (a bare
-``ValueError`` included) is a bug and keeps its traceback."""
+from .format.errors import USER_ERRORS, PysparkSafetensorsError
 
 
 class UsageError(PysparkSafetensorsError, ValueError):

@@ -361,3 +361,21 @@ def test_optional_metric_sinks(tmp_path, activations):
     assert fvu[-1].value == pytest.approx(trainer.history[-1]["fvu"], rel=1e-6)
     with pytest.raises(ValueError, match="unknown sink 'mlflow'"):
         Trainer(_config(activations, tmp_path / "b", log_to=("mlflow",)))
+
+
+def test_a_rank_shows_mistakes_in_one_line_and_bugs_with_their_traceback(
+    tmp_path, activations, monkeypatch, capsys
+):
+    from pyspark_safetensors.sae import train
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("k = = 3\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "not TOML" in capsys.readouterr().err
+
+    def broken(config, mesh=None):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(train, "Trainer", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main([f"dataset={activations}", f"out_dir={tmp_path / 'run'}", "k=4"])

@@ -21,6 +21,20 @@ class PysparkSafetensorsError(Exception):
     keeps working."""
 
 
+USER_ERRORS = (
+    PysparkSafetensorsError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    FileExistsError,
+)
+"""Exceptions that mean the input was wrong: the package's own errors, and a path that is
+missing, of the wrong kind or not permitted. Entry points (the CLI, the trainer's ranks)
+show them as one line; anything else (a bare ``ValueError`` included) is a bug and keeps
+its traceback."""
+
+
 class InvalidArgumentError(PysparkSafetensorsError, ValueError):
     """A value outside what a function or a config accepts (a size, a name, a choice)."""
 

@@ -241,7 +241,10 @@ class SAEConfig:
             values.update(data)
         elif path is not None:
             with open(path, "rb") as f:
-                data = tomllib.load(f)
+                try:
+                    data = tomllib.load(f)
+                except tomllib.TOMLDecodeError as e:
+                    raise InvalidArgumentError(f"{path}: not TOML ({e})") from None
             values.update(data.get("sae", data))
         for item in overrides:
             key, sep, raw = item.partition("=")

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
+from ..format.errors import USER_ERRORS, InvalidArgumentError, PysparkSafetensorsError
 from ..torch import ActivationLoader, open_dataset
 from .architectures import SparseAutoencoder, build_sae
 from .checkpoint import (
@@ -603,7 +603,7 @@ def run(config: SAEConfig) -> int:
             if found is None:
                 raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
             trainer.load(found)
-    except (ValueError, OSError) as e:  # a mistake in the config or paths: one line, exit 2
+    except USER_ERRORS as e:  # a mistake in the config or paths: one line, exit 2
         return _user_error(e)
     metrics = trainer.fit()
     if is_main_process():
@@ -644,7 +644,7 @@ def launch(config: SAEConfig, nproc_per_node: int = 1) -> int:
                 f"{config.model_parallel_size} = {world}, but {nproc_per_node} "
                 "processes are launched"
             )
-    except (ValueError, OSError) as e:
+    except USER_ERRORS as e:
         return _user_error(e)
     with tempfile.TemporaryDirectory(prefix="sae-config-") as tmp:
         path = config.save(Path(tmp) / "config.json")
@@ -669,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = SAEConfig.load(args.config, args.overrides)
-    except (ValueError, OSError) as e:
+    except USER_ERRORS as e:
         return _user_error(e)
     return run(config)
 

@@ -27,7 +27,7 @@ from ..format.dtypes import DType, get_dtype
 from ..format.errors import PysparkSafetensorsError
 from .columns import first_null
 from .dtypes import ELEMENT_DTYPES
-from .shim import SHIM_EXTENSIONS, shim_loaded
+from .shim import SHIM_EXTENSIONS, ShimSessionError, shim_loaded
 from .tensor_struct import (
     TENSOR_STRUCT_DDL,
     assemble_tensor_structs,
@@ -42,7 +42,7 @@ def _jvm(jvm: bool | None) -> bool:
     if jvm is None:
         return shim_loaded()
     if jvm and not shim_loaded():
-        raise RuntimeError(
+        raise ShimSessionError(
             f"the JVM shim is not loaded in this session; start it with with_shim(builder) "
             f"(spark.sql.extensions={SHIM_EXTENSIONS} and the jar on spark.jars)"
         )

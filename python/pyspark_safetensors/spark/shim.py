@@ -7,6 +7,13 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from ..format.errors import PysparkSafetensorsError
+
+
+class ShimSessionError(PysparkSafetensorsError, RuntimeError):
+    """No active session, or a session without the shim where the shim was asked for."""
+
+
 SHIM_EXTENSIONS = "io.github.pysparksafetensors.SafetensorsExtensions"
 """The ``spark.sql.extensions`` class of the JVM shim."""
 
@@ -62,7 +69,9 @@ def active_session(spark=None):
 
     spark = spark or SparkSession.getActiveSession()
     if spark is None:
-        raise RuntimeError("no active SparkSession: create one before using the tensor functions")
+        raise ShimSessionError(
+            "no active SparkSession: create one before using the tensor functions"
+        )
     return spark
 
 
