@@ -18,28 +18,40 @@ def repo_root() -> Path:
     return REPO
 
 
-# Each documentation page's blocks run in a fresh process of their own and share nothing,
-# so under pytest-xdist they may go to different workers; every other module keeps its
-# tests on one worker, where its module fixtures (Spark datasets, a trained SAE) are built
-# once. The longest units (the pages, the end-to-end pipeline) start first, so the two
-# workers finish together instead of one running them alone at the end.
+# Under pytest-xdist (`./dev test` runs two workers) each module's tests go to one worker,
+# where its module fixtures (Spark datasets, a trained SAE) are built once; each
+# documentation page's blocks run in a fresh process of their own and share nothing, so
+# the pages are spread one by one. The longest units (the pages, the end-to-end pipeline)
+# start first, so the two workers finish together instead of one running them alone at
+# the end. (xdist's own `loadgroup` cannot be used: it renames tests in a way pytest 9 no
+# longer reads.)
 _SPLIT_BY_TEST = {"tests/test_docs.py"}
 _LONGEST_FIRST = {"tests/test_docs.py", "tests/test_pipeline.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     # Tests with no tier marker are unit tests.
     tiers = {"spark", "distributed", "integration", "jvm"}
-    grouped = config.pluginmanager.hasplugin("xdist")  # absent under -p no:xdist
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
-        module = item.nodeid.split("::")[0]
-        if grouped:
-            group = item.nodeid if module in _SPLIT_BY_TEST else module
-            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        """xdist's scope scheduling with a module as the scope (a page of the docs for
+        the docs test), scopes handed out in collection order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return nodeid if module in _SPLIT_BY_TEST else module
+
+    config.option.loadscopereorder = False  # keep the longest-first order
+    return ByModule(config, log)
 
 
 os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
