@@ -1,12 +1,14 @@
 """Executors in separate JVMs (master ``local-cluster[2,1,1024]``, each with its own Python
 workers) writing to the loopback S3 server and to a local path, while every task's first
-attempt fails: each sample lands exactly once and nothing stray is left."""
+attempt fails: each sample lands exactly once and nothing stray is left. The local path is
+written by both writers (the JVM one cannot reach ``s3://`` without hadoop-aws)."""
 
 import pyarrow.fs as pafs
 import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
+from implementations import jvm_available
 from pyspark_safetensors.dataset import MANIFEST, DatasetLocation, verify_dataset
 from pyspark_safetensors.torch import open_dataset
 
@@ -33,22 +35,26 @@ def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_en
         flaky("id").alias("id"),
         F.array(*[(F.col("id") + j / 10).cast("float") for j in range(3)]).alias("vec"),
     )
-    for path, options in (
+    cases = [
         (f"{s3_bucket}/acts", {"endpoint_url": s3_endpoint}),
-        (str(tmp_path / "acts"), {}),
-    ):
+        (str(tmp_path / "acts"), {"implementation": "python"}),
+    ]
+    if jvm_available(cluster):
+        cases.append((str(tmp_path / "acts-jvm"), {"implementation": "jvm"}))
+    for path, options in cases:
         w = df.write.format("safetensors").option("batch_size", 32).mode("overwrite")
         for k, v in options.items():
             w = w.option(k, v)
         w.save(path)
-        loc = DatasetLocation.of(path, storage_options=options)
+        storage = {k: v for k, v in options.items() if k != "implementation"}
+        loc = DatasetLocation.of(path, storage_options=storage)
         manifest = verify_dataset(loc, checksums=True)
         names = sorted(
             n for n, i in loc.list(recursive=True).items() if i.type == pafs.FileType.File
         )
         listed = sorted(s.shard_path for s in manifest.shards)
         assert names == sorted([*listed, MANIFEST, "_SUCCESS"])  # failed attempts left nothing
-        ds = open_dataset(path, storage_options=options or None)
+        ds = open_dataset(path, storage_options=storage or None)
         ids = sorted(ds[i]["id"].item() for i in range(len(ds)))
         assert ids == list(range(300))
         back = (
