@@ -15,13 +15,14 @@ class FeaturesError(PysparkSafetensorsError, ValueError):
 @dataclass(frozen=True)
 class FeaturesConfig:
     extraction: str = ""
-    """An extraction directory (``extraction.json``, ``activations/``, ``samples.parquet``,
-    ``texts.jsonl``)."""
+    """An extraction (``extraction.json``, ``activations/``, ``samples.parquet``,
+    ``texts.jsonl``): a local directory or a URI (``s3://bucket/acts``, ...)."""
     sae: str = ""
-    """An SAE file or directory: ours, SAELens' or sparsify's (``sae.ecosystem.read_sae``)."""
+    """An SAE file or directory: ours, SAELens' or sparsify's (``sae.ecosystem.read_sae``);
+    TopK, BatchTopK or JumpReLU, each encoding by its own rule."""
     out: str = ""
-    """Output directory: ``latents.parquet``, ``contexts.parquet`` and the browser
-    (``index.html`` + ``data/``), published whole."""
+    """Output directory or URI: ``latents.parquet``, ``contexts.parquet``, the browser
+    (``index.html`` + ``data/``) and ``features.json`` (last), published whole."""
     hook: str = ""
     """The hook point whose activations the SAE encodes; empty = the SAE's recorded
     ``hook_point``, or the extraction's only hook point."""

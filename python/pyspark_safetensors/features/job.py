@@ -4,27 +4,44 @@ tokenizer, two parquet tables and the browser published whole.
 
 1. encode (``mapInArrow``): each task folds its tokens into a ``LatentState`` (bounded
    memory) and emits it as rows: statistics per (latent, bin), top-N candidates, sample
-   candidates; written under the staging directory;
+   candidates; written under the staging directory (a local output) or kept on the
+   executors' disks (``persist``, an output elsewhere);
 2. merge (Spark): sums and maxima per cell, ``row_number`` windows keep the global top-N
    per latent and the bottom-R priorities per (latent, bin); the driver receives
    O(latents x (N + bins x R)) rows, never activations;
 3. contexts (Spark): the example tokens' samples only are read again and encoded, their
    texts tokenized, and each example's window of +-``context`` tokens assembled with the
-   latent's activation on every token.
+   latent's activation on every token;
+4. outputs: the two tables (small: one row per latent, one per example) and the browser
+   are made on the driver and written through ``DatasetLocation``, ``features.json``
+   last: locally into a staging directory published by one rename, on an object store
+   (``s3://``, any pyarrow or fsspec filesystem) in place, after everything was computed.
+
+The extraction may live on any such storage too: its activation dataset is read by the
+``safetensors`` data source (which reaches object stores itself), ``extraction.json``
+and the texts of the example samples by the driver through ``DatasetLocation`` (Spark's
+own JSON reader is used for a local ``texts.jsonl``).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
+from .._version import __version__
+from ..dataset import DatasetLocation
 from .config import FeaturesConfig, FeaturesError
 from .merge import examples_table, latents_table
 from .state import LatentState, histogram_edges, priority, split_ids, token_ids
@@ -36,6 +53,12 @@ CANDIDATES_SCHEMA = (
 STAT, MAXIMUM, TOKENS, TOP, SAMPLE = 0, 1, 2, 3, 4
 CODES_SCHEMA = "sample_id long, window int, token_pos int, latents array<int>, acts array<float>"
 TOKENS_SCHEMA = "sample_id long, window int, pos int, token string"
+EXTRACTION_DOC, SAMPLES_TABLE, TEXTS_TABLE = "extraction.json", "samples.parquet", "texts.jsonl"
+FEATURES_DOC = "features.json"
+"""Written last: its presence marks a finished output (it lists every other file)."""
+LATENTS_FILE = "latents.parquet/part-00000.parquet"
+CONTEXTS_FILE = "contexts.parquet/part-00000.parquet"
+"""The tables, each a directory of one part file (as Spark's writer lays a table out)."""
 
 
 @dataclass(frozen=True)
@@ -43,32 +66,47 @@ class FeaturesPlan:
     """What the job reads, checked before any task runs."""
 
     dataset: str
+    """The hook point's activation dataset: a local path or a URI."""
     hook: str
     width: int
     n_latents: int
-    k: int
+    k: int | None
+    """The SAE's k (None: a JumpReLU SAE, whose thresholds pick its code)."""
+    architecture: str
     sae: str
     model_dir: str
     max_length: int
     long_texts: str
     extraction: str
+    """The extraction: a local directory or a URI."""
+    storage_options: Mapping[str, str] = field(default_factory=dict)
+    """For a URI: ``endpoint_url``, ``region``, ... (``DatasetLocation.of``)."""
+
+    def extraction_location(self) -> DatasetLocation:
+        return DatasetLocation.of(self.extraction, storage_options=self.storage_options)
 
 
-def plan_features(config: FeaturesConfig) -> FeaturesPlan:
+def plan_features(
+    config: FeaturesConfig, storage_options: Mapping[str, str] | None = None
+) -> FeaturesPlan:
     """Check the inputs (one-line errors naming the file or setting) and resolve the hook,
-    the widths and the tokenizer."""
+    the widths and the tokenizer. ``config.extraction`` may be a URI (``s3://...``);
+    ``storage_options`` configure its filesystem (else the usual ``AWS_*`` variables)."""
+    from ..sae.architectures import get_architecture
     from ..sae.ecosystem import read_sae
 
-    root = Path(config.extraction)
-    doc_path = root / "extraction.json"
-    if not doc_path.is_file():
+    options = dict(storage_options or {})
+    src = DatasetLocation.of(config.extraction, storage_options=options)
+    doc_path = src.display(EXTRACTION_DOC)
+    if not src.has(EXTRACTION_DOC):
         raise FeaturesError(f"{doc_path}: no extraction here (run `pyspark-safetensors extract`)")
-    doc = json.loads(doc_path.read_text())
-    for table in ("samples.parquet", "texts.jsonl"):
-        if not (root / table).is_file():
-            raise FeaturesError(f"{root / table}: missing token table; re-run the extraction")
+    doc = json.loads(src.read_bytes(EXTRACTION_DOC))
+    for table in (SAMPLES_TABLE, TEXTS_TABLE):
+        if not src.has(table):
+            raise FeaturesError(f"{src.display(table)}: missing token table; re-run the extraction")
     tensors, info = read_sae(config.sae)
     n, d = tensors["encoder_weight"].shape
+    del tensors  # the tasks load the SAE themselves
     hook = config.hook or (info.get("metadata") or {}).get("hook_point", "")
     hooks = doc["hooks"]
     if not hook and len(hooks) == 1:
@@ -80,20 +118,29 @@ def plan_features(config: FeaturesConfig) -> FeaturesPlan:
     width = int(hooks[hook]["width"])
     if width != d:
         raise FeaturesError(
-            f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {root}"
+            f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {src}"
         )
-    if info["k"] is None:
-        raise FeaturesError(f"{config.sae}: the SAE records no k (a TopK SAE is needed)")
+    try:
+        architecture = get_architecture(info["architecture"]).ARCHITECTURE
+    except ValueError as e:
+        raise FeaturesError(f"{config.sae}: {e}") from None
+    if info["k"] is None and architecture != "jumprelu":  # as load_sae_model decides
+        raise FeaturesError(
+            f"{config.sae}: a {architecture} SAE that records no k (its top-k selection "
+            "needs one); record k in its metadata or config"
+        )
     model_dir = doc.get("model_dir") or ""
     if not Path(model_dir, "config.json").is_file():
         from ..extract import resolve_model
 
         model_dir = str(resolve_model(doc["config"].get("model", "")).path)
     cfg = doc["config"]
+    dataset = hooks[hook]["dataset"]
     return FeaturesPlan(
-        dataset=str(root / hooks[hook]["dataset"]), hook=hook, width=d, n_latents=n, k=int(info["k"]),
-        sae=str(config.sae), model_dir=model_dir, max_length=int(cfg["max_length"]),
-        long_texts=cfg.get("long_texts", "window"), extraction=str(root),
+        dataset=src.local_file(dataset) or src.display(dataset), hook=hook, width=d, n_latents=n,
+        k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
+        max_length=int(cfg["max_length"]), long_texts=cfg.get("long_texts", "window"),
+        extraction=src.root if src.is_local else src.uri, storage_options=options,
     )  # fmt: skip
 
 
@@ -101,7 +148,8 @@ _SAES: dict = {}
 
 
 def load_encoder(sae: str, device: str, threads: int = 0):
-    """The SAE as a ``TopKSAE`` on ``device``, once per Python worker."""
+    """The SAE as its architecture's module (``load_sae_model``: TopK, BatchTopK or
+    JumpReLU, each encoding by its own rule) on ``device``, once per Python worker."""
     from ..sae.ecosystem import load_sae_model
 
     if threads:
@@ -136,7 +184,9 @@ def scalars_of(batch: pa.RecordBatch, name: str) -> np.ndarray:
 
 
 def encode_batches(batches, sae, width: int, batch_tokens: int, device: str):
-    """``(values, indices, ids)`` per chunk of ``batch_tokens`` tokens of Arrow batches."""
+    """``(values, indices, ids)`` per chunk of ``batch_tokens`` tokens of Arrow batches:
+    the SAE's own code, ``[B, m]`` each (``m`` = k for TopK, at most 4k for BatchTopK, and
+    for JumpReLU the most latents one token of the chunk fires; unused slots hold 0)."""
     for big in batches:
         for offset in range(0, big.num_rows, batch_tokens):
             b = big.slice(offset, batch_tokens)
@@ -198,7 +248,8 @@ def state_rows(state: LatentState):
 
 
 def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
-    """The task of the contexts pass: each token's sparse code (latents, activations)."""
+    """The task of the contexts pass: each token's sparse code, its firing latents and
+    their activations (the unused slots of a code, zeros, are dropped)."""
 
     def run(batches):
         device = pick_device(config)
@@ -207,16 +258,18 @@ def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
             for values, indices, ids in encode_batches([big], sae, plan.width,
                                                        config.batch_tokens, device):  # fmt: skip
                 sample_id, window, pos = split_ids(ids.numpy())
-                rows, k = values.shape
-                offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * k)
+                fired = (values > 0).cpu()
+                offsets = np.zeros(len(sample_id) + 1, np.int32)
+                np.cumsum(fired.sum(1).numpy(), out=offsets[1:])
+                offsets = pa.array(offsets)
                 yield pa.RecordBatch.from_pydict({
                     "sample_id": pa.array(sample_id),
                     "window": pa.array(window.astype(np.int32)),
                     "token_pos": pa.array(pos.astype(np.int32)),
                     "latents": pa.ListArray.from_arrays(offsets, pa.array(
-                        indices.cpu().numpy().astype(np.int32).ravel())),
+                        indices.cpu()[fired].numpy().astype(np.int32))),
                     "acts": pa.ListArray.from_arrays(offsets, pa.array(
-                        values.float().cpu().numpy().ravel())),
+                        values.float().cpu()[fired].numpy())),
                 })  # fmt: skip
 
     return run
@@ -256,7 +309,8 @@ def _tokenize_fn(plan: FeaturesPlan):
 
 @dataclass
 class FeaturesSummary:
-    out: Path
+    out: Path | str
+    """The output: a local directory, or the URI it was given as."""
     hook: str
     tokens: int
     latents: int
@@ -264,6 +318,9 @@ class FeaturesSummary:
     dense: int
     encode_seconds: float
     seconds: float
+    l0: float = 0.0
+    """Mean number of latents a token fires (TopK: at most k; JumpReLU: what its
+    thresholds give)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -273,46 +330,157 @@ class FeaturesSummary:
     def __str__(self) -> str:
         return (
             f"{self.out}: {self.latents:,} latents of {self.hook} over {self.tokens:,} tokens "
-            f"({self.dead} dead, {self.dense} dense), {self.tokens_per_s:,.0f} tokens/s, "
-            f"{self.seconds:.1f} s in all"
+            f"({self.dead} dead, {self.dense} dense, L0 {self.l0:.1f}), "
+            f"{self.tokens_per_s:,.0f} tokens/s, {self.seconds:.1f} s in all"
         )
 
 
-def run_features(spark, config: FeaturesConfig) -> FeaturesSummary:
+def run_features(
+    spark, config: FeaturesConfig, *, storage_options: Mapping[str, str] | None = None
+) -> FeaturesSummary:
     """Compute every latent's statistics and examples over the whole dataset and publish
-    ``latents.parquet``, ``contexts.parquet`` and the browser at ``config.out`` (built
-    under a staging name: a failed job leaves nothing there)."""
+    ``latents.parquet``, ``contexts.parquet``, the browser and ``features.json`` at
+    ``config.out``. A failed job leaves nothing there: a local output is built under a
+    staging name and renamed; on an object store (``config.out`` a URI such as
+    ``s3://bucket/features``) everything is computed first, then the previous output (with
+    ``overwrite``) is deleted, the files put, ``features.json`` last, and a failure while
+    putting deletes what was put. ``config.extraction`` may be a URI too;
+    ``storage_options`` (``endpoint_url``, ``region``, ...) configure both filesystems."""
     from ..dataset.publish import publishing
-    from .page import write_browser
 
-    plan = plan_features(config)
+    plan = plan_features(config, storage_options)
     if not config.out:
         raise FeaturesError("out is empty: give an output directory (--out)")
-    out = Path(config.out)
-    if out.exists() and not config.overwrite:
-        raise FeaturesError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    target = DatasetLocation.of(config.out, storage_options=plan.storage_options)
+    exists = os.path.exists(target.root) if target.is_local else target.exists()
+    if exists and not config.overwrite:
+        raise FeaturesError(f"{config.out} exists; pass overwrite=True (--overwrite) to replace it")
     started = time.perf_counter()
-    with publishing(out) as tmp:
-        tokens = spark.read.format("safetensors").load(plan.dataset)
-        tokens = tokens.select("activation", "sample_id", "window", "token_pos")
-        candidates = tmp / "candidates"  # a name Spark lists (it skips "_" and ".")
-        tokens.mapInArrow(_encode_fn(plan, config), CANDIDATES_SCHEMA).write.parquet(
-            str(candidates)
-        )
-        state = merged_state(spark.read.parquet(str(candidates)), plan, config)
-        encode_seconds = time.perf_counter() - started
-        latents = latents_table(state, config)
-        spark.createDataFrame(latents).coalesce(1).write.parquet(str(tmp / "latents.parquet"))
-        contexts = contexts_frame(spark, tokens, examples_table(state, config), plan, config)
-        contexts.coalesce(1).write.parquet(str(tmp / "contexts.parquet"))
-        shutil.rmtree(candidates)
-        write_browser(
-            tmp, title=f"{plan.hook} · {Path(plan.sae).name}", tokens=state.tokens, config=config
-        )
-    dead = int(np.sum(latents.column("dead").to_numpy(zero_copy_only=False)))
-    dense = int(np.sum(latents.column("dense").to_numpy(zero_copy_only=False)))
-    return FeaturesSummary(out, plan.hook, state.tokens, plan.n_latents, dead, dense,
-                           encode_seconds, time.perf_counter() - started)  # fmt: skip
+    if target.is_local:
+        with publishing(target.root) as tmp:
+            # a name Spark lists (it skips "_" and "."), removed before publishing
+            result = _compute(spark, plan, config, started, scratch=tmp / "candidates")
+            _write_files(DatasetLocation.of(tmp), result)
+        out: Path | str = Path(target.root)
+    else:
+        result = _compute(spark, plan, config, started, scratch=None)
+        _write_in_place(target, result)
+        out = target.uri
+    return FeaturesSummary(out, **result.figures)
+
+
+@dataclass
+class _Outputs:
+    """Everything the job publishes, made before anything is written."""
+
+    files: dict[str, bytes]
+    """By name relative to the output: the tables and the browser."""
+    doc: dict
+    """``features.json``."""
+    figures: dict
+    """The ``FeaturesSummary`` fields but ``out``."""
+
+
+def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, *, scratch):
+    """The three passes (module docstring) and the output files, in memory. ``scratch``:
+    a local directory for the tasks' states (a local output's staging directory), or
+    None to keep them on the executors' disks."""
+    from pyspark import StorageLevel
+
+    from .page import browser_files
+
+    tokens = tokens_frame(spark, plan)
+    encoded = tokens.mapInArrow(_encode_fn(plan, config), CANDIDATES_SCHEMA)
+    if scratch is not None:
+        encoded.write.parquet(str(scratch))
+        candidates = spark.read.parquet(str(scratch))
+    else:
+        candidates = encoded.persist(StorageLevel.DISK_ONLY)
+    try:
+        state = merged_state(candidates, plan, config)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            candidates.unpersist()
+    encode_seconds = time.perf_counter() - started
+    latents = latents_table(state, config)
+    contexts = contexts_frame(spark, tokens, examples_table(state, config), plan, config)
+    contexts = contexts.toArrow()
+    files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
+    title = f"{plan.hook} · {Path(plan.sae).name}"
+    files |= browser_files(latents, contexts, title=title, tokens=state.tokens, config=config)
+    figures = {
+        "hook": plan.hook, "tokens": state.tokens, "latents": plan.n_latents,
+        "dead": int(np.sum(latents.column("dead").to_numpy(zero_copy_only=False))),
+        "dense": int(np.sum(latents.column("dense").to_numpy(zero_copy_only=False))),
+        "encode_seconds": encode_seconds, "seconds": time.perf_counter() - started,
+        "l0": float(state.counts.sum()) / max(state.tokens, 1),
+    }  # fmt: skip
+    doc = {
+        "config": config.to_dict(), "extraction": plan.extraction, "dataset": plan.dataset,
+        "sae": plan.sae, "architecture": plan.architecture, "k": plan.k,
+        "summary": figures, "files": sorted(files), "version": __version__,
+    }  # fmt: skip
+    return _Outputs(files, doc, figures)
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _write_files(out: DatasetLocation, result: _Outputs) -> None:
+    """Every file, each in one atomic put, ``features.json`` last."""
+    for name, data in result.files.items():
+        out.put_bytes(name, data)
+    out.put_json(FEATURES_DOC, result.doc)
+
+
+def _write_in_place(target: DatasetLocation, result: _Outputs) -> None:
+    """An output on an object store (no rename there): the previous one's
+    ``features.json`` is deleted first, so it stops looking finished, then the rest of it;
+    the new files are put, ``features.json`` last. A failure deletes what was put."""
+    target.delete([FEATURES_DOC])
+    target.delete(list(target.list()))
+    try:
+        _write_files(target, result)
+    except BaseException:
+        target.delete(list(target.list()))
+        target.remove_if_empty()
+        raise
+
+
+def tokens_frame(spark, plan: FeaturesPlan):
+    """The hook point's tokens through the ``safetensors`` data source (any storage)."""
+    reader = spark.read.format("safetensors")
+    if plan.storage_options:
+        reader = reader.options(**plan.storage_options)
+    return reader.load(plan.dataset).select("activation", "sample_id", "window", "token_pos")
+
+
+_SAMPLE_ID = re.compile(rb'^\{"sample_id": (-?\d+),')
+
+
+def read_texts(location: DatasetLocation, sample_ids) -> pa.Table:
+    """``sample_id`` and ``text`` of the given samples from ``texts.jsonl``, streamed on
+    the driver (only those rows are kept; a line whose id comes first, as the extraction
+    writes them, is parsed only when it is wanted)."""
+    wanted = {int(i) for i in sample_ids}
+    ids, texts = [], []
+    with location.fs.open_input_stream(location.path(TEXTS_TABLE, what="file")) as raw:
+        for line in io.BufferedReader(raw, 1 << 20):
+            m = _SAMPLE_ID.match(line)
+            if m is not None and int(m.group(1)) not in wanted:
+                continue
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if int(row["sample_id"]) in wanted:
+                ids.append(int(row["sample_id"]))
+                texts.append(row["text"])
+    return pa.table({"sample_id": pa.array(ids, pa.int64()), "text": pa.array(texts, pa.string())})
 
 
 def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
@@ -380,12 +548,16 @@ def contexts_frame(spark, tokens, examples: pa.Table, plan: FeaturesPlan, config
     codes = tokens.join(F.broadcast(needed), ["sample_id", "window"], "left_semi").mapInArrow(
         _codes_fn(plan, config), CODES_SCHEMA
     )
-    texts = (
-        spark.read.schema("sample_id long, key string, source string, text string")
-        .json(str(Path(plan.extraction) / "texts.jsonl"))
-        .join(F.broadcast(needed.select("sample_id").distinct()), "sample_id", "left_semi")
-        .mapInArrow(_tokenize_fn(plan), TOKENS_SCHEMA)
-    )
+    source = plan.extraction_location()
+    if source.is_local:  # Spark's own reader, in parallel
+        texts = (
+            spark.read.schema("sample_id long, key string, source string, text string")
+            .json(source.path(TEXTS_TABLE, what="file"))
+            .join(F.broadcast(needed.select("sample_id").distinct()), "sample_id", "left_semi")
+        )
+    else:  # Spark's readers cannot reach an object store here: the driver reads them
+        texts = spark.createDataFrame(read_texts(source, examples.column("sample_id").to_pylist()))
+    texts = texts.mapInArrow(_tokenize_fn(plan), TOKENS_SCHEMA)
     k = config.context
     positions = ex.withColumn(
         "pos", F.explode(F.sequence(F.col("token_pos") - k, F.col("token_pos") + k))

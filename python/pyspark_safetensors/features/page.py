@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from pathlib import Path
 
-import pyarrow.parquet as pq
+import pyarrow as pa
 
 from .config import FeaturesConfig
 from .state import histogram_edges
@@ -27,12 +26,13 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def write_browser(out: str | Path, *, title: str, tokens: int, config: FeaturesConfig) -> Path:
-    """Write the browser of ``out/latents.parquet`` and ``out/contexts.parquet`` into
-    ``out``; returns ``out/index.html``."""
-    out = Path(out)
-    latents = pq.read_table(out / "latents.parquet").sort_by("latent").to_pylist()
-    contexts = pq.read_table(out / "contexts.parquet").to_pylist()
+def browser_files(
+    latents: pa.Table, contexts: pa.Table, *, title: str, tokens: int, config: FeaturesConfig
+) -> dict[str, bytes]:
+    """The browser's files by name (``index.html``, ``data/...``) from the two tables, in
+    memory: the job writes them wherever its output lives."""
+    latents = latents.sort_by("latent").to_pylist()
+    contexts = contexts.to_pylist()
     contexts.sort(key=lambda r: (r["latent"], r["kind"] != "top", r["kind"], r["rank"]))
     by_latent: dict[int, list] = {}
     for row in contexts:
@@ -47,8 +47,7 @@ def write_browser(out: str | Path, *, title: str, tokens: int, config: FeaturesC
             r["latent"], r["count"], _round(r["frequency"]), _round(r["mean"]), _round(r["max"]),
             r["dead"], r["dense"], r["hist"], list(dict.fromkeys(top))[:TOP_TOKENS],
         ])  # fmt: skip
-    data = out / "data"
-    data.mkdir(exist_ok=True)
+    files: dict[str, bytes] = {}
     edges = histogram_edges(config.hist_bins, config.hist_min, config.hist_max)
     meta = {
         "title": title, "tokens": tokens, "chunk": CHUNK, "top_n": config.top_n,
@@ -56,7 +55,7 @@ def write_browser(out: str | Path, *, title: str, tokens: int, config: FeaturesC
         "columns": ["latent", "count", "frequency", "mean", "max", "dead", "dense", "hist", "top"],
         "latents": rows,
     }  # fmt: skip
-    (data / "latents.js").write_text(_js("FEATURE_DATA", meta))
+    files["data/latents.js"] = _js("FEATURE_DATA", meta).encode()
     for start in range(0, max(len(rows), 1), CHUNK):
         chunk = {str(i): by_latent[i] for i in range(start, start + CHUNK) if i in by_latent}
         script = "window.FEATURE_CONTEXTS = window.FEATURE_CONTEXTS || {};\n"
@@ -64,8 +63,6 @@ def write_browser(out: str | Path, *, title: str, tokens: int, config: FeaturesC
             f"Object.assign(window.FEATURE_CONTEXTS, {json.dumps(chunk, separators=(',', ':'))});\n"
         )
         script += f"window.FEATURE_CHUNKS_LOADED = (window.FEATURE_CHUNKS_LOADED || []).concat([{start // CHUNK}]);\n"
-        (data / f"contexts-{start // CHUNK:04d}.js").write_text(script)
-    page = resources.files(__package__).joinpath("browser.html").read_text()
-    index = out / "index.html"
-    index.write_text(page)
-    return index
+        files[f"data/contexts-{start // CHUNK:04d}.js"] = script.encode()
+    files["index.html"] = resources.files(__package__).joinpath("browser.html").read_bytes()
+    return files

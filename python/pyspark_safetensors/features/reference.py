@@ -17,7 +17,7 @@ def reference_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
     at a time."""
     from ..torch import open_dataset
 
-    ds = open_dataset(plan.dataset)
+    ds = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
     device = pick_device(config)
     sae = load_encoder(plan.sae, device, config.threads)
     state = new_state(plan, config)
