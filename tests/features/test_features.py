@@ -5,6 +5,7 @@ works in a real (headless) Chromium."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -67,14 +68,74 @@ def test_contexts_hold_the_activation_of_every_token(run):
 def test_outputs_are_published_whole(run):
     _, summary = run
     names = sorted(p.name for p in summary.out.iterdir())
-    assert names == ["contexts.parquet", "data", "index.html", "latents.parquet"]
+    assert names == ["contexts.parquet", "data", "features.json", "index.html", "latents.parquet"]
     assert not [p for p in summary.out.parent.iterdir() if "staging" in p.name]
     assert (summary.out / "data" / "latents.js").read_text().startswith("window.FEATURE_DATA")
+    doc = json.loads((summary.out / "features.json").read_text())
+    files = sorted(str(p.relative_to(summary.out)) for p in summary.out.rglob("*") if p.is_file())
+    assert doc["files"] == [f for f in files if f != "features.json"]  # it lists every file
+    assert doc["summary"]["tokens"] == summary.tokens and doc["architecture"] == "topk"
+
+
+def test_a_jumprelu_sae_without_k_equals_the_reference_and_its_own_rule(
+    spark, extraction, make_jumprelu, tmp_path
+):
+    """A SAELens JumpReLU SAE (a threshold per latent, no k) through the job: the same
+    tables as the single-process loop, and the statistics of its own rule (every latent
+    above its threshold, however many per token), recomputed here densely."""
+    import torch
+
+    from pyspark_safetensors.sae import read_sae
+    from pyspark_safetensors.torch import open_dataset
+
+    sae = make_jumprelu(tmp_path / "saelens")
+    assert "k" not in json.loads((sae / "cfg.json").read_text())
+    config = FeaturesConfig(
+        extraction=str(extraction), sae=str(sae), out=str(tmp_path / "features"), top_n=5,
+        context=3, samples_per_band=2, batch_tokens=128,
+    )  # fmt: skip
+    summary = run_features(spark, config)
+    plan = plan_features(config)
+    assert (plan.architecture, plan.k) == ("jumprelu", None)
+    state = reference_state(plan, config)
+    got = pq.read_table(summary.out / "latents.parquet").to_pandas().sort_values("latent")
+    want = latents_table(state, config).to_pandas()
+    for column in ("latent", "count", "max", "dead", "dense"):
+        assert got[column].tolist() == want[column].tolist(), column
+    assert [list(h) for h in got["hist"]] == [list(h) for h in want["hist"]]
+    keys = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]
+    contexts = pq.read_table(summary.out / "contexts.parquet").to_pandas()[keys]
+    examples = examples_table(state, config).to_pandas()[keys]
+    order = ["latent", "kind", "rank"]
+    assert (
+        contexts.sort_values(order)
+        .reset_index(drop=True)
+        .equals(examples.sort_values(order).reset_index(drop=True))
+    )
+    assert (contexts.kind == "top").any()
+
+    tensors, _ = read_sae(sae)
+    ds = open_dataset(plan.dataset)
+    x = torch.cat([torch.as_tensor(np.asarray(ds.shard_view(s, "activation"), np.float32))
+                   for s in range(len(ds.paths))])  # fmt: skip
+    pre = (x - tensors["decoder_bias"]) @ tensors["encoder_weight"].T + tensors["encoder_bias"]
+    z = pre * (pre > tensors["threshold"])
+    fires = z > 0
+    assert got["count"].tolist() == fires.sum(0).tolist()
+    np.testing.assert_allclose(got["max"], z.max(0).values.clamp_min(0).numpy(), rtol=1e-5)
+    per_token = fires.sum(1)
+    assert per_token.min() < per_token.max() and per_token.max() > 8  # no fixed k
+    assert summary.l0 == pytest.approx(float(per_token.double().mean()))
+    assert summary.tokens == len(x) and 0 < got["dead"].sum() < len(got)
 
 
 def test_bad_inputs_are_one_line_errors(run, extraction, make_sae, tmp_path):
     config, _ = run
+    from pyspark_safetensors.sae import read_sae, save_sae
+
     narrow = make_sae(tmp_path / "narrow.safetensors", width=128)
+    no_k = tmp_path / "no-k.safetensors"  # a TopK SAE (the default) that records no k
+    save_sae(no_k, read_sae(config.sae)[0], {"hook_point": "encoder.layer.0:output"})
     no_texts = tmp_path / "no-texts"
     no_texts.mkdir()
     for entry in extraction.iterdir():
@@ -84,6 +145,7 @@ def test_bad_inputs_are_one_line_errors(run, extraction, make_sae, tmp_path):
         "width 128": {"sae": str(narrow)},
         "encoder.layer.3:output": {"hook": "encoder.layer.3:output"},
         "texts.jsonl": {"extraction": str(no_texts)},
+        "records no k": {"sae": str(no_k)},
     }
     for needle, change in cases.items():
         bad = FeaturesConfig(**{**config.to_dict(), **change, "out": str(tmp_path / "o")})
