@@ -122,6 +122,12 @@ def test_missing_path_and_missing_arguments(tmp_path):
     assert_user_error(cli("convert", tmp_path, "--to", "zarr"), "SRC and DST")
 
 
+def test_storage_options_are_key_value_pairs(tmp_path):
+    for command in (["extract", "--out", tmp_path / "acts"],
+                    ["features", "--extraction", tmp_path, "--sae", tmp_path / "sae", "--out", tmp_path / "f"]):  # fmt: skip
+        assert_user_error(cli(*command, "--storage-option", "no-value"), "expected KEY=VALUE")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     result = cli("--debug", "verify", tmp_path / "nothing-here")
     assert result.returncode != 0 and "Traceback" in result.stderr

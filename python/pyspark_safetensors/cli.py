@@ -121,14 +121,16 @@ class ExtractCommand:
     """KEY=VALUE ... for a URI output: endpoint_url, region, path_style, anonymous
     (default: the AWS_* environment variables)."""
 
-    def storage_options(self) -> dict[str, str]:
-        options = {}
-        for item in self.storage_option:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise UsageError(f"--storage-option {item!r}: expected KEY=VALUE")
-            options[key.strip()] = value
-        return options
+
+def _storage_options(items: tuple[str, ...]) -> dict[str, str]:
+    """``--storage-option KEY=VALUE ...`` as the storage options of ``DatasetLocation``."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option {item!r}: expected KEY=VALUE")
+        options[key.strip()] = value
+    return options
 
 
 def extract(argv: list[str]) -> int:
@@ -153,7 +155,7 @@ def extract(argv: list[str]) -> int:
         frozen=True,
     )
     args = _parse(args_type, argv, "extract", extract.__doc__)
-    storage_options = args.job.storage_options()
+    storage_options = _storage_options(args.job.storage_option)
     spark = local_session(args.job.master)
     try:
         summary = run_extraction(
@@ -173,6 +175,9 @@ def extract(argv: list[str]) -> int:
 class FeaturesCommand:
     master: str = "local[*]"
     """Spark master."""
+    storage_option: tuple[str, ...] = ()
+    """KEY=VALUE ... for a URI extraction or output: endpoint_url, region, path_style,
+    anonymous (default: the AWS_* environment variables)."""
 
 
 def features(argv: list[str]) -> int:
@@ -190,10 +195,11 @@ def features(argv: list[str]) -> int:
         frozen=True,
     )  # fmt: skip
     args = _parse(args_type, argv, "features", features.__doc__)
-    plan_features(args.config)  # bad inputs stop here, before Spark starts
+    storage_options = _storage_options(args.job.storage_option)
+    plan_features(args.config, storage_options)  # bad inputs stop here, before Spark starts
     spark = local_session(args.job.master)
     try:
-        print(run_features(spark, args.config))
+        print(run_features(spark, args.config, storage_options=storage_options))
     finally:
         spark.stop()
     return 0
