@@ -142,26 +142,15 @@ def test_compatible_appends_pass_the_driver_check(spark, tmp_path, implementatio
 
 
 def test_failed_write_into_a_new_path_leaves_no_directory(spark, tmp_path, implementation):
+    failing = exploding(frame(spark).select("id", "vec"))
     new = tmp_path / "new" / "ds"
     with pytest.raises(Exception, match=BOOM):
-        write(
-            exploding(frame(spark).select("id", "vec")),
-            new,
-            "overwrite",
-            implementation,
-            batch_size=2,
-        )
+        write(failing, new, "overwrite", implementation, batch_size=2)
     assert not new.exists()
     existing = tmp_path / "existing"
     existing.mkdir()
     with pytest.raises(Exception, match=BOOM):
-        write(
-            exploding(frame(spark).select("id", "vec")),
-            existing,
-            "overwrite",
-            implementation,
-            batch_size=2,
-        )
+        write(failing, existing, "overwrite", implementation, batch_size=2)
     assert existing.is_dir() and files(existing) == []  # it was there before: it stays
 
 
