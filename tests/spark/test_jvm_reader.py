@@ -73,6 +73,23 @@ def test_row_ranges_split_shards_by_rows_per_partition(spark, jvm, every_dtype):
     assert df.rdd.getNumPartitions() == 5
 
 
+def test_small_shards_are_packed_into_partitions_unless_rows_per_partition_is_given(
+    spark, jvm, tmp_path
+):
+    # 10 small shards over local[2]'s 2 cores: a few partitions, as Spark packs files
+    write_batch_dataset(
+        tmp_path / "ds", {"x": np.arange(80, dtype=np.float32).reshape(20, 4)}, rows_per_shard=2
+    )
+    packed = same(spark, jvm, tmp_path / "ds")
+    assert packed.rdd.getNumPartitions() == 2
+    assert sorted(r.x[0] for r in packed.collect()) == list(range(0, 80, 4))
+    no_columns = load(spark, jvm, tmp_path / "ds").select(F.lit(1).alias("one")).collect()
+    assert len(no_columns) == 20
+    # an explicit rows_per_partition keeps its ranges, one partition each, as in Python
+    ranges = same(spark, jvm, tmp_path / "ds", rows_per_partition=1)
+    assert ranges.rdd.getNumPartitions() == 20
+
+
 def test_kv_view_with_ragged_rows_and_key_filter(spark, jvm, tmp_path):
     df = spark.range(30).select(
         F.concat(F.lit("doc"), F.col("id").cast("string")).alias("doc"),

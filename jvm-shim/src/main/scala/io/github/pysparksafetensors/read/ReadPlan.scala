@@ -14,9 +14,11 @@ import io.github.pysparksafetensors.core.{Header, SafetensorsReadException, Stor
 import io.github.pysparksafetensors.core
 import io.github.pysparksafetensors.write.ManifestDoc
 
-/** The reader's options: the Python `ReaderOptions` table, parsed with the same rules. */
+/** The reader's options: the Python `ReaderOptions` table, parsed with the same rules.
+  * `rowsGiven`: `rows_per_partition` was set, so its row ranges are the partitions (else
+  * the `rows` view packs shards into partitions as Spark packs files). */
 final case class ReaderOptions(paths: Seq[String], view: Option[String], tensorFormat: String,
-    includeData: Boolean, rowsPerPartition: Int, inferSchema: Boolean)
+    includeData: Boolean, rowsPerPartition: Int, inferSchema: Boolean, rowsGiven: Boolean)
 
 object ReaderOptions {
   val Views = Seq("rows", "kv", "tensors", "files")
@@ -61,7 +63,8 @@ object ReaderOptions {
         "spark.read.format('safetensors').load(path), or CREATE TEMPORARY VIEW ... USING " +
         "safetensors OPTIONS (path '...')")
     ReaderOptions(paths, choice("view", Views), choice("tensor_format", Seq("array", "struct")).getOrElse("array"),
-      bool("include_data", default = true), rows, bool("inferschema", default = false))
+      bool("include_data", default = true), rows, bool("inferschema", default = false),
+      given.contains("rows_per_partition"))
   }
 }
 

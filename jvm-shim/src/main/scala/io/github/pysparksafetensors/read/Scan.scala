@@ -10,6 +10,8 @@ import org.apache.spark.sql.vectorized.ColumnarBatch
 
 /** One shard (or a row range of one) of a dataset; `rowStop` exclusive. */
 final case class ShardPart(source: Int, shard: Int, rowStart: Long, rowStop: Long) extends InputPartition
+/** Consecutive shards (or row ranges) of the `rows` view read by one task, one after another. */
+final case class ShardsPart(parts: Seq[ShardPart]) extends InputPartition
 /** A group of files, for the `tensors` and `files` views. */
 final case class FilesPart(source: Int, files: Seq[Int]) extends InputPartition
 
@@ -93,7 +95,9 @@ final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted
   override def toBatch: Batch = this
 
   /** Rows by `rows_per_partition` within each shard and a KV shard whole, as the Python
-    * reader splits them; files packed as Spark's file sources pack them (see `packFiles`). */
+    * reader splits them; files packed as Spark's file sources pack them (see `packFiles`),
+    * and so are the `rows` view's shards and row ranges unless `rows_per_partition` is
+    * given: a task per 10,000-row shard spends more time scheduled than reading it. */
   override def planInputPartitions(): Array[InputPartition] = {
     val step = plan.options.rowsPerPartition.toLong
     val readsData = if (plan.view == "files") required.nonEmpty else required.fieldNames.contains("data")
@@ -101,9 +105,21 @@ final class SafetensorsScan(plan: ReadPlan, required: StructType, wanted: Wanted
       if (plan.view == "tensors" || plan.view == "files") {
         val bytes = if (readsData) source.sizes else source.sizes.map(_ => 0L)
         SafetensorsScan.packFiles(bytes).map(g => FilesPart(i, g): InputPartition)
-      } else source.manifest.get.shards.zipWithIndex.flatMap { case (entry, shard) =>
-        if (plan.view == "kv" || entry.samples <= step) Seq(ShardPart(i, shard, 0, entry.samples))
-        else (0L until entry.samples by step).map(a => ShardPart(i, shard, a, math.min(a + step, entry.samples)))
+      } else {
+        val shards = source.manifest.get.shards
+        val ranges = shards.zipWithIndex.flatMap { case (entry, shard) =>
+          if (plan.view == "kv" || entry.samples <= step) Seq(ShardPart(i, shard, 0, entry.samples))
+          else (0L until entry.samples by step).map(a => ShardPart(i, shard, a, math.min(a + step, entry.samples)))
+        }
+        if (plan.view != "rows" || plan.options.rowsGiven) ranges
+        else {
+          // a range's share of its shard's bytes (none when no column is read)
+          val bytes = ranges.map { p =>
+            val e = shards(p.shard)
+            if (required.isEmpty) 0L else (e.bytes.toDouble * (p.rowStop - p.rowStart) / math.max(1L, e.samples)).toLong
+          }
+          SafetensorsScan.packFiles(bytes).map(g => ShardsPart(g.map(ranges)): InputPartition)
+        }
       }
     }
     parts.toArray
@@ -140,12 +156,31 @@ object SafetensorsScan {
 final class SafetensorsReaderFactory(plan: ReadPlan, required: StructType, wanted: Wanted) extends PartitionReaderFactory {
   private val columnar = Columnar.supports(plan, required)
   override def supportColumnarReads(partition: InputPartition): Boolean = columnar
-  override def createColumnarReader(partition: InputPartition): PartitionReader[ColumnarBatch] =
-    new RowsColumnarReader(plan, partition.asInstanceOf[ShardPart], required)
+  override def createColumnarReader(partition: InputPartition): PartitionReader[ColumnarBatch] = partition match {
+    case g: ShardsPart => new ChainedReader(g.parts.iterator.map(p => new RowsColumnarReader(plan, p, required)))
+    case p: ShardPart => new RowsColumnarReader(plan, p, required)
+  }
   override def createReader(partition: InputPartition): PartitionReader[InternalRow] = partition match {
+    case g: ShardsPart => new ChainedReader(g.parts.iterator.map(p => new RowsReader(plan, p, required)))
     case p: ShardPart if plan.view == "rows" => new RowsReader(plan, p, required)
     case p: ShardPart => new KvReader(plan, p, required, wanted)
     case p: FilesPart if plan.view == "files" => new FilesReader(plan, p, required)
     case p: FilesPart => new TensorsReader(plan, p, required, wanted)
   }
+}
+
+/** The readers of a partition's parts, one after another (each opened when reached and
+  * closed when done). */
+final class ChainedReader[T](readers: Iterator[PartitionReader[T]]) extends PartitionReader[T] {
+  private var current: PartitionReader[T] = _
+  override def next(): Boolean = {
+    while (current == null || !current.next()) {
+      if (current != null) { current.close(); current = null }
+      if (!readers.hasNext) return false
+      current = readers.next()
+    }
+    true
+  }
+  override def get(): T = current.get()
+  override def close(): Unit = if (current != null) { current.close(); current = null }
 }
