@@ -6,7 +6,7 @@ import org.apache.hadoop.fs.{FSDataOutputStream, Path, RawLocalFileSystem}
 import org.apache.hadoop.util.Progressable
 
 /** A Hadoop `FileSystem` under the scheme `stlocal` that stores files in the local
-  * directory of the same path (`stlocal:///tmp/x` is `/tmp/x`) but is not `file`, so the
+  * directory of the same path (`stlocal:///data/x` is `/data/x`) but is not `file`, so the
   * JVM reader and writer take their object-store paths through it: ranged reads instead of
   * memory maps, one stream per file instead of a rename. Like an object store it refuses
   * `rename`, so a writer that renamed on it would fail its test. Registered by a test with
