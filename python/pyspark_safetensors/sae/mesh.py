@@ -9,10 +9,12 @@ size 1; every collective over it returns its input unchanged.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -210,3 +212,18 @@ def is_main_process() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def exit_worker(code: int) -> NoReturn:
+    """End a torchrun worker with ``code``, skipping interpreter finalisation when it is
+    one of several processes. Why: after the last collective returns, a gloo worker thread
+    may still be releasing that collective's tensors, which takes the GIL; if the
+    interpreter is finalising by then, the thread is unwound inside C++ and the process
+    aborts (SIGABRT, "terminate called without an active exception") after its work is
+    done and saved. ``destroy_process_group`` does not join those threads. Everything the
+    trainer writes is closed before this; stdio is flushed here."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -48,6 +48,7 @@ from .mesh import (
     all_gather_cat,
     all_reduce,
     barrier,
+    exit_worker,
     is_main_process,
     make_mesh,
     mesh_dim_size,
@@ -675,4 +676,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())
