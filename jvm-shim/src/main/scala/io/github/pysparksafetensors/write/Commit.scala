@@ -139,7 +139,6 @@ object Commit {
     val where = s"dataset '${files.uri}'"
     val staged = results.flatMap(_.shards).sortBy(s => (s.taskId, s.shardIndex))
     var schema = mergeSchemas(results.map(_.schema), where, template.mode == "kv")
-    val newIndex = staged.flatMap(_.index)
     val previous = previousManifest(files, overwrite, s"'${files.uri}/${Layout.Manifest}'")
     var kept = Seq.empty[ShardEntry]
     var keptIndex = Seq.empty[IndexRows]
@@ -151,13 +150,16 @@ object Commit {
     }
     if (uniqueKeys) {
       val seen = new java.util.HashSet[String]()
-      val dups = (keptIndex ++ newIndex).iterator.flatMap(_.keys).filterNot(seen.add).toSeq.distinct.take(5)
+      val keys = keptIndex.iterator.flatMap(_.keys) ++ staged.iterator.flatMap(_.keys.iterator.flatten)
+      val dups = keys.filterNot(seen.add).toSeq.distinct.take(5)
       if (dups.nonEmpty)
         throw new SafetensorsWriteException(
           s"$where: duplicate tensor keys across shards: ${dups.map(d => s"'$d'").mkString(", ")} (keys must be unique in a KV dataset)")
     }
     val commitId = java.util.UUID.randomUUID().toString.replace("-", "")
-    val indexData = if (generateIndex) Some(IndexFile.bytes(keptIndex ++ newIndex)) else None
+    val indexData = if (!generateIndex) None else Some(IndexFile.merge(
+      (if (keptIndex.nonEmpty) Seq(IndexFile.bytes(keptIndex)) else Seq.empty) ++
+        results.filter(_.shards.nonEmpty).sortBy(_.shards.head.taskId).flatMap(_.index)))
     val indexFile = indexData.map { data =>
       files.putBytes(Layout.indexName(commitId), data)
       val crc = new java.util.zip.CRC32C(); crc.update(data)

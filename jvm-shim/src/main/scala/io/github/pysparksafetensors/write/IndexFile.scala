@@ -8,7 +8,7 @@ import org.apache.hadoop.conf.Configuration
 import org.apache.parquet.example.data.Group
 import org.apache.parquet.hadoop.api.WriteSupport
 import org.apache.parquet.hadoop.example.GroupReadSupport
-import org.apache.parquet.hadoop.{ParquetReader, ParquetWriter}
+import org.apache.parquet.hadoop.{ParquetFileWriter, ParquetReader, ParquetWriter}
 import org.apache.parquet.io.api.{Binary, RecordConsumer}
 import org.apache.parquet.hadoop.metadata.CompressionCodecName
 import org.apache.parquet.io.{DelegatingPositionOutputStream, DelegatingSeekableInputStream, InputFile, OutputFile, PositionOutputStream, SeekableInputStream}
@@ -74,21 +74,12 @@ private[write] object IndexFile {
     override def getWriteSupport(conf: Configuration): WriteSupport[Row] = new RowWriteSupport
   }
 
-  /** The parquet file of `rows`, as bytes (it is put twice: under its commit's name and
-    * as `_tensor_index.parquet`). Keys are unique, so only `file_name` and `dtype` are
-    * dictionary-encoded, as the Python writer does. */
+  /** A parquet file of `rows`, as bytes: each task encodes its own shards' rows, the commit
+    * joins the tasks' files with [[merge]]. Keys are unique, so only `file_name` and `dtype`
+    * are dictionary-encoded, as the Python writer does. */
   def bytes(rows: Seq[IndexRows]): Array[Byte] = {
     val sink = new ByteArrayOutputStream()
-    val file = new OutputFile {
-      private def stream(): PositionOutputStream = new DelegatingPositionOutputStream(sink) {
-        override def getPos: Long = sink.size().toLong
-      }
-      override def create(blockSizeHint: Long): PositionOutputStream = stream()
-      override def createOrOverwrite(blockSizeHint: Long): PositionOutputStream = stream()
-      override def supportsBlockSize(): Boolean = false
-      override def defaultBlockSize(): Long = 0L
-    }
-    val writer = new RowWriterBuilder(file).withConf(new Configuration(false))
+    val writer = new RowWriterBuilder(outputTo(sink)).withConf(new Configuration(false))
       .withCompressionCodec(CompressionCodecName.SNAPPY).withDictionaryEncoding(false)
       .withDictionaryEncoding("file_name", true).withDictionaryEncoding("dtype", true).build()
     try for (r <- rows; i <- r.keys.indices) writer.write(Row(r, i))
@@ -96,18 +87,45 @@ private[write] object IndexFile {
     sink.toByteArray
   }
 
-  /** The rows of an index file's bytes, grouped by shard file. */
-  def read(data: Array[Byte], where: String): Seq[IndexRows] = {
-    val file = new InputFile {
-      override def getLength: Long = data.length.toLong
-      override def newStream(): SeekableInputStream = {
-        val in = new ByteArrayInputStream(data) { def at: Int = pos; def to(p: Int): Unit = pos = p }
-        new DelegatingSeekableInputStream(in) {
-          override def getPos: Long = in.at.toLong
-          override def seek(p: Long): Unit = in.to(p.toInt)
-        }
+  /** One index file holding the rows of `parts` (files from [[bytes]]) in order. Row groups
+    * are copied as they are, not decoded: the commit's share of the index is this copy, the
+    * encoding having run in the tasks, side by side. */
+  def merge(parts: Seq[Array[Byte]]): Array[Byte] = parts match {
+    case Seq(one) => one
+    case _ =>
+      val sink = new ByteArrayOutputStream(parts.map(_.length).sum + 4096)
+      val writer = new ParquetFileWriter(outputTo(sink), Schema, ParquetFileWriter.Mode.CREATE,
+        ParquetWriter.DEFAULT_BLOCK_SIZE.toLong, ParquetWriter.MAX_PADDING_SIZE_DEFAULT)
+      writer.start()
+      parts.foreach(part => writer.appendFile(inputFrom(part)))
+      writer.end(new java.util.HashMap[String, String]())
+      sink.toByteArray
+  }
+
+  private def outputTo(sink: ByteArrayOutputStream): OutputFile = new OutputFile {
+    private def stream(): PositionOutputStream = new DelegatingPositionOutputStream(sink) {
+      override def getPos: Long = sink.size().toLong
+    }
+    override def create(blockSizeHint: Long): PositionOutputStream = stream()
+    override def createOrOverwrite(blockSizeHint: Long): PositionOutputStream = stream()
+    override def supportsBlockSize(): Boolean = false
+    override def defaultBlockSize(): Long = 0L
+  }
+
+  private def inputFrom(data: Array[Byte]): InputFile = new InputFile {
+    override def getLength: Long = data.length.toLong
+    override def newStream(): SeekableInputStream = {
+      val in = new ByteArrayInputStream(data) { def at: Int = pos; def to(p: Int): Unit = pos = p }
+      new DelegatingSeekableInputStream(in) {
+        override def getPos: Long = in.at.toLong
+        override def seek(p: Long): Unit = in.to(p.toInt)
       }
     }
+  }
+
+  /** The rows of an index file's bytes, grouped by shard file. */
+  def read(data: Array[Byte], where: String): Seq[IndexRows] = {
+    val file = inputFrom(data)
     val reader = new ParquetReader.Builder[Group](file) {
       override def getReadSupport() = new GroupReadSupport()
     }.withConf(new Configuration(false)).build()

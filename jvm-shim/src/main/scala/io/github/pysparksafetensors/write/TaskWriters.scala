@@ -14,13 +14,16 @@ final case class IndexRows(
 /** A column's dtype and per-sample shape (-1: a KV dimension that varies by row). */
 final case class ColumnSchema(dtype: String, sampleShape: Seq[Int])
 
-/** One shard a task attempt wrote, not yet listed by any manifest. */
+/** One shard a task attempt wrote, not yet listed by any manifest; in KV mode with its
+  * tensor keys, for the commit's uniqueness check. */
 final case class StagedShard(
     taskId: Int, shardIndex: Int, name: String, samples: Long, bytes: Long,
-    crc32c: Option[String], index: Option[IndexRows])
+    crc32c: Option[String], keys: Option[Array[String]])
 
-/** The commit message of one task attempt. */
-final case class TaskCommit(attemptId: Long, shards: Seq[StagedShard], schema: Seq[(String, ColumnSchema)])
+/** The commit message of one task attempt: its shards, the columns' schema and, when the
+  * job writes a tensor index, the index rows of its shards already encoded as parquet. */
+final case class TaskCommit(
+    attemptId: Long, shards: Seq[StagedShard], schema: Seq[(String, ColumnSchema)], index: Option[Array[Byte]])
   extends WriterCommitMessage
 
 /** Writes the shards of one task attempt at the dataset root, under names of its own
@@ -30,6 +33,7 @@ private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long
   private val fileUuid = Layout.attemptUuid(job.jobId)
   val started = mutable.ArrayBuffer.empty[String]
   val shards = mutable.ArrayBuffer.empty[StagedShard]
+  private val indexRows = mutable.ArrayBuffer.empty[IndexRows]
   private var schema = Seq.empty[(String, ColumnSchema)]
   private val metadata: Map[String, String] = Map(
     "format" -> "pt", "format_version" -> Layout.FormatVersion,
@@ -41,12 +45,12 @@ private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long
     started += name
     val crc = if (job.options.checksum == "crc32c") new java.util.zip.CRC32C() else null
     job.files.writeFile(name)(out => ShardFormat.write(layout, out, crc))
-    val index = if (!indexed) None else Some(IndexRows(name,
-      layout.order.map(_.name), layout.order.map(_.dtype), layout.order.map(_.shape),
+    val keys = layout.order.map(_.name)
+    if (indexed) indexRows += IndexRows(name, keys, layout.order.map(_.dtype), layout.order.map(_.shape),
       layout.begins.map(_ + layout.dataStart),
-      layout.order.indices.map(i => layout.dataStart + layout.begins(i) + layout.order(i).length).toArray))
+      layout.order.indices.map(i => layout.dataStart + layout.begins(i) + layout.order(i).length).toArray)
     shards += StagedShard(taskId, shards.size, name, samples, layout.fileSize,
-      Option(crc).map(c => f"${c.getValue}%08x"), index)
+      Option(crc).map(c => f"${c.getValue}%08x"), if (job.options.mode == "kv") Some(keys) else None)
   }
 
   /** Record a column's dtype and sample shape with the commit's merge rule. */
@@ -62,7 +66,9 @@ private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long
       throw new IllegalStateException(
         "the write job ended (aborted or committed without this attempt) before this task " +
           "finished; its shards are deleted")
-    TaskCommit(attemptId, shards.toSeq, schema)
+    // Encoded here, in parallel with the other tasks, so the commit only joins row groups.
+    TaskCommit(attemptId, shards.toSeq, schema,
+      if (job.options.generateIndex) Some(IndexFile.bytes(indexRows.toSeq)) else None)
   }
 
   def discard(): Unit =
@@ -215,7 +221,7 @@ private[write] final class KVModeWriter(job: WriteJob, sink: ShardSink) extends 
 
   private def seal(): Unit = {
     val slots = live.toSeq.flatMap(i => rows(i)._2.toSeq)
-    sink.write(slots, liveRows, indexed = true)
+    sink.write(slots, liveRows, indexed = job.options.generateIndex)
     rows.clear(); position.clear(); live.clear()
     buffers.foreach(_.truncate(0))
     currentBytes = 0; liveRows = 0
