@@ -54,7 +54,9 @@ def test_jumprelu_code_is_every_pre_activation_above_its_threshold():
     per_row = (want > 0).sum(1)
     assert per_row.min() < per_row.max()  # a varying number of latents per row
     torch.testing.assert_close(out.x_hat, want @ sae.decoder_weight + sae.decoder_bias)
-    torch.testing.assert_close(sae.decode(*sae.encode(x)), out.x_hat)
+    values, indices = sae.encode(x)  # the code alone, no decode
+    assert torch.equal(torch.zeros_like(pre).scatter(1, indices, values), want)
+    torch.testing.assert_close(sae.decode(values, indices), out.x_hat)
 
 
 def test_jumprelu_threshold_gets_the_rectangle_kernel_pseudo_derivatives():

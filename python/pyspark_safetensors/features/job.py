@@ -121,10 +121,11 @@ def plan_features(
             f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {src}"
         )
     try:
-        architecture = get_architecture(info["architecture"]).ARCHITECTURE
+        cls = get_architecture(info["architecture"])
     except ValueError as e:
         raise FeaturesError(f"{config.sae}: {e}") from None
-    if info["k"] is None and architecture != "jumprelu":  # as load_sae_model decides
+    architecture = cls.ARCHITECTURE
+    if info["k"] is None and cls.SELECTS_TOP_K:
         raise FeaturesError(
             f"{config.sae}: a {architecture} SAE that records no k (its top-k selection "
             "needs one); record k in its metadata or config"

@@ -195,7 +195,7 @@ def load_sae_model(
 
     tensors, info = read_sae(path)
     cls = get_architecture(info["architecture"])
-    k = k or info["k"] or (1 if cls.ARCHITECTURE == "jumprelu" else None)  # a training target
+    k = k or info["k"] or (None if cls.SELECTS_TOP_K else 1)  # else k is a training target
     if k is None:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
@@ -217,10 +217,12 @@ def export_sae(
     """Write the SAE at ``path`` (any recognised layout) as a directory that SAELens
     (``SAE.load_from_disk``) or sparsify (``SparseCoder.load_from_disk``) loads and that
     encodes exactly as ours; written whole or not at all."""
+    from .architectures import get_architecture
+
     tensors, info = read_sae(path)
     arch = info["architecture"]
     k = k or info["k"]
-    if k is None and arch != "jumprelu":
+    if k is None and get_architecture(arch).SELECTS_TOP_K:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
     meta = info.get("metadata", {})

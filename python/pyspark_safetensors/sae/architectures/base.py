@@ -68,6 +68,8 @@ class SparseAutoencoder(nn.Module):
     LUT_REFUSAL: ClassVar[str] = ""
     #: Whether the trainer's AuxK loss applies (dead latents revived through a top-k).
     USES_AUX: ClassVar[bool] = True
+    #: Whether encoding selects the top k (so a stored SAE must record its k).
+    SELECTS_TOP_K: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -83,6 +83,7 @@ class JumpReLUSAE(SparseAutoencoder):
     ARCHITECTURE = "jumprelu"
     EXTRA_TENSORS = ("threshold",)
     USES_AUX = False
+    SELECTS_TOP_K = False  # thresholds pick the code; k is only training's L0 target
     LUT_REFUSAL = (
         "a JumpReLU SAE fires every latent above its own threshold, so a row's number of "
         "active latents varies; the LUT's per-row top-k cannot reproduce that code "
@@ -122,21 +123,33 @@ class JumpReLUSAE(SparseAutoencoder):
         """This rank's thresholds ``[n_local]``, in the encoder's dtype."""
         return self.log_threshold.exp().to(self.encoder_weight.dtype)
 
+    def _pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
+        return torch.addmm(self.encoder_bias, xc, self.encoder_weight.t())
+
+    def _code(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, indices)`` of the fired latents of ``z``, each row padded with zeros
+        to the batch's largest count (global indices)."""
+        with torch.no_grad():
+            slots = max(1, int((z > 0).sum(1).max()))
+            values, indices = z.detach().topk(slots, dim=1, sorted=False)
+        return values, indices + self.offset
+
     def forward(self, x: torch.Tensor, *, k=None, dead=None, k_aux: int = 0) -> SAEOutput:
         """Encode and decode ``x [B, d]`` (``k``, ``dead``, ``k_aux`` are accepted for the
         trainer's sake and unused: the thresholds decide)."""
-        xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
-        pre = torch.addmm(self.encoder_bias, xc, self.encoder_weight.t())
+        pre = self._pre_activation(x)
         z = _JumpReLU.apply(pre, self.threshold, self.bandwidth)
         x_hat = reduce_from_model(z @ self.decoder_weight.to(z.dtype), self.mesh)
         x_hat = x_hat + self.decoder_bias
         self._pre = pre if self.training and torch.is_grad_enabled() else None
-        with torch.no_grad():
-            slots = max(1, int((z > 0).sum(1).max()))
-            values, indices = z.detach().topk(slots, dim=1, sorted=False)
-        indices = indices + self.offset
+        values, indices = self._code(z)
         aux_values, aux_indices = self._empty_aux(values, indices)
         return SAEOutput(x_hat, values, indices, aux_values, aux_indices)
+
+    def encode(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code of ``x [B, d]`` as ``forward`` gives it, without decoding (``k`` unused)."""
+        return self._code(_JumpReLU.apply(self._pre_activation(x), self.threshold, self.bandwidth))
 
     def sparsity_loss(self, out: SAEOutput) -> torch.Tensor | None:
         """A term whose gradient is that of ``l0_coef * (L0 / k - 1)^2`` over the global
