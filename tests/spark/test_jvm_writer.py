@@ -63,8 +63,9 @@ def index_from_headers(path) -> list[dict]:
         header.pop("__metadata__", None)
         for key, t in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
             begin, end = (8 + size + o for o in t["data_offsets"])
-            rows.append(dict(tensor_key=key, file_name=shard["shard_path"][:15],
-                             shape=t["shape"], dtype=t["dtype"], begin=begin, end=end))
+            name = shard["shard_path"][:15]
+            rows.append(dict(tensor_key=key, file_name=name, shape=t["shape"], dtype=t["dtype"],
+                             begin=begin, end=end))  # fmt: skip
     return rows
 
 
