@@ -127,6 +127,10 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
     (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "gated"}))
     with pytest.raises(CheckpointError, match="SAELens 'gated' SAE"):
         read_sae(path)
+    (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "standard",
+                                               "activation_fn_str": "tanh-relu"}))  # fmt: skip
+    with pytest.raises(CheckpointError, match="'standard' SAE with activation 'tanh-relu'"):
+        read_sae(path)
     (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "jumprelu"}))
     with pytest.raises(CheckpointError, match="without 'threshold' or 'log_threshold'"):
         read_sae(path)
@@ -140,6 +144,71 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
         read_sae(sp)
     with pytest.raises(CheckpointError, match="not an SAE directory"):
         read_sae(tmp_path)
+
+
+def saelens_relu_dir(root, w, *, apply_b_dec_to_input=True, rescale=False, old_config=False):
+    """A SAELens ReLU ("standard") SAE; ``old_config``: SAELens < 6's cfg.json, which names
+    no architecture and gives ``activation_fn_str``."""
+    saelens_dir(root, w, apply_b_dec_to_input=apply_b_dec_to_input, rescale=rescale)
+    cfg = json.loads((root / "cfg.json").read_text())
+    del cfg["k"]
+    if old_config:
+        del cfg["architecture"]
+        cfg["activation_fn_str"] = "relu"
+    else:
+        cfg["architecture"] = "standard"
+    (root / "cfg.json").write_text(json.dumps(cfg))
+    return root
+
+
+@pytest.mark.parametrize("apply_b_dec_to_input,rescale,old_config",
+                         [(True, False, False), (False, True, False), (True, False, True)])  # fmt: skip
+def test_saelens_relu_sae_encodes_the_same_and_exports_as_jumprelu(
+    tmp_path, apply_b_dec_to_input, rescale, old_config
+):
+    w = _random(4)
+    path = saelens_relu_dir(tmp_path / "sl", w, apply_b_dec_to_input=apply_b_dec_to_input,
+                            rescale=rescale, old_config=old_config)  # fmt: skip
+    tensors, info = read_sae(path)
+    assert info["architecture"] == "jumprelu" and info["k"] is None
+    assert torch.equal(tensors["threshold"], torch.zeros(N))
+    sae = load_sae_model(path)
+    x = torch.randn(64, D)
+    sae_in = x - w["b_dec"] if apply_b_dec_to_input else x  # SAELens' StandardSAE
+    norm = w["W_dec"].norm(dim=-1)
+    acts = (sae_in @ w["W_enc"] + w["b_enc"]).relu() * (norm if rescale else 1)
+    want = (acts / norm if rescale else acts) @ w["W_dec"] + w["b_dec"]
+    with torch.no_grad():
+        values, indices = sae.encode(x)
+        code = torch.zeros(64, N).scatter(1, indices, values)
+        torch.testing.assert_close(code, acts, rtol=1e-4, atol=1e-4)  # rescaled: norms folded
+        assert ((code > 0) == (acts > 0)).float().mean() > 0.99  # the same latents fire
+        torch.testing.assert_close(sae.decode(values, indices), want, rtol=1e-4, atol=1e-4)
+    # exported, it is SAELens' jumprelu at threshold 0: ReLU(pre) * 1[pre > 0] = ReLU(pre)
+    out = export_sae(path, tmp_path / "back", "saelens")
+    assert json.loads((out / "cfg.json").read_text())["architecture"] == "jumprelu"
+    back, _ = read_sae(out)
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_a_saelens_relu_sae_fine_tunes_as_jumprelu_from_the_initial_threshold(
+    tmp_path, activations
+):
+    g = torch.Generator().manual_seed(5)
+    w = {"W_enc": torch.randn(32, 64, generator=g) / 6, "b_enc": torch.zeros(64),
+         "W_dec": torch.nn.functional.normalize(torch.randn(64, 32, generator=g), dim=1),
+         "b_dec": torch.zeros(32)}  # fmt: skip
+    src = saelens_relu_dir(tmp_path / "sl", w)
+    config = SAEConfig(dataset=str(activations), init_from=str(src), architecture="jumprelu",
+                       n_latents=64, k=4, batch_size=256, tokens=256 * 8,
+                       out_dir=str(tmp_path / "run"), checkpoints=0, progress=False)  # fmt: skip
+    trainer = Trainer(config)
+    start = torch.full((64,), config.jumprelu_init_threshold)
+    torch.testing.assert_close(trainer.sae.threshold.detach(), start)  # 0 cannot move
+    trainer.fit()
+    assert torch.isfinite(trainer.sae.log_threshold).all()
+    assert not torch.equal(trainer.sae.threshold.detach(), start)  # and it trained
 
 
 def test_a_sparsify_sae_fine_tunes_and_builds_a_lut(tmp_path, activations):

@@ -7,8 +7,10 @@ Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))`
 - ours: a ``.safetensors`` file, or a run / checkpoint directory holding ``sae.safetensors``
   with our tensor names (``k`` from the metadata);
 - SAELens: ``cfg.json`` + ``sae_weights.safetensors`` with ``W_enc [d, n]``, ``b_enc``,
-  ``W_dec [n, d]``, ``b_dec``; architecture "topk" (``k`` from the config) or "jumprelu"
-  (and ``threshold [n]``, or the training layout's ``log_threshold``). Without
+  ``W_dec [n, d]``, ``b_dec``; architecture "topk" (``k`` from the config), "jumprelu"
+  (and ``threshold [n]``, or the training layout's ``log_threshold``) or "standard" (a
+  ReLU SAE: read as a JumpReLU SAE whose thresholds are 0, which encodes exactly
+  ``ReLU(pre)`` and which SAELens' jumprelu loads back). Without
   ``apply_b_dec_to_input`` the encoder bias is folded (``b_enc + W_enc b_dec``); with
   ``rescale_acts_by_decoder_norm`` the decoder norms are folded into the encoder, both
   exactly (the same latents, the same reconstruction);
@@ -106,12 +108,15 @@ def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg = _config(directory)
     arch = cfg.get("architecture", "standard")
     k = cfg.get("k")
-    if arch not in ("topk", "jumprelu") and cfg.get("activation_fn_str") == "topk":  # SAELens < 6
+    activation = cfg.get("activation_fn_str", "relu")  # SAELens < 6 names it here
+    if arch not in ("topk", "jumprelu") and activation == "topk":
         arch, k = "topk", (cfg.get("activation_fn_kwargs") or {}).get("k")
-    elif arch not in ("topk", "jumprelu"):
+    relu = arch == "standard" and activation == "relu"
+    if arch not in ("topk", "jumprelu") and not relu:
         raise CheckpointError(
-            f"{directory}: a SAELens {arch!r} SAE; only TopK and JumpReLU SAEs encode the way "
-            "this trainer does"
+            f"{directory}: a SAELens {arch!r} SAE"
+            + (f" with activation {activation!r}" if arch == "standard" else "")
+            + "; only TopK, JumpReLU and ReLU (standard) SAEs encode the way this package does"
         )
     if arch == "topk" and (not isinstance(k, int) or k < 1):
         raise CheckpointError(f"{directory / FOREIGN_CONFIG}: no positive integer 'k'")
@@ -142,6 +147,8 @@ def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     tensors = dict(zip(SAE_TENSORS, (w_enc, b_enc, w_dec, b_dec), strict=True))
     if arch == "jumprelu":
         tensors["threshold"] = _saelens_threshold(directory, raw)
+    if relu:  # ReLU(pre) = pre * 1[pre > 0]: a JumpReLU SAE at threshold 0, exactly
+        arch, tensors["threshold"] = "jumprelu", torch.zeros(w_enc.shape[0])
     _shapes_fit(directory, tensors)
     return tensors, {"layout": "saelens", "architecture": arch, "k": k, "config": cfg}
 

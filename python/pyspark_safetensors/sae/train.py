@@ -205,6 +205,9 @@ class Trainer:
                     f"init_from {c.init_from}: an SAE of {got[0]} latents x {got[1]} inputs; "
                     f"this run has n_latents={c.latents}, d={c.d}"
                 )
+            if "threshold" in tensors:  # a ReLU SAE's 0 thresholds cannot move through log θ
+                t = tensors["threshold"]
+                tensors["threshold"] = torch.where(t > 0, t, c.jumprelu_init_threshold)
             sae.load_full_state(tensors)
         return sae
 

@@ -175,7 +175,8 @@ class JumpReLUSAE(SparseAutoencoder):
 
     def load_local_state(self, local: dict[str, torch.Tensor]) -> None:
         super().load_local_state(local)
-        self.log_threshold.copy_(local["threshold"].double().clamp_min(1e-30).log())
+        # A threshold <= 0 fires as 0 does (a ReLU): log 0 = -inf comes back as exactly 0.
+        self.log_threshold.copy_(local["threshold"].double().clamp_min(0.0).log())
 
     def metadata(self) -> dict[str, str]:
         return super().metadata() | {"bandwidth": repr(self.bandwidth)}
