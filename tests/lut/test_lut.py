@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from gloo_workers import spawn_two
 from pyspark_safetensors.lut import (
     LUTError,
     LUTLinear,
@@ -316,12 +317,9 @@ def _precompute_worker(rank, tmp, root, sae):
 
 @pytest.mark.distributed
 def test_ranks_split_the_layers(tmp_path, model_dir):
-    import torch.multiprocessing as mp
-
     root, model = model_dir
     sae = random_sae(tmp_path / "sae.safetensors")
-    mp.start_processes(_precompute_worker, args=(str(tmp_path), str(root), str(tmp_path / "sae.safetensors")),
-                       nprocs=2, join=True, start_method="spawn")  # fmt: skip
+    spawn_two(_precompute_worker, str(tmp_path), str(root), str(tmp_path / "sae.safetensors"))
     meta = validate_lut(tmp_path / "lut")
     assert set(meta["layers"]) == {Q, K, FF}
     ff = safetensors.torch.load_file(tmp_path / "lut" / f"{FF}.lut.safetensors")

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_workers import spawn_two
 from pyspark_safetensors.sae import DimMap, SAEConfig, TopKSAE
 from pyspark_safetensors.sae.mesh import mesh_dim_size
 from pyspark_safetensors.sae.model import PLACEMENT
@@ -37,7 +37,7 @@ def _inputs():
 
 
 def _run(fn, tmp_path, *args):
-    mp.start_processes(fn, args=(str(tmp_path), *args), nprocs=2, join=True, start_method="spawn")
+    spawn_two(fn, str(tmp_path), *args)
 
 
 def _init(rank, tmp, shape):
