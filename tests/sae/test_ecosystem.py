@@ -131,6 +131,16 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
                                                "activation_fn_str": "tanh-relu"}))  # fmt: skip
     with pytest.raises(CheckpointError, match="'standard' SAE with activation 'tanh-relu'"):
         read_sae(path)
+    (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "standard",
+                                               "rescale_acts_by_decoder_norm": True}))  # fmt: skip
+    with pytest.raises(CheckpointError, match="StandardSAE does not apply"):
+        read_sae(path)
+    safetensors.torch.save_file({**w, "finetuning_scaling_factor": torch.full((N,), 2.0)},
+                                path / "sae_weights.safetensors")  # fmt: skip
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="finetuning_scaling_factor other than 1"):
+        read_sae(path)
+    safetensors.torch.save_file(w, path / "sae_weights.safetensors")
     (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "jumprelu"}))
     with pytest.raises(CheckpointError, match="without 'threshold' or 'log_threshold'"):
         read_sae(path)
@@ -146,10 +156,10 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
         read_sae(tmp_path)
 
 
-def saelens_relu_dir(root, w, *, apply_b_dec_to_input=True, rescale=False, old_config=False):
+def saelens_relu_dir(root, w, *, apply_b_dec_to_input=True, old_config=False):
     """A SAELens ReLU ("standard") SAE; ``old_config``: SAELens < 6's cfg.json, which names
     no architecture and gives ``activation_fn_str``."""
-    saelens_dir(root, w, apply_b_dec_to_input=apply_b_dec_to_input, rescale=rescale)
+    saelens_dir(root, w, apply_b_dec_to_input=apply_b_dec_to_input)
     cfg = json.loads((root / "cfg.json").read_text())
     del cfg["k"]
     if old_config:
@@ -161,28 +171,27 @@ def saelens_relu_dir(root, w, *, apply_b_dec_to_input=True, rescale=False, old_c
     return root
 
 
-@pytest.mark.parametrize("apply_b_dec_to_input,rescale,old_config",
-                         [(True, False, False), (False, True, False), (True, False, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "apply_b_dec_to_input,old_config", [(True, False), (False, False), (True, True)]
+)
 def test_saelens_relu_sae_encodes_the_same_and_exports_as_jumprelu(
-    tmp_path, apply_b_dec_to_input, rescale, old_config
+    tmp_path, apply_b_dec_to_input, old_config
 ):
     w = _random(4)
     path = saelens_relu_dir(tmp_path / "sl", w, apply_b_dec_to_input=apply_b_dec_to_input,
-                            rescale=rescale, old_config=old_config)  # fmt: skip
+                            old_config=old_config)  # fmt: skip
     tensors, info = read_sae(path)
     assert info["architecture"] == "jumprelu" and info["k"] is None
     assert torch.equal(tensors["threshold"], torch.zeros(N))
     sae = load_sae_model(path)
     x = torch.randn(64, D)
     sae_in = x - w["b_dec"] if apply_b_dec_to_input else x  # SAELens' StandardSAE
-    norm = w["W_dec"].norm(dim=-1)
-    acts = (sae_in @ w["W_enc"] + w["b_enc"]).relu() * (norm if rescale else 1)
-    want = (acts / norm if rescale else acts) @ w["W_dec"] + w["b_dec"]
+    acts = (sae_in @ w["W_enc"] + w["b_enc"]).relu()
+    want = acts @ w["W_dec"] + w["b_dec"]
     with torch.no_grad():
         values, indices = sae.encode(x)
         code = torch.zeros(64, N).scatter(1, indices, values)
-        torch.testing.assert_close(code, acts, rtol=1e-4, atol=1e-4)  # rescaled: norms folded
-        assert ((code > 0) == (acts > 0)).float().mean() > 0.99  # the same latents fire
+        torch.testing.assert_close(code, acts, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(sae.decode(values, indices), want, rtol=1e-4, atol=1e-4)
     # exported, it is SAELens' jumprelu at threshold 0: ReLU(pre) * 1[pre > 0] = ReLU(pre)
     out = export_sae(path, tmp_path / "back", "saelens")

@@ -120,10 +120,13 @@ def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
         )
     if arch == "topk" and (not isinstance(k, int) or k < 1):
         raise CheckpointError(f"{directory / FOREIGN_CONFIG}: no positive integer 'k'")
-    if arch == "jumprelu" and cfg.get("rescale_acts_by_decoder_norm", False):
+    if arch != "topk" and cfg.get("rescale_acts_by_decoder_norm", False):
         raise CheckpointError(
-            f"{directory}: a JumpReLU SAE with rescale_acts_by_decoder_norm; save it with the "
-            "decoder norms folded into W_enc, b_enc and threshold"
+            f"{directory}: a ReLU (standard) SAE with rescale_acts_by_decoder_norm, which "
+            "SAELens' StandardSAE does not apply; save it without the flag"
+            if relu
+            else f"{directory}: a JumpReLU SAE with rescale_acts_by_decoder_norm; save it with "
+            "the decoder norms folded into W_enc, b_enc and threshold"
         )
     if cfg.get("normalize_activations", "none") != "none":
         raise CheckpointError(
@@ -135,6 +138,12 @@ def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     missing = sorted({"W_enc", "b_enc", "W_dec", "b_dec"} - set(raw))
     if missing:
         raise CheckpointError(f"{directory / SAELENS_WEIGHTS}: missing tensor(s) {missing}")
+    for name in ("finetuning_scaling_factor", "scaling_factor"):  # older SAELens, in decode
+        if name in raw and not bool((raw[name] == 1).all()):
+            raise CheckpointError(
+                f"{directory / SAELENS_WEIGHTS}: a {name} other than 1 scales the code before "
+                "decoding; fold it into W_dec first"
+            )
     w_enc, b_enc = raw["W_enc"].T.contiguous(), raw["b_enc"].clone()
     w_dec, b_dec = raw["W_dec"].clone(), raw["b_dec"].clone()
     if not cfg.get("apply_b_dec_to_input", True):
