@@ -298,6 +298,12 @@ def test_kv_duplicates(spark, tmp_path):
     write(df, tmp_path / "d", name_col="k", duplicatesStrategy="lastWin")
     t = load_file(shards(tmp_path / "d")[0])
     assert t["a__v"].tolist() == [3.0] and manifest(tmp_path / "d")["total_samples"] == 2
+    # across tasks the commit finds them, with or without a tensor index
+    across = spark.range(0, 2, 1, numPartitions=2).selectExpr("'a' AS k", "array(id * 1.0D) AS v")
+    for index in ("true", "false"):
+        with pytest.raises(Exception, match="duplicate tensor keys across shards: 'a__v'"):
+            write(across, tmp_path / f"x{index}", name_col="k", generate_index=index)
+        assert not shards(tmp_path / f"x{index}")
 
 
 def test_kv_rows_of_every_shape_over_many_batches(spark, tmp_path):
@@ -511,6 +517,9 @@ def test_empty_dataframe_gives_a_valid_empty_dataset(spark, tmp_path, repo_root)
     m = manifest(tmp_path / "e")
     jsonschema.validate(m, json.loads((repo_root / "manifest-jsonschema.json").read_text()))
     assert m["total_samples"] == 0 and m["shards"] == [] and not shards(tmp_path / "e")
+    write(spark.createDataFrame([], "k string, x array<float>"), tmp_path / "kv", name_col="k")
+    assert manifest(tmp_path / "kv")["total_samples"] == 0
+    assert pq.read_table(tmp_path / "kv" / "_tensor_index.parquet").num_rows == 0
 
 
 def test_sql_temporary_view_insert(spark, tmp_path):
