@@ -94,6 +94,7 @@ private[write] object IndexFile {
     case Seq(one) => one
     case _ =>
       val sink = new ByteArrayOutputStream(parts.map(_.length).sum + 4096)
+      // Deprecated in parquet-hadoop 1.17, but also in the older releases clusters ship.
       val writer = new ParquetFileWriter(outputTo(sink), Schema, ParquetFileWriter.Mode.CREATE,
         ParquetWriter.DEFAULT_BLOCK_SIZE.toLong, ParquetWriter.MAX_PADDING_SIZE_DEFAULT)
       writer.start()
