@@ -62,13 +62,14 @@ private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long
 
   /** The task's commit message, once the job's lease shows the job still running. */
   def result(): TaskCommit = {
+    // Encoded here, in parallel with the other tasks, so the commit only joins row groups;
+    // before the lease check, which stays the attempt's last look at the job.
+    val index = if (job.options.generateIndex) Some(IndexFile.bytes(indexRows.toSeq)) else None
     if (!job.files.has(Layout.leaseName(job.jobId)))
       throw new IllegalStateException(
         "the write job ended (aborted or committed without this attempt) before this task " +
           "finished; its shards are deleted")
-    // Encoded here, in parallel with the other tasks, so the commit only joins row groups.
-    TaskCommit(attemptId, shards.toSeq, schema,
-      if (job.options.generateIndex) Some(IndexFile.bytes(indexRows.toSeq)) else None)
+    TaskCommit(attemptId, shards.toSeq, schema, index)
   }
 
   def discard(): Unit =
