@@ -12,8 +12,8 @@ Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))`
   ReLU SAE: read as a JumpReLU SAE whose thresholds are 0, which encodes exactly
   ``ReLU(pre)`` and which SAELens' jumprelu loads back). Without
   ``apply_b_dec_to_input`` the encoder bias is folded (``b_enc + W_enc b_dec``); with
-  ``rescale_acts_by_decoder_norm`` the decoder norms are folded into the encoder, both
-  exactly (the same latents, the same reconstruction);
+  ``rescale_acts_by_decoder_norm`` (TopK only; refused for the others) the decoder norms
+  are folded into the encoder, both exactly (the same latents, the same reconstruction);
 - sparsify: ``cfg.json`` + ``sae.safetensors`` with ``encoder.weight [n, d]``,
   ``encoder.bias``, ``W_dec [n, d]``, ``b_dec`` (``activation`` "topk", no skip
   connection, not a transcoder) -- the same encoding as ours.
