@@ -1,5 +1,5 @@
 """Build hook: the wheel carries the Spark defaults and log4j2 settings of ``conf/`` and,
-when ``jvm-shim/build.sh`` has built it, the shim jar, as package data under
+the shim jars ``jvm-shim/build.sh`` has built (one per Spark line), as package data under
 ``pyspark_safetensors/spark/resources/`` (found with ``importlib.resources``); the optional
 C cast kernel (the package falls back to numpy without a compiler). Everything else is
 declared in pyproject.toml."""
@@ -22,7 +22,7 @@ class build_py_with_resources(build_py):
             return
         dest = Path(self.build_lib, "pyspark_safetensors", "spark", "resources")
         dest.mkdir(parents=True, exist_ok=True)
-        for path in [*(ROOT / p for p in RESOURCES), *sorted(ROOT.glob(SHIM_JARS))[-1:]]:
+        for path in [*(ROOT / p for p in RESOURCES), *sorted(ROOT.glob(SHIM_JARS))]:
             shutil.copy2(path, dest / path.name)
 
 

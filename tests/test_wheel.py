@@ -54,8 +54,10 @@ def test_installed_wheel_runs_the_readme_example(repo_root, tmp_path, python_wit
         "from pyspark_safetensors.functions import shim_jar\n"
         "assert pyspark_safetensors.__file__.startswith(site.getsitepackages()[0])\n"
         "assert str(conf_file('log4j2.properties')).startswith(site.getsitepackages()[0])\n"
-        "jars = list(__import__('pathlib').Path(site.getsitepackages()[0]).rglob('*shim*.jar'))\n"
-        "assert not jars or shim_jar() == jars[0], (shim_jar(), jars)\n"
+        "from pyspark_safetensors.spark.shim import shim_jar_name, spark_line\n"
+        "jars = {p.name: p for p in __import__('pathlib').Path(site.getsitepackages()[0]).rglob('*shim*.jar')}\n"
+        f"assert sorted(jars) == {sorted(p.name for p in (repo_root / 'jvm-shim' / 'target').glob('*.jar'))!r}\n"
+        "assert not jars or shim_jar() == jars[shim_jar_name(spark_line())], (shim_jar(), jars)\n"
     )
     script = work / "example.py"
     script.write_text(check + first_spark_example((repo_root / "README.md").read_text()))

@@ -16,14 +16,27 @@ import re
 
 from ..format.errors import PysparkSafetensorsError
 from .options import IMPLEMENTATION_CONF
-from .source import SafetensorsDataSource
 
 JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
 """The JVM shim's data source class, registered under the short name by its jar."""
 
+SHORT_NAME = "safetensors"
+
 
 class WorkerPythonError(PysparkSafetensorsError, RuntimeError):
     """Spark's Python workers cannot import pyspark_safetensors."""
+
+
+class NoSourceError(PysparkSafetensorsError, RuntimeError):
+    """Nothing can answer ``format("safetensors")`` in this session: Spark 3.5 has no
+    Python data sources, so it needs the shim jar."""
+
+
+def python_data_sources() -> bool:
+    """Whether the installed pyspark has the Python Data Source API (Spark 4.0 and newer)."""
+    import importlib.util
+
+    return importlib.util.find_spec("pyspark.sql.datasource") is not None
 
 
 _HOW_TO_FIX = (
@@ -33,7 +46,7 @@ _HOW_TO_FIX = (
 )
 
 
-def _make_probe():
+def _make_probe(module: str):
     # A nested function is pickled by value, so the worker can run it even when it cannot
     # import this module: that is exactly what it reports.
     def probe(batches):
@@ -44,14 +57,20 @@ def _make_probe():
         for _ in batches:
             pass
         try:
-            import pyspark_safetensors.spark.source  # noqa: F401  what the source's tasks import
+            import importlib
 
+            importlib.import_module(module)
             error = ""
         except Exception as e:  # reported to the driver, not swallowed
             error = f"{type(e).__name__}: {e}"
         yield pa.RecordBatch.from_pydict({"executable": [sys.executable], "error": [error]})
 
     return probe
+
+
+# What the workers import: the Python source's task side where pyspark has Python data
+# sources, else the package's Spark layer (the tasks of extract and features import it).
+_WORKER_MODULE = "pyspark_safetensors.spark.source"
 
 
 def _configured_python(spark) -> str:
@@ -69,13 +88,13 @@ def _worker_failure(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
-def worker_python(spark) -> str:
+def worker_python(spark, module: str = _WORKER_MODULE) -> str:
     """The executable of Spark's Python workers, after checking that they import
     pyspark_safetensors; raises :class:`WorkerPythonError` naming it otherwise."""
     try:
         rows = (
             spark.range(1, numPartitions=1)
-            .mapInArrow(_make_probe(), "executable string, error string")
+            .mapInArrow(_make_probe(module), "executable string, error string")
             .collect()
         )
     except Exception as e:
@@ -98,7 +117,7 @@ def _statically_registered(spark) -> bool:
     warning). Only classic sessions can tell; elsewhere it is registered again."""
     try:
         manager = spark._jsparkSession.sessionState().dataSourceManager()
-        return bool(manager.dataSourceExists(SafetensorsDataSource.name()))
+        return bool(manager.dataSourceExists(SHORT_NAME))
     except Exception:  # Spark Connect: no JVM handle
         return False
 
@@ -117,10 +136,18 @@ def implementation(spark) -> str:
         jvm, session = spark._jvm, spark._jsparkSession
     except Exception:  # Spark Connect: no JVM handle
         return "auto"
-    provider = jvm.org.apache.spark.sql.execution.datasources.DataSource.lookupDataSource(
-        SafetensorsDataSource.name(), session.sessionState().conf()
-    )
-    return "jvm" if provider.getName() == JVM_SOURCE else "python"
+    return "jvm" if _jvm_source_answers(jvm, session) else "python"
+
+
+def _jvm_source_answers(jvm, session) -> bool:
+    """Whether the short name resolves to the shim jar's JVM source in this classic session."""
+    try:
+        provider = jvm.org.apache.spark.sql.execution.datasources.DataSource.lookupDataSource(
+            SHORT_NAME, session.sessionState().conf()
+        )
+    except Exception:  # no source of that name at all (Spark 3.5 without the jar)
+        return False
+    return provider.getName() == JVM_SOURCE
 
 
 def register(spark, *, check: bool = True) -> str:
@@ -130,12 +157,40 @@ def register(spark, *, check: bool = True) -> str:
     they run otherwise. Returns the implementation that answers ``format("safetensors")``
     (see :func:`implementation`).
 
+    On Spark 3.5, which has no Python data sources, the shim jar's JVM source is the only
+    implementation: ``register`` returns ``"jvm"`` when the session has it and raises
+    :class:`NoSourceError` saying how to load it otherwise.
+
     >>> import pyspark_safetensors
     >>> pyspark_safetensors.register(spark)
     'jvm'
     """
+    if not python_data_sources():
+        return _register_jvm_only(spark, check)
+    from .source import SafetensorsDataSource
+
     if not _statically_registered(spark):
         spark.dataSource.register(SafetensorsDataSource)
     if check:
         worker_python(spark)
     return implementation(spark)
+
+
+def _register_jvm_only(spark, check: bool) -> str:
+    """``register`` where pyspark has no Python data sources: the JVM source must answer."""
+    import pyspark
+
+    try:
+        answers = _jvm_source_answers(spark._jvm, spark._jsparkSession)
+    except Exception:  # Spark Connect: no JVM handle; the server's jar decides
+        return "auto"
+    if not answers:
+        raise NoSourceError(
+            f"Spark {pyspark.__version__} has no Python data sources: format('safetensors') "
+            "needs the shim jar, loaded when the session starts "
+            "(pyspark_safetensors.functions.with_shim(builder), or spark.jars with the jar of "
+            "shim_jar(); see the README's support table)"
+        )
+    if check:
+        worker_python(spark, "pyspark_safetensors.spark.columns")
+    return "jvm"

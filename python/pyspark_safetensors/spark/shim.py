@@ -7,6 +7,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from .._version import __version__
 from ..format.errors import PysparkSafetensorsError
 
 
@@ -35,21 +36,62 @@ def packaged_files(pattern: str, checkout_dir: str) -> list[Path]:
     return []
 
 
-def shim_jar() -> Path:
-    """The shim jar: ``$PYSPARK_SAFETENSORS_SHIM_JAR``, else the one an installed wheel
-    ships, else the one ``jvm-shim/build.sh`` built in a checkout. Raises
-    ``FileNotFoundError`` saying how to build it."""
+SPARK_LINES: dict[str, tuple[str, str]] = {
+    "3.5": ("3.5.9", "2.12"),
+    "4.0": ("4.0.5", "2.13"),
+    "4.1": ("4.1.4", "2.13"),
+    "4.2": ("4.2.1", "2.13"),
+    "4.3": ("4.3.0", "2.13"),
+}
+"""The supported Spark lines: for each, the pyspark release its jar is built and tested
+with, and the Scala version of that line's jars. Adding a line: docs/functions.md."""
+
+
+class UnsupportedSparkError(PysparkSafetensorsError, RuntimeError):
+    """A Spark line that no shim jar is built for."""
+
+
+def spark_line(version: str | None = None) -> str:
+    """The line (``"3.5"``, ``"4.3"``) of Spark ``version`` (default: the installed
+    pyspark's), checked against :data:`SPARK_LINES`."""
+    if version is None:
+        import pyspark
+
+        version = pyspark.__version__
+    line = ".".join(version.split(".")[:2])
+    if line not in SPARK_LINES:
+        raise UnsupportedSparkError(
+            f"Spark {version} is not supported: pyspark-safetensors supports Spark "
+            f"{', '.join(SPARK_LINES)}"
+        )
+    return line
+
+
+def shim_jar_name(line: str) -> str:
+    """The file name of the shim jar built for Spark ``line``, named as Spark packages are
+    (the line, then the Scala version): ``pyspark-safetensors-shim-3.5_2.12-0.1.0.jar``."""
+    return f"pyspark-safetensors-shim-{line}_{SPARK_LINES[line][1]}-{__version__}.jar"
+
+
+def shim_jar(spark_version: str | None = None) -> Path:
+    """The shim jar for the running Spark (``spark_version``, default the installed
+    pyspark's): ``$PYSPARK_SAFETENSORS_SHIM_JAR``, else the one an installed wheel ships for
+    that line, else the one ``jvm-shim/build.sh`` built in a checkout. Only that line's jar
+    is ever returned: a jar of another line breaks a session (Scala 2.13 classes on a 2.12
+    Spark fail every data source lookup). Raises ``FileNotFoundError`` saying how to get it."""
     if os.environ.get(SHIM_JAR_ENV):
         path = Path(os.environ[SHIM_JAR_ENV])
         if not path.is_file():
             raise FileNotFoundError(f"{SHIM_JAR_ENV}={path} is not a file")
         return path
-    jars = packaged_files("pyspark-safetensors-shim-*.jar", "jvm-shim/target")
+    line = spark_line(spark_version)
+    name = shim_jar_name(line)
+    jars = packaged_files(name, "jvm-shim/target")
     if not jars:
         raise FileNotFoundError(
-            "no shim jar in this installation; build it with jvm-shim/build.sh in a checkout "
-            "(offline, needs Java) "
-            f"or 'sbt shim/package', or point {SHIM_JAR_ENV} at a jar"
+            f"no shim jar for Spark {line} ({name}) in this installation; build it with "
+            f"jvm-shim/build.sh in a checkout whose pyspark is {line} ('./dev test-spark "
+            f"{line}' makes one), or point {SHIM_JAR_ENV} at a jar"
         )
     return jars[-1]
 

@@ -112,7 +112,7 @@ object Implementation {
     * how to make it available. Built by reflection: the class is internal to Spark. */
   def pythonSource(): TableProvider = {
     val registered = scala.util.Try(
-      SparkSession.active.sessionState.dataSourceManager.dataSourceExists(ShortName)).getOrElse(false)
+      SparkLine.pythonSourceRegistered(SparkSession.active, ShortName)).getOrElse(false)
     if (!registered)
       throw new IllegalArgumentException(
         s"implementation=python, but no Python data source '$ShortName' is registered in this " +
@@ -127,7 +127,7 @@ object Implementation {
 object SafetensorsSource {
   def plan(options: CaseInsensitiveStringMap): ReadPlan =
     ReadPlan.plan(options, SparkSession.active.sessionState.newHadoopConfWithOptions(
-      scala.jdk.CollectionConverters.MapHasAsScala(options.asCaseSensitiveMap()).asScala.toMap))
+      options.asCaseSensitiveMap().asScala.toMap))
 }
 
 /** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation.

@@ -49,13 +49,12 @@ object TensorStruct {
 /** `arr_to_st(array, shape, dtype)`: a numeric array as a Tensor Struct of `dtype` with
   * `shape` (whose element count must match). */
 case class ArrToSt(array: Expression, shape: Expression, dtype: Expression)
-    extends TernaryExpression {
+    extends TernaryExpression with NullIntolerantExpression {
 
   override def prettyName: String = "arr_to_st"
   override def first: Expression = array
   override def second: Expression = shape
   override def third: Expression = dtype
-  override def nullIntolerant: Boolean = true
   override def dataType: DataType = TensorStruct.dataType
   // A null literal array (NullType) reads as array<float>: its rows are all null anyway.
   private def arrayType: ArrayType = array.dataType match {
@@ -87,7 +86,7 @@ case class ArrToSt(array: Expression, shape: Expression, dtype: Expression)
 
   override protected def doGenCode(ctx: CodegenContext, ev: ExprCode): ExprCode =
     defineCodeGen(ctx, ev, (a, s, d) =>
-      s"${TensorStruct.codec}.encode(\"$prettyName\", $a, $elementKind, ${arrayType.containsNull}, $s, $shapeIsLong, $d)")
+      s"""${TensorStruct.codec}.encode("$prettyName", $a, $elementKind, ${arrayType.containsNull}, $s, $shapeIsLong, $d)""")
 
   override protected def withNewChildrenInternal(a: Expression, s: Expression, d: Expression): ArrToSt =
     copy(array = a, shape = s, dtype = d)
@@ -107,9 +106,9 @@ abstract class TensorStructFunction extends UnaryExpression with Serializable {
 
 /** `st_to_array(struct [, type])`: a Tensor Struct's values as a flat array of `type`
   * (float by default; double, int, long, short or byte). */
-case class StToArray(child: Expression, elementKind: Int) extends TensorStructFunction {
+case class StToArray(child: Expression, elementKind: Int) extends TensorStructFunction
+    with NullIntolerantExpression {
   override def prettyName: String = "st_to_array"
-  override def nullIntolerant: Boolean = true
   override def dataType: DataType = ArrayType(ElementKind.dataType(elementKind), containsNull = false)
 
   override protected def nullSafeEval(s: Any): Any =
@@ -117,23 +116,22 @@ case class StToArray(child: Expression, elementKind: Int) extends TensorStructFu
       shapeIsLong, elementKind)
 
   override protected def doGenCode(ctx: CodegenContext, ev: ExprCode): ExprCode =
-    defineCodeGen(ctx, ev, s => s"${TensorStruct.codec}.decode(\"$prettyName\", $s, $layoutArgs, $elementKind)")
+    defineCodeGen(ctx, ev, s => s"""${TensorStruct.codec}.decode("$prettyName", $s, $layoutArgs, $elementKind)""")
 
   override protected def withNewChildInternal(c: Expression): StToArray = copy(child = c)
 }
 
 /** `st_numel(struct)`: the number of elements (the product of the shape), checked against
   * the data's length. */
-case class StNumel(child: Expression) extends TensorStructFunction {
+case class StNumel(child: Expression) extends TensorStructFunction with NullIntolerantExpression {
   override def prettyName: String = "st_numel"
-  override def nullIntolerant: Boolean = true
   override def dataType: DataType = LongType
 
   override protected def nullSafeEval(s: Any): Any =
     TensorCodec.numelOf(prettyName, s.asInstanceOf[InternalRow], dataOrd, shapeOrd, dtypeOrd, shapeIsLong)
 
   override protected def doGenCode(ctx: CodegenContext, ev: ExprCode): ExprCode =
-    defineCodeGen(ctx, ev, s => s"${TensorStruct.codec}.numelOf(\"$prettyName\", $s, $layoutArgs)")
+    defineCodeGen(ctx, ev, s => s"""${TensorStruct.codec}.numelOf("$prettyName", $s, $layoutArgs)""")
 
   override protected def withNewChildInternal(c: Expression): StNumel = copy(child = c)
 }

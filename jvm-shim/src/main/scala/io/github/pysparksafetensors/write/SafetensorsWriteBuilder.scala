@@ -2,6 +2,8 @@ package io.github.pysparksafetensors.write
 
 import java.util.UUID
 
+import scala.jdk.CollectionConverters._
+
 import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.write._
@@ -79,7 +81,7 @@ object SafetensorsBatchWrite {
     val plans = planColumns(schema, options)
     val given = info.options().asCaseSensitiveMap()
     val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
-      scala.jdk.CollectionConverters.MapHasAsScala(given).asScala.toMap ++ WriterOptions.storageConf(given))
+      given.asScala.toMap ++ WriterOptions.storageConf(given))
     val files = new DatasetFiles(options.path, new SerializableConfiguration(hadoop))
     val jobId = UUID.randomUUID().toString.replace("-", "")
     val keyOrdinal = options.nameCol.map(schema.fieldIndex).getOrElse(-1)
