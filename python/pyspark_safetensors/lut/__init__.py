@@ -1,13 +1,23 @@
 """Lookup tables that approximate a model's linear layers through sparse autoencoders
-(``lut-format-spec``): the precompute job, validation, ``LUTLinear`` inference and
-evaluation. Imports torch."""
+(``lut-format-spec``): the precompute job, validation, ``LUTLinear`` inference (one
+encode per input for the layers that share an encoder) and evaluation. Imports torch."""
 
 from .evaluate import embedding_agreement, evaluate, evaluate_layer, evaluate_on_passages
-from .inference import LUTLinear, dense_lut_reference, load_layer_file, patch_model
+from .inference import (
+    EncoderGroups,
+    LUTEncoder,
+    LUTLinear,
+    dense_lut_reference,
+    load_layer_file,
+    load_lut_layers,
+    patch_model,
+)
 from .precompute import ModelWeights, precompute_layer, precompute_lut
 from .spec import LUTError, validate_lut
 
 __all__ = [
+    "EncoderGroups",
+    "LUTEncoder",
     "LUTError",
     "LUTLinear",
     "ModelWeights",
@@ -17,6 +27,7 @@ __all__ = [
     "evaluate_layer",
     "evaluate_on_passages",
     "load_layer_file",
+    "load_lut_layers",
     "patch_model",
     "precompute_layer",
     "precompute_lut",

@@ -7,6 +7,10 @@ Optional compensation with ``m`` dims: ``x_hat`` is the SAE's reconstruction fro
 top-k code; the ``m`` input dims with the largest ``|x - x_hat|`` get their exact
 contribution ``(x - x_hat)[dims] @ W_target[dims]`` added. Because the table part equals
 ``x_hat @ W_target``, this makes those dims exact (the spec's "online compensation").
+
+Layers that read one input through one SAE (q, k and v; gate and up) share one
+``LUTEncoder``: ``patch_model`` finds them by comparing the files' encoder tensors, and the
+encoder keeps its last input and result, so the layers fed that input encode it once.
 """
 
 from __future__ import annotations
@@ -31,12 +35,84 @@ def load_layer_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     return {k: v.to(dtype) for k, v in load_file(os.fspath(path)).items()}
 
 
+class LUTEncoder(nn.Module):
+    """The spec's step A, ``ReLU(x @ weight.T + bias)`` then the top ``k_active``, for every
+    ``LUTLinear`` that holds it.
+
+    Held by several layers (``users > 1``), it keeps a copy of its last input with the
+    result: a call with an input equal to that one, element for element, returns the kept
+    result instead of a second ``[N, input_dim] x [input_dim, num_basis]`` matmul. Equality
+    of content, not identity, decides, so a new input, one modified in place, or a freed
+    tensor whose memory was reused is encoded afresh; the compare costs ``N x input_dim``
+    reads against the matmul's ``num_basis`` times as many multiply-adds. Inputs that
+    require a gradient are never served from the copy (the gradient would reach the first
+    caller's tensor)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, k_active: int):
+        super().__init__()
+        num_basis = weight.shape[0]
+        if not 0 < k_active <= num_basis:
+            raise LUTError(f"k_active {k_active} outside 1..num_basis {num_basis}")
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+        self.k_active = k_active
+        self.users = 0
+        self.encodes = 0  # matmuls run, for callers that check the sharing
+        self._last: tuple | None = None
+
+    def _key(self) -> tuple:
+        # the weights too: ``.to()`` or an in-place change invalidates the kept result
+        return tuple(
+            (t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version)
+            for t in (self.weight, self.bias)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, indices)``, each ``[N, k_active]``, of ``x [N, input_dim]``."""
+        keep = self.users > 1 and not (x.requires_grad and torch.is_grad_enabled())
+        if keep and self._last is not None:
+            key, seen, values, indices = self._last
+            if (
+                key == self._key()
+                and seen.shape == x.shape
+                and seen.dtype == x.dtype
+                and seen.device == x.device
+                and torch.equal(seen, x)
+            ):
+                return values, indices
+        self._last = None  # never hold an old input longer than one call
+        pre = F.linear(x, self.weight, self.bias).relu_()
+        values, indices = pre.topk(self.k_active, dim=-1, sorted=False)
+        self.encodes += 1
+        if keep:
+            self._last = (self._key(), x.detach().clone(), values, indices)
+        return values, indices
+
+    def same_as(self, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+        """Whether ``weight``/``bias`` are this encoder's tensors, element for element."""
+        return (
+            weight.shape == self.weight.shape
+            and weight.dtype == self.weight.dtype
+            and torch.equal(bias.to(self.bias.device), self.bias)
+            and torch.equal(weight.to(self.weight.device), self.weight)
+        )
+
+    def extra_repr(self) -> str:
+        num_basis, input_dim = self.weight.shape
+        return (
+            f"input_dim={input_dim}, num_basis={num_basis}, k_active={self.k_active}, "
+            f"users={self.users}"
+        )
+
+
 class LUTLinear(nn.Module):
     """A drop-in replacement for ``nn.Linear(input_dim, output_dim)`` computed from a LUT.
 
     ``bias``: the original layer's bias (the LUT does not include it). ``weight``: the
     original ``[output_dim, input_dim]`` weight, needed only when ``compensate > 0``.
-    Tensors are kept in ``dtype`` (float32 by default: CPUs have no fast float16 matmul)."""
+    ``encoder``: a ``LUTEncoder`` shared with other layers; it must hold this file's
+    encoder tensors (checked). Tensors are kept in ``dtype`` (float32 by default: CPUs
+    have no fast float16 matmul)."""
 
     def __init__(
         self,
@@ -47,6 +123,7 @@ class LUTLinear(nn.Module):
         weight: torch.Tensor | None = None,
         compensate: int = 0,
         dtype: torch.dtype = torch.float32,
+        encoder: LUTEncoder | None = None,
     ):
         super().__init__()
         num_basis, self.in_features = tensors["encoder_weight"].shape
@@ -58,8 +135,16 @@ class LUTLinear(nn.Module):
         if not 0 <= compensate <= self.in_features:
             raise LUTError(f"compensate {compensate} outside 0..input_dim {self.in_features}")
         self.k_active, self.compensate = k_active, compensate
+        enc_w, enc_b = (tensors[n].to(dtype) for n in ("encoder_weight", "encoder_bias"))
+        if encoder is None:
+            encoder = LUTEncoder(enc_w, enc_b, k_active)
+        elif encoder.k_active != k_active or not encoder.same_as(enc_w, enc_b):
+            raise LUTError("the shared encoder is not this layer's (other tensors, dtype or k)")
+        encoder.users += 1
+        self.encoder = encoder
         for name, t in tensors.items():
-            self.register_buffer(name, t.to(dtype))
+            if name not in ("encoder_weight", "encoder_bias"):
+                self.register_buffer(name, t.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         # W_target = weight.T, rows indexed by input dim for the compensation gather
         self.register_buffer(
@@ -74,14 +159,21 @@ class LUTLinear(nn.Module):
         dtype = kwargs.get("dtype", torch.float32)
         return cls(load_layer_file(path, dtype), k_active, **kwargs)
 
+    @property
+    def encoder_weight(self) -> torch.Tensor:
+        return self.encoder.weight
+
+    @property
+    def encoder_bias(self) -> torch.Tensor:
+        return self.encoder.bias
+
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pre = F.linear(x, self.encoder_weight, self.encoder_bias).relu_()
-        return pre.topk(self.k_active, dim=-1, sorted=False)
+        return self.encoder(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, self.in_features).to(self.encoder_weight.dtype)
-        values, indices = self.encode(x)
+        x = x.reshape(-1, self.in_features).to(self.encoder.weight.dtype)
+        values, indices = self.encoder(x)
         out = F.embedding_bag(
             indices, self.precomputed_products, per_sample_weights=values, mode="sum"
         )
@@ -102,8 +194,8 @@ class LUTLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"num_basis={self.encoder_weight.shape[0]}, k_active={self.k_active}, "
-            f"compensate={self.compensate}"
+            f"num_basis={self.encoder.weight.shape[0]}, k_active={self.k_active}, "
+            f"compensate={self.compensate}, shared_encoder={self.encoder.users > 1}"
         )
 
 
@@ -130,6 +222,58 @@ def _find_linear(model: nn.Module, name: str) -> tuple[str, nn.Linear]:
     return found[0], module
 
 
+class EncoderGroups:
+    """Hands out one ``LUTEncoder`` per distinct encoder: layers whose files hold equal
+    ``encoder_weight``/``encoder_bias`` (same dtype, same device) get the same object.
+    Candidates are found by the bias bytes, then confirmed on the whole weight."""
+
+    def __init__(self, k_active: int, dtype: torch.dtype = torch.float32):
+        self.k_active, self.dtype = k_active, dtype
+        self._by_bias: dict[tuple, list[LUTEncoder]] = {}
+
+    def encoder(
+        self, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu"
+    ) -> LUTEncoder:
+        weight = tensors["encoder_weight"].to(self.dtype)
+        bias = tensors["encoder_bias"].to(self.dtype)
+        device = torch.device(device)
+        key = (str(device), tuple(weight.shape), bias.cpu().view(torch.uint8).numpy().tobytes())
+        found = self._by_bias.setdefault(key, [])
+        for encoder in found:
+            if encoder.same_as(weight, bias):
+                return encoder
+        encoder = LUTEncoder(weight, bias, self.k_active).to(device)
+        found.append(encoder)
+        return encoder
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_bias.values())
+
+
+def load_lut_layers(
+    lut_dir: str | os.PathLike,
+    layers: list[str] | None = None,
+    *,
+    k_active: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, LUTLinear]:
+    """``{layer: LUTLinear}`` for ``layers`` (default: every layer of ``lut_dir``), without
+    bias or compensation; layers whose files carry the same encoder share one."""
+    lut_dir = Path(lut_dir)
+    meta = validate_lut(lut_dir)
+    k = k_active or meta["sae_config"]["k_active"]
+    groups = EncoderGroups(k, dtype)
+    out = {}
+    for name in layers if layers is not None else list(meta["layers"]):
+        if name not in meta["layers"]:
+            raise LUTError(f"{lut_dir}: no LUT for layer {name!r}")
+        tensors = load_layer_file(lut_dir / meta["layers"][name]["file"], dtype)
+        encoder = groups.encoder(tensors, device)
+        out[name] = LUTLinear(tensors, k, dtype=dtype, encoder=encoder).to(device)
+    return out
+
+
 def patch_model(
     model: nn.Module,
     lut_dir: str | os.PathLike,
@@ -139,11 +283,13 @@ def patch_model(
     dtype: torch.dtype = torch.float32,
 ) -> list[str]:
     """Replace every linear layer listed in ``lut_dir/metadata.json`` by a ``LUTLinear``
-    (keeping the layer's bias; its weight too when ``compensate > 0``). Returns the
-    module names replaced."""
+    (keeping the layer's bias; its weight too when ``compensate > 0``). Layers whose files
+    carry the same encoder share one ``LUTEncoder``, so those that read one input (q, k
+    and v; gate and up) encode it once per forward. Returns the module names replaced."""
     lut_dir = Path(lut_dir)
     meta = validate_lut(lut_dir)
     k = k_active or meta["sae_config"]["k_active"]
+    groups = EncoderGroups(k, dtype)
     replaced = []
     for name, entry in meta["layers"].items():
         qualified, linear = _find_linear(model, name)
@@ -152,13 +298,15 @@ def patch_model(
                 f"{qualified}: the model's layer is {linear.in_features}->{linear.out_features}, "
                 f"the LUT {entry['input_dim']}->{entry['output_dim']}"
             )
-        lut = LUTLinear.from_file(
-            lut_dir / entry["file"],
+        tensors = load_layer_file(lut_dir / entry["file"], dtype)
+        lut = LUTLinear(
+            tensors,
             k,
             bias=linear.bias,
             weight=linear.weight if compensate else None,
             compensate=compensate,
             dtype=dtype,
+            encoder=groups.encoder(tensors, linear.weight.device),
         ).to(linear.weight.device)
         parent_name, _, child = qualified.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, lut)
