@@ -1,6 +1,7 @@
 """The pipeline's held-out evaluation: texts no stage has seen, through the model once;
-each SAE's reconstruction of its hook point, each LUT layer against the exact layer, the
-LUT's latency against the dense layer, and the patched model's sentence embeddings."""
+each SAE's reconstruction of its hook point, each LUT layer against the exact layer, each
+hook point's LUT layers (one shared encode) timed against its dense layers, and the patched
+model's sentence embeddings."""
 
 from __future__ import annotations
 
@@ -29,28 +30,33 @@ def sae_figures(sae_path: Path, x: torch.Tensor) -> tuple[dict, np.ndarray]:
 
 
 def lut_latency(
-    lut_file: Path, weight: torch.Tensor, x: torch.Tensor, k: int, repeat: int = 7
+    luts: Mapping[str, torch.nn.Module],
+    weights: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    repeat: int = 7,
 ) -> dict:
-    """Median seconds of the LUT layer (``LUTLinear``, float32) and of the dense layer
-    (``x @ W.T``) on the same inputs, on this machine."""
-    from ..lut import LUTLinear
-
-    lut = LUTLinear.from_file(lut_file, k)
-    weight = weight.float()
+    """Median seconds of one hook point's LUT layers (``luts``, float32; those that share
+    an encoder encode each input once, as in a patched model) and of the dense layers they
+    replace (``x @ W.T`` for each of ``weights``), on the same inputs, on this machine."""
+    weights = {name: w.float() for name, w in weights.items()}
+    # two inputs in turn, so every timed call meets a new input and encodes it
+    inputs = (x, x + 1)
 
     def median(fn) -> float:
-        fn()  # warm-up
+        fn(inputs[1])  # warm-up
         times = []
-        for _ in range(repeat):
+        for i in range(repeat):
             start = time.perf_counter()
-            fn()
+            fn(inputs[i % 2])
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 
     with torch.no_grad():
-        lut_s = median(lambda: lut(x))
-        dense_s = median(lambda: x @ weight.T)
+        lut_s = median(lambda x: [f(x) for f in luts.values()])
+        dense_s = median(lambda x: [x @ w.T for w in weights.values()])
     return {
+        "layers": list(luts),
+        "encodes": len({id(f.encoder) for f in luts.values()}),
         "tokens": len(x),
         "lut_ms": lut_s * 1e3,
         "dense_ms": dense_s * 1e3,
@@ -101,7 +107,7 @@ def evaluate_pipeline(
     """Every held-out figure of the report; writes ``evaluation.md``/``evaluation.png``
     (LUT error against k) and ``latent_frequency.png`` into ``out_dir``."""
     from ..extract import Extractor, passages_by_key
-    from ..lut import embedding_agreement, evaluate
+    from ..lut import embedding_agreement, evaluate, load_lut_layers
     from ..lut.precompute import ModelWeights
     from ..lut.spec import validate_lut
 
@@ -123,12 +129,13 @@ def evaluate_pipeline(
         lut_dir, model_dir, layer_inputs, ks=list(ks) or None, ms=list(ms), out_dir=out_dir
     )
     weights = ModelWeights(model_dir)
-    meta = validate_lut(lut_dir)
-    latency = {
-        layer: lut_latency(
-            lut_dir / meta["layers"][layer]["file"], weights.weight(layer), x, k_active
+    latency = {  # per hook point: what a patched model runs for that input
+        hook: lut_latency(
+            load_lut_layers(lut_dir, list(layers), k_active=k_active),
+            {layer: weights.weight(layer) for layer in layers},
+            acts[hook],
         )
-        for layer, x in layer_inputs.items()
+        for hook, layers in hooks.items()
     }
     embedding = {
         str(m): embedding_agreement(model_dir, lut_dir, texts, compensate=m, max_length=max_length)

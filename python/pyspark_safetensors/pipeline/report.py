@@ -110,20 +110,28 @@ def _lut_errors(summary: dict) -> list[str]:
 
 
 def _lut_latency(summary: dict) -> list[str]:
-    rows = [
-        [f"`{layer}`", t["tokens"], f"{t['lut_ms']:.2f}", f"{t['dense_ms']:.2f}",
-         f"{t['lut_over_dense']:.2f}×"]
-        for layer, t in summary["evaluation"]["latency"].items()
-    ]  # fmt: skip
+    rows = []
+    for name, t in summary["evaluation"]["latency"].items():
+        # per hook point since the layers sharing an encode are timed together; older
+        # summaries hold one entry per layer
+        layers = t.get("layers", [name])
+        rows.append([
+            f"`{name}`" if "layers" in t else "", ", ".join(f"`{n}`" for n in layers),
+            t.get("encodes", 1), t["tokens"], f"{t['lut_ms']:.2f}", f"{t['dense_ms']:.2f}",
+            f"{t['lut_over_dense']:.2f}×",
+        ])  # fmt: skip
+    header = ["hook point", "layers", "encodes", "tokens", "LUT ms", "dense ms", "LUT / dense"]
     return [
         "## LUT latency",
         "",
-        *_table(["layer", "tokens", "LUT ms", "dense ms", "LUT / dense"], rows),
+        *_table(header, rows),
         "",
-        "Median of 7 runs on this machine, float32; below 1× the LUT is faster. Per token the "
-        "LUT's encoder costs num_basis × input_dim multiply-adds and the layer input_dim × "
-        "output_dim, so the LUT can only win where num_basis < output_dim "
-        "(see docs/lut.md).",
+        "Median of 7 runs on this machine, float32; below 1× the LUT is faster. A hook "
+        "point's LUT layers run as a patched model runs them: those sharing an SAE encode "
+        "each input once (`encodes`), then each gathers k rows of its table. Per token the "
+        "encode costs num_basis × input_dim multiply-adds, the dense layers input_dim × "
+        "their summed output_dim, so the LUT can only win where num_basis is below the "
+        "summed output_dim of the layers sharing the encode (see docs/lut.md).",
         "",
     ]
 
