@@ -32,10 +32,62 @@ _LONGEST_FIRST = {"tests/test_docs.py", "tests/test_pipeline.py"}
 def pytest_collection_modifyitems(config, items):
     # Tests with no tier marker are unit tests.
     tiers = {"spark", "distributed", "integration", "jvm"}
+    # Spark 3.5 has no Python data sources: what runs on the Python source is skipped
+    # there, the JVM source's twin of each test still runs.
+    from pyspark_safetensors.spark.register import python_data_sources
+
+    no_python_source = None if python_data_sources() else _no_python_source()
+    no_arrow_udf = None if _arrow_udfs() else _no_arrow_udf()
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
+        if no_python_source is not None and _runs_the_python_source(item):
+            item.add_marker(no_python_source)
+        if no_arrow_udf is not None and list(item.iter_markers("arrow_udf")):
+            item.add_marker(no_arrow_udf)
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)
+
+
+def _no_python_source():
+    import pyspark
+
+    return pytest.mark.skip(reason=f"Spark {pyspark.__version__} has no Python data sources")
+
+
+def _arrow_udfs() -> bool:
+    from pyspark.sql import functions as F
+
+    return hasattr(F, "arrow_udf")
+
+
+def _no_arrow_udf():
+    import pyspark
+
+    return pytest.mark.skip(reason=f"Spark {pyspark.__version__} has no Arrow UDFs")
+
+
+def _runs_the_python_source(item) -> bool:
+    """Parametrised with the Python implementation, or marked ``python_source``."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "python" in params.values() or bool(list(item.iter_markers("python_source")))
+
+
+# Modules that import the Python source's own modules (pyspark.sql.datasource).
+_PYTHON_SOURCE_MODULES = {
+    "test_compat.py",
+    "test_read_plan.py",
+    "test_struct_shapes.py",
+    "test_commit.py",
+    "test_generations.py",
+}
+
+
+def pytest_ignore_collect(collection_path, config):
+    from pyspark_safetensors.spark.register import python_data_sources
+
+    if collection_path.name in _PYTHON_SOURCE_MODULES and not python_data_sources():
+        return True
+    return None
 
 
 @pytest.hookimpl(optionalhook=True)

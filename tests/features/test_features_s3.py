@@ -23,7 +23,8 @@ from pyspark_safetensors.features import job as features_job
 from pyspark_safetensors.features.merge import examples_table, latents_table
 from pyspark_safetensors.features.reference import reference_state
 
-pytestmark = pytest.mark.spark
+# s3:// through pyarrow: the Python source's (the JVM source reaches stores through Hadoop)
+pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 HOOK = "encoder.layer.0:output"
 KEYS = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]

@@ -7,7 +7,14 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.spark
+from spark_sessions import connect_server_in_pyspark
+
+pytestmark = [
+    pytest.mark.spark,
+    pytest.mark.skipif(
+        not connect_server_in_pyspark(), reason="this pyspark ships no Spark Connect server"
+    ),
+]
 
 
 def test_write_through_spark_connect(tmp_path):

@@ -12,7 +12,7 @@ from implementations import require
 from pyspark_safetensors.spark.options import IMPLEMENTATION_CONF, OptionError, WriterOptions
 from pyspark_safetensors.spark.register import implementation, register
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 
 def frame(spark):

@@ -15,7 +15,7 @@ from implementations import reader, require, writer
 from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.format import to_bf16, to_f16
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 PYTHON = "python"
 

@@ -17,7 +17,7 @@ from pyspark_safetensors.dataset import verify_dataset
 from pyspark_safetensors.spark.options import WRITER_OPTIONS, WriterOptions
 from pyspark_safetensors.torch import open_dataset
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 PYTHON_SOURCE = "python"
 

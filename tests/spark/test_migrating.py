@@ -198,6 +198,7 @@ def test_paths_option_and_load_of_several(spark, tmp_path):
     assert spark.read.format("safetensors").load([a, b]).count() == 2
 
 
+@pytest.mark.arrow_udf
 def test_their_read_model_is_the_files_view(spark, tmp_path):
     x = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
     save_file(
@@ -272,6 +273,7 @@ def test_their_write_options_keep_their_meaning(spark, tmp_path):
     assert padded.shape == (3, 4) and padded[2].tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.arrow_udf
 def test_sql_functions_in_their_spelling(spark):
     df = spark.createDataFrame([([1.0, 2.0, 3.0, 4.0],)], "x array<float>")
     for shape in (F.array(F.lit(4)), F.array(F.lit(2), F.lit(2)), [2, 2]):

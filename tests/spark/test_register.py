@@ -21,6 +21,7 @@ def test_register_checks_the_workers_and_registers(spark, tmp_path):
     assert json.loads((tmp_path / "dataset_manifest.json").read_text())["total_samples"] == 3
 
 
+@pytest.mark.python_source
 def test_wrong_worker_python_gets_a_message_naming_it(tmp_path, python_without_package):
     # A separate process: the worker interpreter is fixed when a SparkContext starts.
     wrong = python_without_package(tmp_path / "env")

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
 
+from pyspark_safetensors.spark.compat import from_arrow
 from pyspark_safetensors.spark.source import SafetensorsDataSource
 
 SCHEMA = StructType(
@@ -97,7 +98,7 @@ class JvmWriter:
         self._tasks = 0
 
     def _rows(self, batch):
-        df = self._spark.createDataFrame(pa.Table.from_batches([batch]), schema=SCHEMA)
+        df = from_arrow(self._spark, pa.Table.from_batches([batch]))
         return df._jdf.queryExecution().executedPlan().executeCollect()
 
     def write(self, batches) -> Attempt:

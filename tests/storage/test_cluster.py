@@ -10,6 +10,7 @@ from pyspark.sql.types import LongType
 
 from implementations import jvm_available
 from pyspark_safetensors.dataset import MANIFEST, DatasetLocation, verify_dataset
+from pyspark_safetensors.spark.register import python_data_sources
 from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
@@ -35,10 +36,12 @@ def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_en
         flaky("id").alias("id"),
         F.array(*[(F.col("id") + j / 10).cast("float") for j in range(3)]).alias("vec"),
     )
-    cases = [
-        (f"{s3_bucket}/acts", {"endpoint_url": s3_endpoint}),
-        (str(tmp_path / "acts"), {"implementation": "python"}),
-    ]
+    cases = []
+    if python_data_sources():
+        cases += [
+            (f"{s3_bucket}/acts", {"endpoint_url": s3_endpoint}),
+            (str(tmp_path / "acts"), {"implementation": "python"}),
+        ]
     if jvm_available(cluster):
         cases.append((str(tmp_path / "acts-jvm"), {"implementation": "jvm"}))
     for path, options in cases:

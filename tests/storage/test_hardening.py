@@ -109,6 +109,7 @@ def test_index_checksum_is_verified(tmp_path):
         verify_dataset(root, checksums=True)
 
 
+@pytest.mark.python_source
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_special_files_are_refused_before_opening(tmp_path, kind):
     root = make_batch_dataset(tmp_path / "ds", sizes=(10, 10))
@@ -183,6 +184,7 @@ def test_disk_full_names_dataset_and_file(tmp_path):
         loc.write_shard(name, lambda p: write_shard(p, {"x": np.zeros(1000, np.float32)}))
 
 
+@pytest.mark.python_source
 def test_directory_of_an_uncommitted_write_is_not_served(tmp_path):
     from pyspark_safetensors.spark.options import ReaderOptions
     from pyspark_safetensors.spark.reader import ReadError, resolve

@@ -14,7 +14,8 @@ from pyspark.sql import functions as F
 from pyspark_safetensors.dataset import MANIFEST, DatasetLocation, load_manifest
 from pyspark_safetensors.torch import open_dataset
 
-pytestmark = pytest.mark.spark
+# s3:// through pyarrow: the Python source's (the JVM source reaches stores through Hadoop)
+pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 
 def frame(spark, n=40, parts=3):

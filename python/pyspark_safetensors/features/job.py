@@ -42,6 +42,7 @@ import torch
 
 from .._version import __version__
 from ..dataset import DatasetLocation
+from ..spark.compat import from_arrow, to_arrow
 from .config import FeaturesConfig, FeaturesError
 from .merge import examples_table, latents_table
 from .state import LatentState, histogram_edges, priority, split_ids, token_ids
@@ -407,7 +408,7 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     encode_seconds = time.perf_counter() - started
     latents = latents_table(state, config)
     contexts = contexts_frame(spark, tokens, examples_table(state, config), plan, config)
-    contexts = contexts.toArrow()
+    contexts = to_arrow(contexts)
     files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
     title = f"{plan.hook} · {Path(plan.sae).name}"
     files |= browser_files(latents, contexts, title=title, tokens=state.tokens, config=config)
@@ -490,27 +491,24 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    stats = (
+    stats = to_arrow(
         candidates.filter(F.col("kind").isin(STAT, MAXIMUM, TOKENS))
         .groupBy("kind", "latent", "cell")
         .agg(F.sum("count").alias("count"), F.sum("total").alias("total"), F.max("value"))
-        .toArrow()
     )
     by_value = Window.partitionBy("latent").orderBy(F.desc("value"), F.asc("token"))
-    top = (
+    top = to_arrow(
         candidates.filter(F.col("kind") == TOP)
         .withColumn("r", F.row_number().over(by_value))
         .filter(F.col("r") <= config.top_n)
         .select("latent", "value", "token")
-        .toArrow()
     )
     by_priority = Window.partitionBy("cell").orderBy("priority", "token")
-    samples = (
+    samples = to_arrow(
         candidates.filter(F.col("kind") == SAMPLE)
         .withColumn("r", F.row_number().over(by_priority))
         .filter(F.col("r") <= config.samples_per_band)
         .select("latent", "cell", "value", "token")
-        .toArrow()
     )
     state = new_state(plan, config)
     kind = stats.column("kind").to_numpy()
@@ -544,7 +542,7 @@ def contexts_frame(spark, tokens, examples: pa.Table, plan: FeaturesPlan, config
     the example samples only."""
     from pyspark.sql import functions as F
 
-    ex = spark.createDataFrame(examples)
+    ex = from_arrow(spark, examples)
     needed = ex.select("sample_id", "window").distinct()
     codes = tokens.join(F.broadcast(needed), ["sample_id", "window"], "left_semi").mapInArrow(
         _codes_fn(plan, config), CODES_SCHEMA
@@ -557,7 +555,7 @@ def contexts_frame(spark, tokens, examples: pa.Table, plan: FeaturesPlan, config
             .join(F.broadcast(needed.select("sample_id").distinct()), "sample_id", "left_semi")
         )
     else:  # Spark's readers cannot reach an object store here: the driver reads them
-        texts = spark.createDataFrame(read_texts(source, examples.column("sample_id").to_pylist()))
+        texts = from_arrow(spark, read_texts(source, examples.column("sample_id").to_pylist()))
     texts = texts.mapInArrow(_tokenize_fn(plan), TOKENS_SCHEMA)
     k = config.context
     positions = ex.withColumn(
@@ -579,5 +577,6 @@ def contexts_frame(spark, tokens, examples: pa.Table, plan: FeaturesPlan, config
         *keys,
         F.col("w.token").alias("tokens"),
         F.col("w.act").alias("acts"),
-        (F.array_position(F.col("w.pos"), F.col("token_pos")) - 1).cast("int").alias("center"),
+        # SQL, not F.array_position: Spark 3.5's takes only a literal value
+        F.expr("array_position(w.pos, token_pos) - 1").cast("int").alias("center"),
     ).orderBy("latent", "kind", "rank")

@@ -1,4 +1,9 @@
-"""What this package reads of Spark's internals, in one place.
+"""What this package reads of Spark's internals, and what differs between Spark lines, in
+one place.
+
+Spark 3.5 has neither ``DataFrame.toArrow()`` nor ``createDataFrame`` from a pyarrow
+``Table`` (both Spark 4.0): :func:`to_arrow` and :func:`from_arrow` are the one route for
+every line.
 
 Spark's Python data source API does not tell a data source whether filter pushdown is on
 (``spark.sql.python.filterPushdown.enabled``), yet Spark >= 4.1 fails a read whose reader
@@ -11,6 +16,8 @@ there. A test runs a real read and fails loudly if Spark renames either.
 from __future__ import annotations
 
 import sys
+
+import pyarrow as pa
 
 PLANNING_FUNCTION = "_main"
 """The function of Spark's read-planning worker that calls ``DataSource.reader()``."""
@@ -35,3 +42,47 @@ def pushdown_enabled() -> bool:
     setting is on. When the flag cannot be found no filters are pushed (correct, only
     slower)."""
     return planning_pushdown_flag() is True
+
+
+def to_arrow(df):
+    """``df`` collected as a pyarrow ``Table``: ``toArrow()`` where Spark has it (4.0 and
+    newer, classic and Connect), else the Arrow batches a classic 3.5 session collects for
+    ``toPandas``."""
+    if hasattr(df, "toArrow"):
+        return df.toArrow()
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return pa.Table.from_batches(df._collect_as_arrow(), schema=to_arrow_schema(df.schema))
+
+
+def from_arrow(spark, table):
+    """A DataFrame of the pyarrow ``table``: ``createDataFrame(table)`` where Spark takes a
+    Table (4.0 and newer), else its record batches handed to the JVM as Arrow, the way a
+    classic 3.5 session's ``createDataFrame`` hands a pandas frame (whose conversion would
+    turn NaN into null)."""
+    if _takes_arrow_tables(spark):
+        return spark.createDataFrame(table)
+    from pyspark.sql import DataFrame
+    from pyspark.sql.pandas.serializers import ArrowStreamSerializer
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    jvm = spark._jvm
+    batches = table.combine_chunks().to_batches() or [
+        pa.RecordBatch.from_pylist([], schema=table.schema)
+    ]
+    stream = spark.sparkContext._serialize_to_jvm(
+        batches,
+        ArrowStreamSerializer(),
+        jvm.PythonSQLUtils.readArrowStreamFromFile,
+        jvm.ArrowIteratorServer,
+    )
+    schema = from_arrow_schema(table.schema)
+    return DataFrame(
+        jvm.PythonSQLUtils.toDataFrame(stream, schema.json(), spark._jsparkSession), spark
+    )
+
+
+def _takes_arrow_tables(spark) -> bool:
+    import pyspark
+
+    return int(pyspark.__version__.split(".")[0]) >= 4

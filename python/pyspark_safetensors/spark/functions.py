@@ -40,12 +40,23 @@ class TensorFunctionError(PysparkSafetensorsError, ValueError):
 
 def _jvm(jvm: bool | None) -> bool:
     if jvm is None:
-        return shim_loaded()
+        jvm = shim_loaded()
     if jvm and not shim_loaded():
         raise ShimSessionError(
             f"the JVM shim is not loaded in this session; start it with with_shim(builder) "
             f"(spark.sql.extensions={SHIM_EXTENSIONS} and the jar on spark.jars)"
         )
+    if not jvm:
+        from pyspark.sql import functions as F
+
+        if not hasattr(F, "arrow_udf"):  # the Arrow UDFs arrived in Spark 4.1
+            import pyspark
+
+            raise ShimSessionError(
+                f"the tensor functions need the JVM shim on Spark {pyspark.__version__} (the "
+                "Arrow UDF fallback needs Spark 4.1 or newer); start the session with "
+                "with_shim(builder)"
+            )
     return jvm
 
 

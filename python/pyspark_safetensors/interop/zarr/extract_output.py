@@ -90,15 +90,14 @@ def write_zarr_run(samples, columns: list[str], width: int, run_dir: Path, *, t_
     Zarr sharded run at ``run_dir``: each Spark task writes its partition as one shard;
     the driver then numbers the samples by (sample_id, window) and writes
     ``manifest.json`` last."""
-    placed = (
-        samples.select("sample_id", "window", "key", "seq_len", "source", *columns)
-        .mapInArrow(
+    from ...spark.compat import to_arrow
+
+    placed = to_arrow(
+        samples.select("sample_id", "window", "key", "seq_len", "source", *columns).mapInArrow(
             _zarr_shard_fn(str(run_dir), columns, width, t_max, dtype, attrs),
             "shard_id int, local_index int, sample_id long, window int",
         )
-        .toArrow()
-        .sort_by([("sample_id", "ascending"), ("window", "ascending")])
-    )
+    ).sort_by([("sample_id", "ascending"), ("window", "ascending")])
     placement = list(
         zip(placed.column("shard_id").to_pylist(), placed.column("local_index").to_pylist(),
             strict=True)

@@ -45,14 +45,15 @@ class SafetensorsSource extends TableProvider with DataSourceRegister {
   override def getTable(schema: StructType, partitioning: Array[Transform],
       properties: util.Map[String, String]): Table = delegate(properties) match {
     case Some(p) => p.getTable(schema, partitioning, properties)
-    case None => jvmTable(schema, partitioning)
+    case None => jvmTable(schema, partitioning, properties)
   }
 
-  private def jvmTable(schema: StructType, partitioning: Array[Transform]): Table = {
+  private def jvmTable(schema: StructType, partitioning: Array[Transform],
+      properties: util.Map[String, String]): Table = {
     if (partitioning.nonEmpty)
       throw new SafetensorsWriteException(
         "a safetensors dataset has no partition columns: drop partitionBy and write with save(path)")
-    new SafetensorsTable(schema)
+    new SafetensorsTable(schema, properties)
   }
 }
 
@@ -62,7 +63,8 @@ class SafetensorsSource extends TableProvider with DataSourceRegister {
   * hands the read or write to the Python source of the `pyspark-safetensors` package (the
   * one that answers alone where the jar is absent); `auto` means this one unless a path's
   * scheme has no Hadoop `FileSystem` here (`s3://` without a connector for it, fsspec-only
-  * protocols), which the Python source reaches through pyarrow and fsspec. */
+  * protocols), which the Python source reaches through pyarrow and fsspec (on Spark 4.x:
+  * Spark 3.5 has no Python data sources). */
 object Implementation {
   val ShortName = "safetensors"
   val Conf = "spark.pyspark_safetensors.implementation"
@@ -84,7 +86,7 @@ object Implementation {
   def python(options: util.Map[String, String]): Boolean = chosen(options) match {
     case "python" => true
     case "jvm" => false
-    case _ => !paths(options).forall(hasHadoopFileSystem)
+    case _ => SparkLine.HasPythonDataSources && !paths(options).forall(hasHadoopFileSystem)
   }
 
   // A catalog write (saveAsTable) hands the options as table properties, `option.`-prefixed.
@@ -98,7 +100,7 @@ object Implementation {
     option(options, "path").toSeq ++ option(options, "paths").toSeq.flatMap { v =>
       if (v.trim.startsWith("["))
         scala.util.Try(new com.fasterxml.jackson.databind.ObjectMapper().readTree(v).elements().asScala
-          .map(_.asText).toSeq).getOrElse(Seq.empty)
+          .map(_.asText).toList).getOrElse(Nil)
       else v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
     }
 
@@ -111,6 +113,10 @@ object Implementation {
   /** Spark's provider for the Python source registered as `safetensors`, or an error saying
     * how to make it available. Built by reflection: the class is internal to Spark. */
   def pythonSource(): TableProvider = {
+    if (!SparkLine.HasPythonDataSources)
+      throw new IllegalArgumentException(
+        s"implementation=python, but Spark ${org.apache.spark.SPARK_VERSION} has no Python data sources: " +
+          "use implementation=jvm (what auto picks here)")
     val registered = scala.util.Try(
       SparkLine.pythonSourceRegistered(SparkSession.active, ShortName)).getOrElse(false)
     if (!registered)
@@ -133,7 +139,8 @@ object SafetensorsSource {
 /** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation.
   * A read plans itself from the scan's options; a schema given by the user names some of
   * the data's columns with their types. */
-final class SafetensorsTable(tableSchema: StructType) extends Table with SupportsRead with SupportsWrite {
+final class SafetensorsTable(tableSchema: StructType, properties: util.Map[String, String])
+    extends Table with SupportsRead with SupportsWrite {
   override def name(): String = "safetensors"
   override def schema(): StructType = tableSchema
   override def capabilities(): util.Set[TableCapability] =
@@ -145,5 +152,5 @@ final class SafetensorsTable(tableSchema: StructType) extends Table with Support
       else ReadPlan.withSchema(plan, tableSchema))
   }
 
-  override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder = new SafetensorsWriteBuilder(info)
+  override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder = new SafetensorsWriteBuilder(info, properties)
 }

@@ -5,6 +5,8 @@ import org.apache.spark.sql.catalyst.expressions.{Expression, NullIntolerant}
 
 /** What differs on Spark 3.5: no Python data sources. */
 object SparkLine {
+  val HasPythonDataSources: Boolean = false
+
   def pythonSourceRegistered(spark: SparkSession, name: String): Boolean = false
 }
 

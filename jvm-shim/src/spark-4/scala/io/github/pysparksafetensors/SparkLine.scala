@@ -5,6 +5,8 @@ import org.apache.spark.sql.catalyst.expressions.Expression
 
 /** What differs on Spark 4.x: Python data sources live in the session state. */
 object SparkLine {
+  val HasPythonDataSources: Boolean = true
+
   def pythonSourceRegistered(spark: SparkSession, name: String): Boolean =
     spark.sessionState.dataSourceManager.dataSourceExists(name)
 }

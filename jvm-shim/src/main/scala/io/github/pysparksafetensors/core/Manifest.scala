@@ -18,7 +18,7 @@ object Manifest {
     val doc =
       try ManifestDoc.parse(bytes, where)
       catch { case e: SafetensorsWriteException => throw new SafetensorsReadException(e.getMessage) }
-    val order = mapper.readTree(bytes).get("schema").fieldNames().asScala.toSeq
+    val order = mapper.readTree(bytes).get("schema").fieldNames().asScala.toList
     val columns = doc.schema.toMap
     doc.copy(schema = order.map(n => n -> columns(n)))
   }

@@ -53,7 +53,7 @@ object ReaderOptions {
     }.getOrElse(DefaultRowsPerPartition)
     // `paths`: a JSON list (Spark's load(p1, p2)) or a comma-separated list (the Scala connector's)
     val paths = given.get("path").filter(_.nonEmpty).toSeq ++ given.get("paths").toSeq.flatMap { v =>
-      if (v.trim.startsWith("[")) scala.util.Try(new ObjectMapper().readTree(v).elements().asScala.map(_.asText).toSeq)
+      if (v.trim.startsWith("[")) scala.util.Try(new ObjectMapper().readTree(v).elements().asScala.map(_.asText).toList)
         .getOrElse(fail(s"option paths='$v': expected a JSON list or a comma-separated list of paths"))
       else v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
     }

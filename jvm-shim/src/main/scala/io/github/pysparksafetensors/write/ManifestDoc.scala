@@ -92,16 +92,16 @@ object ManifestDoc {
         fail(where, s"shards[$i].shard_path '$path' must be a relative name inside the dataset, ending in .safetensors")
       ShardEntry(path, s.get("samples_count").asLong, s.get("bytes").asLong,
         Option(s.get("first_sample")).filter(_.isIntegralNumber).map(_.asLong), text(s, "crc32c"))
-    }.toSeq
+    }.toList
     if (shards.map(_.path).distinct.size != shards.size) fail(where, "a shard is listed twice; each shard may appear once")
     if (shards.map(_.samples).sum != doc.get("total_samples").asLong || shards.map(_.bytes).sum != doc.get("total_bytes").asLong)
       fail(where, "total_samples/total_bytes disagree with the sum over shards")
     val schemaNode = doc.get("schema").asInstanceOf[ObjectNode]
     // A Seq over the entries keeps the manifest's column order (a Set would lose it).
-    val schema = schemaNode.properties().asScala.toSeq.map { e =>
+    val schema = schemaNode.properties().asScala.toList.map { e =>
       val c = e.getValue
-      val shape = c.get("shape").elements().asScala.map(_.asInt).toSeq
-      val sample = Option(c.get("sample_shape")).map(_.elements().asScala.map(_.asInt).toSeq).getOrElse(shape.drop(1))
+      val shape = c.get("shape").elements().asScala.map(_.asInt).toList
+      val sample = Option(c.get("sample_shape")).map(_.elements().asScala.map(_.asInt).toList).getOrElse(shape.drop(1))
       (e.getKey, ColumnSchema(c.get("dtype").asText, sample), shape)
     }.toSeq
     ManifestDoc(

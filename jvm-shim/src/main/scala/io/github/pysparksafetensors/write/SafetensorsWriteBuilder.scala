@@ -1,5 +1,6 @@
 package io.github.pysparksafetensors.write
 
+import java.util
 import java.util.UUID
 
 import scala.jdk.CollectionConverters._
@@ -28,8 +29,12 @@ final case class WriteJob(
   * shards byte for byte, manifest, index and commit protocol.
   *
   * @param info Spark's description of the write: options (with `path`), schema, query id.
+  * @param tableOptions the options the table was made with, for those the write lacks:
+  *   Spark 3.5 hands an `INSERT` into a temporary view `USING safetensors OPTIONS (path …)`
+  *   the view's options only there.
   */
-class SafetensorsWriteBuilder(info: LogicalWriteInfo) extends WriteBuilder with SupportsTruncate with SupportsOverwrite {
+class SafetensorsWriteBuilder(info: LogicalWriteInfo, tableOptions: util.Map[String, String])
+    extends WriteBuilder with SupportsTruncate with SupportsOverwrite {
   private var overwrite = false
 
   override def truncate(): WriteBuilder = { overwrite = true; this }
@@ -44,7 +49,7 @@ class SafetensorsWriteBuilder(info: LogicalWriteInfo) extends WriteBuilder with 
 
   override def build(): Write = new Write {
     override def description(): String = "safetensors"
-    override def toBatch: BatchWrite = SafetensorsBatchWrite(info, overwrite)
+    override def toBatch: BatchWrite = SafetensorsBatchWrite(info, tableOptions, overwrite)
   }
 }
 
@@ -75,11 +80,20 @@ final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) ex
 }
 
 object SafetensorsBatchWrite {
-  def apply(info: LogicalWriteInfo, overwrite: Boolean): SafetensorsBatchWrite = {
-    val options = WriterOptions.parse(info.options().asCaseSensitiveMap())
+  /** The write's options plus those of the table it writes to that it does not give
+    * (keys compared without case). */
+  def withTableOptions(given: util.Map[String, String], table: util.Map[String, String]): util.Map[String, String] = {
+    val have = given.keySet.asScala.map(_.toLowerCase(java.util.Locale.ROOT))
+    val merged = new util.HashMap[String, String](given)
+    table.asScala.foreach { case (k, v) => if (!have(k.toLowerCase(java.util.Locale.ROOT))) merged.put(k, v) }
+    merged
+  }
+
+  def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String], overwrite: Boolean): SafetensorsBatchWrite = {
+    val given = withTableOptions(info.options().asCaseSensitiveMap(), tableOptions)
+    val options = WriterOptions.parse(given)
     val schema = info.schema()
     val plans = planColumns(schema, options)
-    val given = info.options().asCaseSensitiveMap()
     val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
       given.asScala.toMap ++ WriterOptions.storageConf(given))
     val files = new DatasetFiles(options.path, new SerializableConfiguration(hadoop))

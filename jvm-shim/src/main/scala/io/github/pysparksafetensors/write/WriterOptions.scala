@@ -165,7 +165,7 @@ object WriterOptions {
     }
     if (!ok)
       fail(s"""option shapes: a JSON object of column -> list of ints in 0..$MaxRows, e.g. {"image": [3, 224, 224]}""")
-    node.properties().asScala.map(e => e.getKey -> e.getValue.elements().asScala.map(_.asInt).toSeq).toMap
+    node.properties().asScala.map(e => e.getKey -> e.getValue.elements().asScala.map(_.asInt).toList).toMap
   }
 
   private def metadataOption(value: String): Map[String, String] = {
