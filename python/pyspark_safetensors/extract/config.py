@@ -36,8 +36,15 @@ class ExtractConfig:
     hooks: tuple[str, ...] = DEFAULT_HOOKS
     """Module globs with ":input" (the input of e.g. a linear layer) or ":output"."""
     max_length: int = 128
+    """Tokens per model input, special tokens included; 0 = the model's context (the
+    job records the number it resolved)."""
     long_texts: str = "window"
     """Texts over ``max_length`` tokens: "window" (consecutive windows) or "truncate"."""
+    keep_bos: bool = False
+    """Keep the BOS token's activations where the tokenizer adds one (Llama's does, GPT-2's
+    and BERT's do not); dropped by default, as SAE training data usually drops them: BOS
+    activations are outliers, the same in every input. ``token_pos`` stays the position in
+    the model input either way."""
     batch_size: int = 32
     dtype: str = "F16"
     rows_per_shard: int = 16384

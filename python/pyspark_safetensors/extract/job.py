@@ -11,7 +11,7 @@ Output directory (a local path or a URI such as ``s3://bucket/acts``):
                           sharded run: one shard per Spark task, manifest.json written
                           last by the driver
     samples.parquet       one row per model input: sample_id, window, key, seq_len,
-                          text_chars, source
+                          first_pos, text_chars, source
     texts.jsonl           sample_id, key, source, text
     extraction.json       the config, its hash, the summary; written last, so its
                           presence marks a finished extraction
@@ -42,9 +42,10 @@ import pyarrow.fs as pafs
 
 from ..dataset import DatasetLocation
 from ..dataset.publish import publishing
+from ..spark.compat import to_arrow
 from .config import ExtractConfig, ExtractionSummary, config_hash
 from .corpus import corpus_sha256, default_parallelism, load_corpus, number_texts
-from .model import ExtractionError, Hook, ModelSource, resolve_model, weights_hash
+from .model import ExtractionError, Hook, ModelSource, bos_added, resolve_model, weights_hash
 from .outputs import ExtractionOutput, SampleRows, outputs_for, token_dataset_name
 from .workers import extractor_for, run_model_fn, samples_schema
 
@@ -61,6 +62,10 @@ class _ModelPlan:
     widths: dict[str, int]
     """Hidden width by hook name."""
     weights_sha256: str
+    max_length: int
+    """Tokens per model input (``config.max_length``, or the model's context for 0)."""
+    bos_added: bool
+    """Whether the tokenizer puts a BOS token before every text."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class _ModelRun:
     samples: object
     """The persisted sample rows (a DataFrame; the caller unpersists it)."""
     info: pa.Table
-    """sample_id, window, key, seq_len, text_chars, source of every row."""
+    """sample_id, window, key, seq_len, first_pos, text_chars, source of every row."""
     seconds: float
 
     @property
@@ -109,6 +114,8 @@ def run_extraction(
             )
         config = dataclasses.replace(config, corpus="dataframe")
     plan = _plan_model(config, outputs)
+    # max_length 0 (the model's context) is recorded and hashed as the number it means
+    config = dataclasses.replace(config, max_length=plan.max_length)
     cores = default_parallelism(spark)
     texts, stored = _numbered_texts(spark, config, corpus, config.partitions or cores)
     run = None
@@ -152,7 +159,10 @@ def _plan_model(config: ExtractConfig, outputs: list[ExtractionOutput]) -> _Mode
         refusal = output.widths_refusal(widths)
         if refusal:
             raise ExtractionError(refusal)
-    return _ModelPlan(source, tuple(probe.hooks), widths, weights_hash(source.path))
+    return _ModelPlan(
+        source, tuple(probe.hooks), widths, weights_hash(source.path), probe.max_length,
+        bos_added(probe.tokenizer),
+    )  # fmt: skip
 
 
 def _numbered_texts(spark, config: ExtractConfig, corpus, partitions: int):
@@ -178,8 +188,10 @@ def _run_model(texts, plan: _ModelPlan, config: ExtractConfig, *, threads: int) 
         if samples.count() == 0:
             raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
         seconds = time.perf_counter() - started
-        info = samples.select("sample_id", "window", "key", "seq_len", "text_chars", "source")
-        return _ModelRun(samples, info.toArrow(), seconds)
+        info = samples.select(
+            "sample_id", "window", "key", "seq_len", "first_pos", "text_chars", "source"
+        )
+        return _ModelRun(samples, to_arrow(info), seconds)
     except BaseException:
         samples.unpersist()
         raise
@@ -187,7 +199,7 @@ def _run_model(texts, plan: _ModelPlan, config: ExtractConfig, *, threads: int) 
 
 def _config_hash(config: ExtractConfig, plan: _ModelPlan, texts) -> str:
     if config.corpus == "dataframe":  # name the texts by content
-        keys = texts.select("key").toArrow().column("key").to_pylist()
+        keys = to_arrow(texts.select("key")).column("key").to_pylist()
         return config_hash(config, plan.weights_sha256, corpus_sha256(keys))
     return config_hash(config, plan.weights_sha256)
 
@@ -224,6 +236,8 @@ class _OutputWriter:
         config = self.config
         tokenizer_settings = {"max_length": config.max_length, "long_texts": config.long_texts,
                               "padding": "excluded"}  # fmt: skip
+        if self.plan.bos_added:  # said only where there is a BOS to keep or drop
+            tokenizer_settings["bos"] = "kept" if config.keep_bos else "dropped"
         return {
             "model": self.plan.source.name,
             "model_weights_sha256": self.plan.weights_sha256,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import inspect
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,9 +185,23 @@ def resolve_hooks(model: torch.nn.Module, patterns: list[str]) -> list[Hook]:
     return hooks
 
 
+def is_causal_lm(model_dir: str | os.PathLike) -> bool:
+    """Whether the directory's ``config.json`` names a causal language model class
+    (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...) among its ``architectures``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(model_dir) / "config.json"
+    architectures = json.loads(path.read_text()).get("architectures") or []
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(a in causal for a in architectures)
+
+
 def load_model(model_dir: str | os.PathLike):
-    """(tokenizer, model) from a local directory, offline, in eval mode."""
-    from transformers import AutoModel, AutoTokenizer
+    """(tokenizer, model) from a local directory, offline, in eval mode. A causal language
+    model loads with its head (``AutoModelForCausalLM``: module names as in its weights,
+    ``model.layers.{i}...``, ``transformer.h.{i}...``, and logits for the evaluations);
+    any other model as its base ``AutoModel`` (``encoder.layer.{i}...``)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per Python worker would drown Spark's
@@ -193,8 +209,33 @@ def load_model(model_dir: str | os.PathLike):
     if not (model_dir / "config.json").is_file():
         raise ExtractionError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+    auto = AutoModelForCausalLM if is_causal_lm(model_dir) else AutoModel
+    model = auto.from_pretrained(model_dir, local_files_only=True).eval()
     return tokenizer, model
+
+
+def is_causal_model(model) -> bool:
+    """Whether a loaded model is a causal language model with its head."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def model_context(model) -> int:
+    """The longest input the model takes (its position table), 0 when it has none."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def bos_added(tokenizer) -> bool:
+    """Whether the tokenizer starts every text with its BOS token (Llama's does; GPT-2's
+    has a BOS token but does not add it; BERT's starts with [CLS], no BOS)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
 
 
 @dataclass
@@ -204,6 +245,8 @@ class Window:
     text_index: int
     window: int
     activations: dict[str, np.ndarray]  # hook name -> [seq_len, H] in the stored dtype
+    first_pos: int = 0
+    """The position in the model input of the first stored token (1 when BOS is dropped)."""
 
     @property
     def seq_len(self) -> int:
@@ -213,9 +256,20 @@ class Window:
 class Extractor:
     """Runs the model on batches of texts and captures the hooks' activations.
 
-    ``long_texts``: "window" splits a text longer than ``max_length`` tokens into
-    consecutive windows (each a separate model input with its own special tokens);
-    "truncate" keeps the first window only."""
+    ``max_length``: tokens per model input, special tokens included; 0 = the model's
+    context (its position table). ``long_texts``: "window" splits a text longer than
+    ``max_length`` tokens into consecutive windows (each a separate model input with its
+    own special tokens); "truncate" keeps the first window only. ``keep_bos``: keep the
+    BOS token's activations where the tokenizer adds one (Llama's does); by default they
+    are dropped, as SAE training data usually drops them: a BOS position's activations are
+    the same in every input and, in a trained LM's residual stream, often many times the
+    norm of the other tokens'.
+
+    A batch is padded on the tokenizer's ``padding_side`` with its pad token (a tokenizer
+    without one, as Llama's and GPT-2's, pads with EOS or id 0: the attention mask hides
+    it); left padding passes position ids counted from each input's first real token, so
+    every token sees the positions it would see alone (a model that takes no position
+    ids is padded on the right). Padding is never stored."""
 
     def __init__(
         self,
@@ -227,6 +281,7 @@ class Extractor:
         dtype: str = "F16",
         long_texts: str = "window",
         threads: int = 0,
+        keep_bos: bool = False,
     ):
         if dtype not in ("F16", "BF16", "F32"):
             raise ExtractionError(f"dtype must be F16, BF16 or F32, got {dtype!r}")
@@ -237,7 +292,8 @@ class Extractor:
         if threads:
             torch.set_num_threads(threads)
         self.tokenizer, self.model = load_model(model_dir)
-        limit = getattr(self.model.config, "max_position_embeddings", max_length)
+        limit = model_context(self.model) or max(max_length, 3)
+        max_length = max_length or limit
         if not 2 < max_length <= limit:
             raise ExtractionError(
                 f"max_length {max_length} outside 3..{limit} (the model's context)"
@@ -245,6 +301,11 @@ class Extractor:
         self.hooks = resolve_hooks(self.model, hooks)
         self.max_length, self.batch_size = max_length, batch_size
         self.dtype, self.long_texts = dtype, long_texts
+        self.drop_bos = not keep_bos and bos_added(self.tokenizer)
+        tok = self.tokenizer
+        self.pad_id = next(
+            (i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0
+        )  # fmt: skip
         self._captured: dict[str, torch.Tensor] = {}
         modules = dict(self.model.named_modules())
         for hook in self.hooks:
@@ -253,6 +314,19 @@ class Extractor:
                 module.register_forward_pre_hook(self._save_input(hook.name))
             else:
                 module.register_forward_hook(self._save_output(hook.name))
+        self._forward = self._body_or_whole()
+        self._position_ids = "position_ids" in inspect.signature(self._forward.forward).parameters
+
+    def _body_or_whole(self):
+        """The module to call: a causal LM's body (``model.model``, ``model.transformer``)
+        when every hook point lies inside it, so the vocabulary-wide head is not computed
+        for nothing; the whole model otherwise."""
+        prefix = getattr(self.model, "base_model_prefix", "")
+        body = getattr(self.model, prefix, None) if prefix else None
+        inside = all(h.module.startswith(prefix + ".") for h in self.hooks)
+        if body is not None and body is not self.model and inside and is_causal_model(self.model):
+            return body
+        return self.model
 
     def _save_input(self, name):
         def pre_hook(module, args):
@@ -301,19 +375,37 @@ class Extractor:
             seen[mapping[r]] = window_of[-1] + 1
         # Batch inputs of similar length together: less padding, less wasted compute.
         order = sorted(range(n), key=lambda r: len(enc["input_ids"][r]))
+        bos = self.tokenizer.bos_token_id
         windows: list[Window | None] = [None] * n
         for start in range(0, n, self.batch_size):
             rows = order[start : start + self.batch_size]
-            batch = self.tokenizer.pad(
-                {"input_ids": [enc["input_ids"][r] for r in rows],
-                 "attention_mask": [enc["attention_mask"][r] for r in rows]},
-                return_tensors="pt",
-            )  # fmt: skip
+            ids = [enc["input_ids"][r] for r in rows]
+            batch = self._pad(ids)
             self._captured.clear()
-            self.model(**batch)
+            self._forward(**batch)
             keep = batch["attention_mask"].bool().numpy()  # padding may sit on either side
             captured = {h.name: self._captured[h.name].float().numpy() for h in self.hooks}
             for j, r in enumerate(rows):
-                acts = {name: self._store(a[j][keep[j]]) for name, a in captured.items()}
-                windows[r] = Window(int(mapping[r]), window_of[r], acts)
+                first = int(self.drop_bos and ids[j][:1] == [bos])
+                acts = {name: self._store(a[j][keep[j]][first:]) for name, a in captured.items()}
+                windows[r] = Window(int(mapping[r]), window_of[r], acts, first)
         return windows
+
+    def _pad(self, rows: list[list[int]]) -> dict:
+        """Model inputs for token id lists: padded on the tokenizer's side, an attention
+        mask, and position ids when left-padded (see the class docstring)."""
+        import torch
+
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        # left only where positions can be given: else every token's position would shift
+        left = self.tokenizer.padding_side == "left" and self._position_ids
+        for i, row in enumerate(rows):
+            where = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[i, where] = torch.tensor(row, dtype=torch.long)
+            mask[i, where] = 1
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if left and self._position_ids:
+            batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        return batch

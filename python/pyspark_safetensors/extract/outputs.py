@@ -28,7 +28,7 @@ class SampleRows:
     """What an output format is given: the model's output on every text."""
 
     samples: object
-    """The persisted DataFrame: sample_id, window, key, seq_len, text_chars, source and
+    """The persisted DataFrame: sample_id, window, key, seq_len, first_pos, text_chars, source and
     one Tensor Struct ``[seq_len, H]`` per hook point (column ``Hook.column``)."""
     hooks: tuple[Hook, ...]
     widths: dict[str, int]
@@ -112,9 +112,9 @@ class SafetensorsDatasets:
     @staticmethod
     def _token_dataset(out: DatasetLocation, rows: SampleRows, hook: Hook) -> None:
         width = rows.widths[hook.name]
-        tokens = rows.samples.select("sample_id", "window", "seq_len", hook.column).mapInArrow(
-            explode_fn(hook.column, width, rows.dtype), token_rows_schema()
-        )
+        tokens = rows.samples.select(
+            "sample_id", "window", "seq_len", "first_pos", hook.column
+        ).mapInArrow(explode_fn(hook.column, width, rows.dtype), token_rows_schema())
         _save(
             rows,
             tokens.write.option("batch_size", rows.rows_per_shard),

@@ -4,7 +4,8 @@ produce. Each is built on the driver from picklable arguments and runs inside
 per worker process.
 
 - ``run_model_fn``: texts in, one row per model input out (``samples_schema``): the
-  sample's key, ``seq_len`` and one Tensor Struct ``[seq_len, H]`` per hook point.
+  sample's key, ``seq_len``, ``first_pos`` (the model-input position of its first stored
+  token: 1 when BOS is dropped) and one Tensor Struct ``[seq_len, H]`` per hook point.
 - ``explode_fn``: sample rows in, one row per token out (``TOKEN_ROWS_SCHEMA``), without
   copying the activation bytes.
 """
@@ -34,7 +35,7 @@ def samples_schema(hooks) -> str:
 
     cols = ", ".join(f"`{h.column}` {TENSOR_STRUCT_DDL}" for h in hooks)
     return (
-        "sample_id long, window int, key string, seq_len int, text_chars int, "
+        "sample_id long, window int, key string, seq_len int, first_pos int, text_chars int, "
         f"source string, {cols}"
     )
 
@@ -72,6 +73,7 @@ def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> p
             pa.string(),
         ),
         "seq_len": pa.array([w.seq_len for w in windows], pa.int32()),
+        "first_pos": pa.array([w.first_pos for w in windows], pa.int32()),
         "text_chars": pa.array([len(texts[w.text_index]) for w in windows], pa.int32()),
         "source": pa.array([sources[w.text_index] for w in windows], pa.string()),
     }
@@ -91,6 +93,7 @@ def extractor_for(model_dir: str, config: ExtractConfig, threads: int = 0) -> Ex
         dtype=config.dtype,
         long_texts=config.long_texts,
         threads=threads,
+        keep_bos=config.keep_bos,
     )
 
 
@@ -136,7 +139,9 @@ def explode_fn(column: str, width: int, dtype: str):
             sample_id = np.repeat(batch.column("sample_id").to_numpy(), seq_lens)
             window = np.repeat(batch.column("window").to_numpy(), seq_lens)
             firsts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
-            token_pos = (np.arange(n) - firsts).astype(np.int32)
+            # the position in the model input: a dropped BOS shifts the stored tokens by one
+            shift = np.repeat(batch.column("first_pos").to_numpy().astype(np.int64), seq_lens)
+            token_pos = (np.arange(n) - firsts + shift).astype(np.int32)
             yield pa.RecordBatch.from_pydict({
                 "activation": assemble_tensor_structs(token_data, shape, dtype),
                 "sample_id": pa.array(sample_id),
