@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from .inference import LUTLinear, load_layer_file, patch_model
 from .precompute import ModelWeights
-from .spec import validate_lut
+from .spec import LUTError, validate_lut
 
 
 @torch.no_grad()
@@ -175,3 +176,329 @@ def evaluate_on_passages(
         for m in ms
     }
     return {"layers": rows, "embedding_cosine": cosines}
+
+
+# ------------------------------------------------------------------ language-model loss
+#
+# What SAE papers report for a causal language model (SAELens' evals, sparsify): the
+# next-token cross-entropy on held-out texts, clean and with the SAE's reconstruction
+# spliced in at its hook point; the same with the activation zero- and mean-ablated; the
+# fraction of the loss recovered, (CE_zero - CE_spliced) / (CE_zero - CE_clean); and the
+# KL divergence of the next-token distributions to the clean ones. The same for the model
+# with its LUT layers patched in.
+
+
+class Splice:
+    """A context manager that replaces the activation at a hook point (``module:input`` or
+    ``module:output``, the extraction's names) by ``replace(activation)`` during forward
+    passes, at the positions ``where`` (``[batch, seq]`` bool, set before each forward;
+    None = everywhere). The hooks are removed on exit, leaving the model as it was.
+
+    ``module:input`` replaces the input of every module in ``shared`` too: the layers that
+    read the very same tensor (a Llama block's q, k and v projections, or gate and up),
+    which an SAE on that input replaces together, as their LUT layers do; the activation is
+    replaced once, whichever of them runs first (``shared_input_modules`` finds them)."""
+
+    def __init__(self, model, hook: str, replace, shared: Iterable[str] = ()):
+        self.model, self.replace, self.where = model, replace, None
+        self.module, _, self.kind = hook.rpartition(":")
+        if self.kind not in ("input", "output"):
+            raise LUTError(f"hook {hook!r} must end with ':input' or ':output'")
+        self.modules = (
+            list(dict.fromkeys([self.module, *shared])) if self.kind == "input" else [self.module]
+        )
+        self._handles: list = []
+        self._last: tuple | None = None  # (input, its replacement) of the current forward
+
+    def _swap(self, x: torch.Tensor) -> torch.Tensor:
+        new = self.replace(x).to(x.dtype)
+        if self.where is not None:
+            new = torch.where(self.where.to(x.device)[..., None], new, x)
+        return new
+
+    def _pre(self, module, args):
+        x = args[0]
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self._swap(x))
+        return (self._last[1], *args[1:])
+
+    def _post(self, module, args, output):
+        if isinstance(output, tuple):
+            return (self._swap(output[0]), *output[1:])
+        return self._swap(output)
+
+    def __enter__(self) -> Splice:
+        modules = dict(self.model.named_modules())
+        for name in self.modules:
+            if self.kind == "input":
+                self._handles.append(modules[name].register_forward_pre_hook(self._pre))
+            else:
+                self._handles.append(modules[name].register_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._last = None
+
+
+@torch.no_grad()
+def shared_input_modules(model, module: str, batch: dict) -> list[str]:
+    """The leaf modules that receive, in one forward pass of ``batch``, the very tensor
+    ``module`` receives as its input (``module`` included, in call order)."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    handles = []
+    for name, m in model.named_modules():
+        if name and not any(True for _ in m.children()):
+
+            def hook(mod, args, name=name):
+                if args and isinstance(args[0], torch.Tensor):
+                    seen.append((name, args[0]))
+
+            handles.append(m.register_forward_pre_hook(hook))
+    try:
+        model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    target = next((t for name, t in seen if name == module), None)
+    if target is None:
+        raise LUTError(f"module {module!r} is not a leaf module called by the model")
+    return [name for name, t in seen if t is target]
+
+
+def lm_batches(tokenizer, texts: list[str], *, max_length: int, batch_size: int) -> list[dict]:
+    """``texts`` (each cut to ``max_length`` tokens) as right-padded model inputs:
+    ``input_ids`` and ``attention_mask`` (a tokenizer without a pad token pads with any
+    id: the mask hides it, and causal attention never looks right)."""
+    ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    ids = [row for row in ids if len(row) > 1]  # one token predicts nothing
+    if not ids:
+        raise LUTError("no text of at least two tokens to evaluate the loss on")
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    batches = []
+    for start in range(0, len(ids), batch_size):
+        rows = ids[start : start + batch_size]
+        width = max(map(len, rows))
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        batches.append({"input_ids": input_ids, "attention_mask": mask})
+    return batches
+
+
+def next_token_stats(logits: torch.Tensor, batch: dict, clean_logp: torch.Tensor | None = None):
+    """``(summed cross-entropy, summed KL(clean || this), predicted tokens)`` over the
+    real next tokens of ``batch``; the KL is 0 when ``clean_logp`` is None."""
+    mask = batch["attention_mask"][:, 1:].bool()
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)[mask]  # [tokens, vocab]
+    targets = batch["input_ids"][:, 1:][mask]
+    ce = -logp.gather(1, targets[:, None]).sum()
+    kl = torch.zeros(())
+    if clean_logp is not None:
+        kl = (clean_logp.exp() * (clean_logp - logp)).sum()
+    return float(ce), float(kl), int(mask.sum()), logp
+
+
+@torch.no_grad()
+def lm_loss_evaluation(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    saes: Mapping[str, object] | None = None,
+    lut_dir: str | os.PathLike | None = None,
+    compensate: Iterable[int] = (0,),
+    max_length: int = 128,
+    batch_size: int = 16,
+    splice_bos: bool = False,
+) -> dict:
+    """The language-model loss of a causal LM (``model``, ``tokenizer``: loaded, e.g. by
+    ``extract.model.load_model``) on ``texts``, clean and intervened on:
+
+    - per hook point of ``saes`` (``{hook: SAE}``, an SAE file or directory that
+      ``sae.load_sae_model`` reads, or a loaded SAE module): CE with the SAE's
+      reconstruction spliced in, CE with the activation zero-ablated and mean-ablated (the
+      mean over the same texts), ``ce_loss_recovered`` = (CE_zero - CE_spliced) /
+      (CE_zero - CE_clean) (``ce_loss_recovered_mean`` against mean ablation), and the KL
+      divergence of each next-token distribution to the clean one (nats per token);
+    - per compensation size ``m`` in ``compensate``, with every LUT layer of ``lut_dir``
+      patched in: CE and KL.
+
+    Every intervention touches only real tokens; a BOS token the tokenizer adds keeps its
+    clean activations unless ``splice_bos`` (the SAEs are trained without it, the
+    extraction's default). LUT layers replace whole modules, so they run at every position,
+    as in use. The model is left exactly as it was: hooks removed, patched layers put back.
+
+    Returns ``{"tokens", "ce_clean", "hooks": {hook: {...}}, "lut": {m: {"ce", "kl"}}}``."""
+    from ..extract.model import bos_added
+    from ..sae.ecosystem import load_sae_model
+
+    device = next(model.parameters()).device  # the model's: inputs and SAEs go there
+    batches = [
+        {k: v.to(device) for k, v in b.items()}
+        for b in lm_batches(tokenizer, texts, max_length=max_length, batch_size=batch_size)
+    ]
+    skip_first = not splice_bos and bos_added(tokenizer)
+
+    def positions(batch: dict) -> torch.Tensor:
+        where = batch["attention_mask"].bool().clone()
+        if skip_first:
+            where[:, 0] = False
+        return where
+
+    modules = {}
+    for hook, sae in (saes or {}).items():
+        sae = load_sae_model(sae) if isinstance(sae, str | os.PathLike) else sae
+        sae = sae.to(device).eval()
+        module = hook.rpartition(":")[0]
+        shared = shared_input_modules(model, module, batches[0]) if hook.endswith(":input") else []
+        modules[hook] = (sae, shared)
+    means = _hook_means(model, batches, {h: s for h, (_, s) in modules.items()}, positions)
+
+    def reconstruct(sae):
+        def replace(x):
+            flat = x.reshape(-1, x.shape[-1]).float()
+            return sae(flat).x_hat.reshape(x.shape)
+
+        return replace
+
+    variants = {}  # (hook, intervention) -> its Splice
+    for hook, (sae, shared) in modules.items():
+        variants[(hook, "spliced")] = Splice(model, hook, reconstruct(sae), shared)
+        variants[(hook, "zero")] = Splice(model, hook, torch.zeros_like, shared)
+        mean = means[hook]
+        variants[(hook, "mean")] = Splice(model, hook, lambda x, m=mean: m.expand_as(x), shared)
+    luts = {}  # m -> {module name: its LUT layer}, built once, swapped in per batch
+    for m in compensate if lut_dir is not None else ():
+        with lut_patched(model, lut_dir, compensate=m) as patched:
+            luts[m] = patched
+    sums: dict = {}
+    tokens, ce_clean = 0, 0.0
+    for batch in batches:
+        ce, _, n, clean_logp = next_token_stats(model(**batch).logits, batch)
+        tokens += n
+        ce_clean += ce
+        where = positions(batch)
+        for key, splice in variants.items():
+            splice.where = where
+            with splice:
+                ce, kl, _, _ = next_token_stats(model(**batch).logits, batch, clean_logp)
+            _add(sums, key, ce, kl)
+        for m, layers in luts.items():
+            with swapped_modules(model, layers):
+                ce, kl, _, _ = next_token_stats(model(**batch).logits, batch, clean_logp)
+            _add(sums, ("lut", m), ce, kl)
+    return _lm_report(sums, tokens, ce_clean, modules, list(luts))
+
+
+def _add(sums: dict, key, ce: float, kl: float) -> None:
+    ce0, kl0 = sums.get(key, (0.0, 0.0))
+    sums[key] = (ce0 + ce, kl0 + kl)
+
+
+@contextmanager
+def swapped_modules(model, modules: Mapping[str, torch.nn.Module]):
+    """``model`` with the named submodules replaced by ``modules``, put back on exit."""
+    originals = {name: model.get_submodule(name) for name in modules}
+    _set_modules(model, modules)
+    try:
+        yield model
+    finally:
+        _set_modules(model, originals)
+
+
+def _set_modules(model, modules: Mapping[str, torch.nn.Module]) -> None:
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@contextmanager
+def lut_patched(model, lut_dir: str | os.PathLike, *, compensate: int = 0):
+    """``model`` with every LUT layer of ``lut_dir`` patched in (``patch_model``); yields
+    ``{module name: LUT layer}`` and puts the original layers back on exit."""
+    originals = dict(model.named_modules())
+    replaced = patch_model(model, lut_dir, compensate=compensate)
+    try:
+        yield {name: model.get_submodule(name) for name in replaced}
+    finally:
+        _set_modules(model, {name: originals[name] for name in replaced})
+
+
+def _lm_report(sums: dict, tokens: int, ce_clean: float, modules: dict, ms) -> dict:
+    ce_clean /= tokens
+    hooks = {}
+    for hook in modules:
+        (sp, kl_sp), (zero, kl_zero), (mean, kl_mean) = (
+            (v / tokens for v in sums[(hook, kind)]) for kind in ("spliced", "zero", "mean")
+        )
+        hooks[hook] = {
+            "ce_spliced": sp,
+            "ce_zero_ablated": zero,
+            "ce_mean_ablated": mean,
+            "ce_loss_recovered": _recovered(zero, sp, ce_clean),
+            "ce_loss_recovered_mean": _recovered(mean, sp, ce_clean),
+            "kl_spliced": kl_sp,
+            "kl_zero_ablated": kl_zero,
+            "kl_mean_ablated": kl_mean,
+        }
+    lut = {}
+    for m in ms:
+        ce, kl = (v / tokens for v in sums[("lut", m)])
+        lut[m] = {"ce": ce, "kl": kl, "ce_increase": ce - ce_clean}
+    return {"tokens": tokens, "ce_clean": ce_clean, "hooks": hooks, "lut": lut}
+
+
+def _recovered(ablated: float, spliced: float, clean: float) -> float:
+    """(CE_ablated - CE_spliced) / (CE_ablated - CE_clean); NaN when ablating changes
+    nothing (the fraction is undefined)."""
+    gap = ablated - clean
+    return (ablated - spliced) / gap if gap else float("nan")
+
+
+@torch.no_grad()
+def _hook_means(model, batches: list[dict], hooks: dict[str, list[str]], positions) -> dict:
+    """Per hook point, the mean activation over the positions interventions touch."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    where: dict = {}
+    handles = []
+    modules = dict(model.named_modules())
+
+    def add(hook, x):
+        picked = x[where["now"].to(x.device)].double()
+        sums[hook] = sums.get(hook, 0) + picked.sum(0)
+        counts[hook] = counts.get(hook, 0) + picked.shape[0]
+
+    for hook in hooks:
+        module, _, kind = hook.rpartition(":")
+        if kind == "input":
+            handles.append(modules[module].register_forward_pre_hook(
+                lambda m, args, hook=hook: add(hook, args[0])))  # fmt: skip
+        else:
+            handles.append(modules[module].register_forward_hook(
+                lambda m, args, out, hook=hook: add(hook, out[0] if isinstance(out, tuple) else out)
+            ))  # fmt: skip
+    try:
+        for batch in batches if hooks else ():
+            where["now"] = positions(batch)
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {h: (sums[h] / max(counts[h], 1)).float() for h in hooks}
+
+
+def evaluate_lm(model_dir: str | os.PathLike, texts: list[str], **kwargs) -> dict:
+    """``lm_loss_evaluation`` of the causal LM in ``model_dir`` (loaded offline, as the
+    extraction loads it, so hook point names are the extraction's)."""
+    from ..extract.model import is_causal_lm, load_model
+
+    if not is_causal_lm(model_dir):
+        raise LUTError(f"{model_dir}: not a causal language model; its loss cannot be evaluated")
+    tokenizer, model = load_model(model_dir)
+    return lm_loss_evaluation(model, tokenizer, texts, **kwargs)

@@ -345,12 +345,28 @@ def _write_layer_files(
 
 
 _MODEL_CONFIG_KEYS = (
-    ("model_type", "model_type"),
-    ("num_layers", "num_hidden_layers"),
-    ("num_attention_heads", "num_attention_heads"),
-    ("hidden_size", "hidden_size"),
+    ("model_type", ("model_type",)),
+    ("num_layers", ("num_hidden_layers", "n_layer", "num_layers")),
+    ("num_attention_heads", ("num_attention_heads", "n_head")),
+    ("hidden_size", ("hidden_size", "n_embd", "d_model")),
 )
-"""(metadata.json's ``model_config`` key, the Hugging Face config key it comes from)."""
+"""(metadata.json's ``model_config`` key, the Hugging Face config keys it may come from, in
+order: Llama and BERT name them as the spec does, GPT-2 ``n_layer``/``n_head``/``n_embd``)."""
+
+
+def model_config(config: dict) -> dict:
+    """metadata.json's ``model_config`` from a Hugging Face ``config.json``; a model whose
+    language model sits in ``text_config`` (Gemma 3, Llava...) is read there."""
+    text = config.get("text_config")
+    inner = {**text, "model_type": config.get("model_type")} if isinstance(text, dict) else {}
+    out = {}
+    for key, sources in _MODEL_CONFIG_KEYS:
+        for doc in (config, inner):
+            found = next((doc[s] for s in sources if s in doc), None)
+            if found is not None:
+                out[key] = found
+                break
+    return out
 
 
 def _metadata(model: ModelWeights, plan: _LUTPlan, source_model: str | None) -> dict:
@@ -359,7 +375,7 @@ def _metadata(model: ModelWeights, plan: _LUTPlan, source_model: str | None) -> 
     return {
         "version": VERSION,
         "sae_config": {"num_basis": plan.num_basis, "k_active": plan.k_active},
-        "model_config": {key: config[src] for key, src in _MODEL_CONFIG_KEYS if src in config},
+        "model_config": model_config(config),
         "layers": plan.layers,
         "creation_info": {
             "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -1,0 +1,195 @@
+"""LUTs for a Llama, named as the LUT specification names them, and the language-model
+loss evaluations (clean, SAE spliced, ablated, LUT patched) on the tiny toy Llama trained
+here, with SAEs trained by our trainer on its activations."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from pyspark_safetensors.dataset import write_batch_dataset
+from pyspark_safetensors.extract import Extractor, passages_by_key
+from pyspark_safetensors.extract.model import load_model
+from pyspark_safetensors.extract.toy_lm import TINY, toy_lm, toy_lm_texts
+from pyspark_safetensors.lut import LUTLinear, load_layer_file, precompute_lut, validate_lut
+from pyspark_safetensors.lut.evaluate import evaluate_lm, lm_loss_evaluation
+from pyspark_safetensors.lut.precompute import model_config
+from pyspark_safetensors.sae import SAEConfig, load_sae_model
+from pyspark_safetensors.sae.train import Trainer
+
+ATTN_IN = "model.layers.0.self_attn.q_proj:input"
+MLP_IN = "model.layers.0.mlp.gate_proj:input"
+ATTN = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+MLP = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")]
+N_LATENTS, K = 128, 8
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """The tiny toy Llama (trained once per test process, shared with the extraction
+    tests), an SAE per input (attention, MLP) trained on its activations, and the LUT."""
+    root = tmp_path_factory.getbasetemp()
+    model_dir = toy_lm(root / "toy-lm", TINY)
+    work = tmp_path_factory.mktemp("lut-llama")
+    extractor = Extractor(model_dir, [ATTN_IN, MLP_IN], max_length=0, dtype="F32")
+    windows = extractor.run(passages_by_key(0, 48))
+    saes = {}
+    for hook in (ATTN_IN, MLP_IN):
+        name = hook.split(".")[3]
+        acts = np.concatenate([w.activations[hook] for w in windows])
+        write_batch_dataset(work / f"acts-{name}", {"activation": acts}, rows_per_shard=4096)
+        config = SAEConfig(dataset=str(work / f"acts-{name}"), n_latents=N_LATENTS, k=K,
+                           batch_size=256, tokens=256 * 60, lr=3e-3, checkpoints=0,
+                           out_dir=str(work / f"sae-{name}"), progress=False)  # fmt: skip
+        Trainer(config).fit()
+        saes[hook] = work / f"sae-{name}" / "sae.safetensors"
+    layers = {**dict.fromkeys(ATTN, saes[ATTN_IN]), **dict.fromkeys(MLP, saes[MLP_IN])}
+    meta = precompute_lut(model_dir, layers, out_dir=work / "lut", progress=False)
+    return model_dir, saes, work / "lut", meta
+
+
+def test_model_config_of_gpt2_and_nested_text_configs():
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768}
+    assert model_config(gpt2) == {
+        "model_type": "gpt2", "num_layers": 12, "num_attention_heads": 12, "hidden_size": 768
+    }  # fmt: skip
+    nested = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 26,
+              "num_attention_heads": 4, "hidden_size": 1152}}  # fmt: skip
+    assert model_config(nested) == {
+        "model_type": "gemma3", "num_layers": 26, "num_attention_heads": 4, "hidden_size": 1152
+    }  # fmt: skip
+
+
+def test_lut_files_named_and_shaped_as_the_spec(toy):
+    _, _, lut, meta = toy
+    names = sorted(p.name for p in lut.iterdir())
+    assert names == sorted(["metadata.json", *(f"{n}.lut.safetensors" for n in ATTN + MLP)])
+    assert validate_lut(lut) == json.loads((lut / "metadata.json").read_text())
+    assert meta["model_config"] == {"model_type": "llama", "num_layers": TINY.num_layers,
+                                    "num_attention_heads": TINY.num_heads,
+                                    "hidden_size": TINY.hidden_size}  # fmt: skip
+    assert meta["sae_config"] == {"num_basis": N_LATENTS, "k_active": K}
+    head = TINY.hidden_size // TINY.num_heads
+    outputs = {ATTN[0]: TINY.hidden_size, ATTN[1]: TINY.num_kv_heads * head,
+               ATTN[2]: TINY.num_kv_heads * head, MLP[0]: TINY.intermediate_size,
+               MLP[1]: TINY.intermediate_size}  # fmt: skip
+    for layer, out_dim in outputs.items():
+        entry = meta["layers"][layer]
+        assert entry == {"input_dim": TINY.hidden_size, "output_dim": out_dim,
+                         "file": f"{layer}.lut.safetensors"}  # fmt: skip
+        tensors = load_layer_file(lut / entry["file"])
+        assert tuple(tensors["precomputed_products"].shape) == (N_LATENTS, out_dim)
+        assert tuple(tensors["encoder_weight"].shape) == (N_LATENTS, TINY.hidden_size)
+
+
+def test_lut_layer_equals_the_dense_layer_within_the_sae_reconstruction_error(toy):
+    model_dir, saes, lut, meta = toy
+    _, model = load_model(model_dir)
+    held_out = toy_lm_texts(TINY)[1]
+    extractor = Extractor(model_dir, [ATTN_IN, MLP_IN], max_length=0, dtype="F32")
+    windows = extractor.run(held_out)
+    for hook, layers in ((ATTN_IN, ATTN), (MLP_IN, MLP)):
+        x = torch.from_numpy(np.concatenate([w.activations[hook] for w in windows]))
+        sae = load_sae_model(saes[hook])
+        with torch.no_grad():
+            x_hat = sae(x).x_hat
+        for layer in layers:
+            weight = model.get_submodule(layer).weight.detach()
+            lut_out = LUTLinear.from_file(lut / meta["layers"][layer]["file"], K)(x).detach()
+            dense, through_sae = x @ weight.T, x_hat @ weight.T
+            # the LUT is the dense layer applied to the SAE's reconstruction, up to its
+            # float16 tables (which swap latents that all but tie for the k-th place: an
+            # SAE trained this briefly has many)
+            rows = (lut_out - through_sae).norm(dim=1) / through_sae.norm(dim=1)
+            assert float(rows.median()) < 1e-3
+            # so its error against the dense layer is the reconstruction's error
+            err_lut = float((lut_out - dense).norm() / dense.norm())
+            err_sae = float((through_sae - dense).norm() / dense.norm())
+            assert abs(err_lut - err_sae) < 0.05 * err_sae
+            assert err_sae < 0.5  # a trained SAE: far from no reconstruction at all
+
+
+def _hand_ce(model, batches, replace=None):
+    """Mean next-token CE (and the per-token log-probabilities) computed by hand: the q, k,
+    v projections' shared input replaced by ``replace`` at every real position but BOS."""
+    handles = []
+    total, count, logps = 0.0, 0, []
+    for batch in batches:
+        if replace is not None:
+            where = batch["attention_mask"].bool().clone()
+            where[:, 0] = False
+
+            def pre(module, args, where=where):
+                x = args[0]
+                return (torch.where(where[..., None], replace(x), x),)
+
+            handles = [model.get_submodule(n).register_forward_pre_hook(pre) for n in ATTN]
+        with torch.no_grad():
+            logits = model(**batch).logits
+        for h in handles:
+            h.remove()
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        for row in range(ids.shape[0]):
+            n = int(mask[row].sum())
+            logp = F.log_softmax(logits[row, : n - 1].double(), dim=-1)
+            total -= float(logp[torch.arange(n - 1), ids[row, 1:n]].sum())
+            count += n - 1
+            logps.append(logp)
+    return total / count, torch.cat(logps)
+
+
+def test_ce_loss_recovered_equals_a_hand_computation_and_the_model_is_unchanged(toy):
+    model_dir, saes, lut, _ = toy
+    tokenizer, model = load_model(model_dir)
+    texts = toy_lm_texts(TINY)[1][:12]
+    from pyspark_safetensors.lut.evaluate import lm_batches
+
+    batches = lm_batches(tokenizer, texts, max_length=TINY.context, batch_size=4)
+    with torch.no_grad():
+        before = [model(**b).logits for b in batches]
+    modules_before = [(n, type(m)) for n, m in model.named_modules()]
+
+    report = lm_loss_evaluation(model, tokenizer, texts, saes=saes, lut_dir=lut,
+                                compensate=(0, 8), max_length=TINY.context, batch_size=4)  # fmt: skip
+
+    sae = load_sae_model(saes[ATTN_IN])
+    clean, clean_logp = _hand_ce(model, batches)
+    spliced, spliced_logp = _hand_ce(
+        model, batches, lambda x: sae(x.reshape(-1, x.shape[-1])).x_hat.reshape(x.shape)
+    )
+    zero, _ = _hand_ce(model, batches, torch.zeros_like)
+    row = report["hooks"][ATTN_IN]
+    assert report["tokens"] == clean_logp.shape[0]
+    assert report["ce_clean"] == pytest.approx(clean, rel=1e-5)
+    assert row["ce_spliced"] == pytest.approx(spliced, rel=1e-5)
+    assert row["ce_zero_ablated"] == pytest.approx(zero, rel=1e-5)
+    recovered = (zero - spliced) / (zero - clean)
+    assert row["ce_loss_recovered"] == pytest.approx(recovered, rel=1e-3, abs=1e-4)
+    kl = float((clean_logp.exp() * (clean_logp - spliced_logp)).sum(-1).mean())
+    assert row["kl_spliced"] == pytest.approx(kl, rel=1e-3, abs=1e-7)
+    # what a trained SAE gives: most of the loss recovered, ablations hurt
+    assert row["ce_loss_recovered"] > 0.5
+    assert row["ce_zero_ablated"] > row["ce_mean_ablated"] > report["ce_clean"] - 1e-6
+    assert set(report["hooks"]) == {ATTN_IN, MLP_IN}
+    assert set(report["lut"]) == {0, 8}
+    assert report["lut"][8]["kl"] <= report["lut"][0]["kl"] + 1e-6  # compensation helps
+
+    # the model is as it was: no hook left, the LUT layers taken out, the same logits
+    assert [(n, type(m)) for n, m in model.named_modules()] == modules_before
+    for _, module in model.named_modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks
+    with torch.no_grad():
+        for batch, logits in zip(batches, before, strict=True):
+            torch.testing.assert_close(model(**batch).logits, logits, rtol=0, atol=0)
+
+
+def test_evaluate_lm_loads_the_model_directory(toy):
+    model_dir, _, lut, _ = toy
+    report = evaluate_lm(model_dir, toy_lm_texts(TINY)[1][:4], lut_dir=lut, batch_size=4)
+    assert report["tokens"] > 0 and set(report["lut"]) == {0}
+    assert report["lut"][0]["ce"] > 0 and report["hooks"] == {}
