@@ -46,7 +46,7 @@ class ToyLMConfig:
     """Grouped-query attention, as in Llama 2/3 (k and v narrower than q)."""
     context: int = 128
     """Tokens per training sequence and ``max_position_embeddings``."""
-    steps: int = 1200
+    steps: int = 400
     batch_size: int = 16
     learning_rate: float = 3e-3
     warmup_steps: int = 50
@@ -62,7 +62,7 @@ class ToyLMConfig:
 
 TINY = ToyLMConfig(
     vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-    num_kv_heads=1, context=64, steps=30, batch_size=8, learning_rate=1e-2, warmup_steps=5,
+    num_kv_heads=1, context=64, steps=60, batch_size=8, learning_rate=1e-2, warmup_steps=5,
     held_out_texts=16, max_texts=96,
 )  # fmt: skip
 """A config that trains in a second or two (tests)."""
