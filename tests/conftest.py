@@ -4,7 +4,7 @@ integration, jvm. Spark sessions are shared by the whole run (``tests/spark_sess
 from __future__ import annotations
 
 import os
-import site
+import sys
 import venv
 from pathlib import Path
 
@@ -128,7 +128,8 @@ def python_without_package():
     def make(dest: Path) -> Path:
         venv.EnvBuilder(with_pip=False).create(dest)
         (target,) = (dest / "lib").glob("python3*/site-packages")
-        for packages in map(Path, site.getsitepackages()):
+        # every site-packages on the path: a Spark line's environment adds .venv's by a .pth
+        for packages in {Path(p) for p in sys.path if p.endswith("site-packages")}:
             for entry in packages.iterdir():
                 name = entry.name.lower().replace("-", "_")
                 if "pyspark_safetensors" in name or (target / entry.name).exists():

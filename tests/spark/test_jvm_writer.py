@@ -109,6 +109,7 @@ def test_both_writers_write_the_same_dataset(spark, jvm, tmp_path, case):
     verify_dataset(str(tmp_path / "jvm"), checksums=True)  # raises on any mismatch
 
 
+@pytest.mark.arrow_udf
 def test_tensor_structs_and_scalars_are_twins(spark, jvm, tmp_path):
     from pyspark_safetensors.spark.functions import arr_to_st
 

@@ -90,7 +90,9 @@ class JvmWriter:
             jvm.java.util.Optional.empty(),
             jvm.java.util.Optional.empty(),
         )
-        builder = jvm.io.github.pysparksafetensors.write.SafetensorsWriteBuilder(info)
+        builder = jvm.io.github.pysparksafetensors.write.SafetensorsWriteBuilder(
+            info, jvm.java.util.HashMap()
+        )
         if overwrite:
             builder = builder.truncate()
         self._batch_write = builder.build().toBatch()

@@ -141,7 +141,7 @@ KILLED_DRIVER = {
         conf.set("fs.stlocal.impl.disable.cache", "true")
         conf.set("fs.stlocal.halt-on-create", "dataset_manifest.json")
         table = pa.Table.from_batches([batch(100, 6), batch(200, 6)])
-        df = from_arrow(spark, table).repartition(2)
+        df = spark.createDataFrame(table, schema=SCHEMA).repartition(2)
         jvm = spark.sparkContext._gateway.proc
         try:
             (df.write.format("safetensors").option("implementation", "jvm")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-from pyspark.sql.datasource import DataSourceReader, EqualTo, In, InputPartition
+from pyspark.sql.datasource import DataSourceReader, InputPartition
 from pyspark.sql.types import ArrayType, DataType, LongType, StringType, StructField, StructType
 
 from ..dataset import (
@@ -493,6 +493,8 @@ class PushdownSafetensorsReader(SafetensorsReader):
 
     def pushFilters(self, filters):
         """Push name/dtype (tensors view) and key (KV view) equality filters."""
+        from pyspark.sql.datasource import EqualTo, In  # Spark 4.1+, as this reader
+
         key_col = self.source.manifest.name_col if self.source.manifest else None
         for f in filters:
             column = f.attribute[0] if len(f.attribute) == 1 else None

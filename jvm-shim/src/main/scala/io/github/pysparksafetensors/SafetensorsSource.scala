@@ -15,7 +15,7 @@ import org.apache.spark.sql.types.StructType
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
 
 import io.github.pysparksafetensors.read.{ReadPlan, SafetensorsScanBuilder}
-import io.github.pysparksafetensors.write.{SafetensorsWriteBuilder, SafetensorsWriteException}
+import io.github.pysparksafetensors.write.{SafetensorsBatchWrite, SafetensorsWriteBuilder, SafetensorsWriteException}
 
 /** The `safetensors` data source on the JVM: the twin of the Python source's reader (views
   * `rows`, `kv`, `tensors`, `files`, the same options, schemas and checks) and writer.
@@ -137,8 +137,9 @@ object SafetensorsSource {
 }
 
 /** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation.
-  * A read plans itself from the scan's options; a schema given by the user names some of
-  * the data's columns with their types. */
+  * A read plans itself from the scan's options, completed by the table's (a catalog table's
+  * path arrives only among its properties); a schema given by the user names some of the
+  * data's columns with their types. */
 final class SafetensorsTable(tableSchema: StructType, properties: util.Map[String, String])
     extends Table with SupportsRead with SupportsWrite {
   override def name(): String = "safetensors"
@@ -147,7 +148,8 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
     util.EnumSet.of(TableCapability.BATCH_READ, TableCapability.BATCH_WRITE, TableCapability.TRUNCATE)
 
   override def newScanBuilder(options: CaseInsensitiveStringMap): ScanBuilder = {
-    val plan = SafetensorsSource.plan(options)
+    val plan = SafetensorsSource.plan(new CaseInsensitiveStringMap(
+      SafetensorsBatchWrite.withTableOptions(options.asCaseSensitiveMap(), properties)))
     new SafetensorsScanBuilder(if (plan.schema.catalogString == tableSchema.catalogString) plan
       else ReadPlan.withSchema(plan, tableSchema))
   }

@@ -81,11 +81,16 @@ final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) ex
 
 object SafetensorsBatchWrite {
   /** The write's options plus those of the table it writes to that it does not give
-    * (keys compared without case). */
+    * (keys compared without case), less the catalog's own properties (provider, owner,
+    * location, ...), which are no options. */
   def withTableOptions(given: util.Map[String, String], table: util.Map[String, String]): util.Map[String, String] = {
     val have = given.keySet.asScala.map(_.toLowerCase(java.util.Locale.ROOT))
+    // TableCatalog's reserved properties (its PROP_* constants)
+    val reserved = Set("provider", "owner", "location", "comment", "external", "is_managed_location", "collation")
     val merged = new util.HashMap[String, String](given)
-    table.asScala.foreach { case (k, v) => if (!have(k.toLowerCase(java.util.Locale.ROOT))) merged.put(k, v) }
+    table.asScala.foreach { case (k, v) =>
+      if (!have(k.toLowerCase(java.util.Locale.ROOT)) && !reserved(k)) merged.put(k, v)
+    }
     merged
   }
 
