@@ -40,7 +40,9 @@ def test_statistics_and_examples_equal_the_reference(run):
     assert len(got) == LATENTS
     for column in ("latent", "count", "max", "dead", "dense"):
         assert got[column].tolist() == want[column].tolist(), column
-    assert np.allclose(got["mean"], want["mean"], rtol=1e-9)
+    # float32 encodes of other batch shapes (Spark's Arrow batches differ between lines)
+    # differ in the last bits; the sums themselves are float64
+    assert np.allclose(got["mean"], want["mean"], rtol=1e-6, atol=0)
     assert [list(h) for h in got["hist"]] == [list(h) for h in want["hist"]]
     assert 0 < got["dead"].sum() < LATENTS and got["dense"].any()  # the page has both kinds
     keys = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]
