@@ -193,3 +193,30 @@ def test_evaluate_lm_loads_the_model_directory(toy):
     report = evaluate_lm(model_dir, toy_lm_texts(TINY)[1][:4], lut_dir=lut, batch_size=4)
     assert report["tokens"] > 0 and set(report["lut"]) == {0}
     assert report["lut"][0]["ce"] > 0 and report["hooks"] == {}
+
+
+def test_gpt2_conv1d_weights_are_read_as_linear_ones(toy, tmp_path):
+    """GPT-2 keeps its projections in Conv1D modules (weights ``[in, out]``): the products
+    are still ``W_dec @ W_target`` with ``W_target`` the map from input to output."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, saes, _, _ = toy
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=TINY.hidden_size, n_layer=1,
+                        n_head=2)  # fmt: skip
+    model = GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    layer = "transformer.h.0.attn.c_attn"
+    meta = precompute_lut(tmp_path / "gpt2", {layer: saes[ATTN_IN]}, out_dir=tmp_path / "lut",
+                          progress=False)  # fmt: skip
+    assert meta["layers"][layer]["output_dim"] == 3 * TINY.hidden_size
+    assert meta["model_config"] == {"model_type": "gpt2", "num_layers": 1,
+                                    "num_attention_heads": 2,
+                                    "hidden_size": TINY.hidden_size}  # fmt: skip
+    tensors = load_layer_file(tmp_path / "lut" / f"{layer}.lut.safetensors")
+    codes = torch.rand(5, N_LATENTS)  # any code: the products are linear in it
+    conv = model.get_submodule(layer)
+    with torch.no_grad():
+        expected = conv(codes @ tensors["decoder_weight"]) - conv.bias  # x @ weight + bias
+    got = codes @ tensors["precomputed_products"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))

@@ -31,6 +31,9 @@ from ..sae.ecosystem import read_sae
 from ..torch.dtypes import TORCH_DTYPES, to_numpy
 from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
 
+CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
+"""``model_type``s whose projections are ``transformers``' Conv1D: weights stored ``[in,
+out]``, the transpose of a Linear's."""
 STORE_DTYPES = {name: TORCH_DTYPES[name] for name in ("F16", "BF16")}
 """Storage dtypes of LUT files, by canonical name (any alias: float16, fp16, bfloat16...)."""
 SHORTEST_SECONDS = 1e-9
@@ -63,6 +66,8 @@ class ModelWeights:
                     f"{self.dir}: weight file {path.name} is missing or outside the directory"
                 )
         self._shapes: dict[str, tuple[int, ...]] = {}
+        # GPT-2 style models keep their projections in Conv1D modules, weights [in, out]
+        self.transposed = self.config().get("model_type") in CONV1D_MODEL_TYPES
 
     def shape(self, key: str) -> tuple[int, ...]:
         if key not in self._shapes:
@@ -96,19 +101,21 @@ class ModelWeights:
         )
 
     def dims(self, layer: str) -> tuple[int, int]:
-        """(input_dim, output_dim) of a torch Linear weight ``[out, in]``."""
+        """(input_dim, output_dim) of a torch Linear weight ``[out, in]`` (a Conv1D
+        weight ``[in, out]`` in the models of ``CONV1D_MODEL_TYPES``)."""
         shape = self.shape(self.resolve(layer))
         if len(shape) != 2:
             raise LUTError(f"{layer}: weight has shape {list(shape)}, not a linear layer")
-        return shape[1], shape[0]
+        return (shape[0], shape[1]) if self.transposed else (shape[1], shape[0])
 
     def weight(self, layer: str) -> torch.Tensor:
-        """The ``[out, in]`` weight of one layer, read alone."""
+        """The ``[out, in]`` weight of one layer, read alone (a Conv1D weight transposed)."""
         from safetensors import safe_open
 
         key = self.resolve(layer)
         with safe_open(self.file_of[key], framework="pt") as f:
-            return f.get_slice(key)[:]
+            weight = f.get_slice(key)[:]
+        return weight.t().contiguous() if self.transposed else weight
 
     def config(self) -> dict:
         path = self.dir / "config.json"
