@@ -1,7 +1,9 @@
 """The pipeline's held-out evaluation: texts no stage has seen, through the model once;
 each SAE's reconstruction of its hook point, each LUT layer against the exact layer, each
-hook point's LUT layers (one shared encode) timed against its dense layers, and the patched
-model's sentence embeddings."""
+hook point's LUT layers (one shared encode) timed against its dense layers; then what the
+model itself gives: a causal LM's next-token loss with each SAE spliced in, each hook point
+ablated and every LUT layer patched in (``lut.evaluate_lm``), an encoder's sentence
+embeddings with its LUT layers patched in."""
 
 from __future__ import annotations
 
@@ -97,21 +99,23 @@ def evaluate_pipeline(
     hooks: Mapping[str, Sequence[str]],
     sae_files: Mapping[str, Path],
     lut_dir: Path,
-    skip_texts: int,
-    held_out_texts: int,
+    texts: Sequence[str],
     max_length: int,
     ks: Sequence[int],
     ms: Sequence[int],
     out_dir: Path,
 ) -> dict:
-    """Every held-out figure of the report; writes ``evaluation.md``/``evaluation.png``
-    (LUT error against k) and ``latent_frequency.png`` into ``out_dir``."""
-    from ..extract import Extractor, passages_by_key
+    """Every held-out figure of the report, on ``texts``: ``lm_loss`` for a causal LM,
+    ``embedding_cosine`` otherwise; writes ``evaluation.md``/``evaluation.png`` (LUT error
+    against k) and ``latent_frequency.png`` into ``out_dir``."""
+    from ..extract import Extractor
+    from ..extract.model import is_causal_lm
     from ..lut import embedding_agreement, evaluate, load_lut_layers
+    from ..lut.evaluate import evaluate_lm
     from ..lut.precompute import ModelWeights
     from ..lut.spec import validate_lut
 
-    texts = passages_by_key(skip_texts, held_out_texts)
+    texts = list(texts)
     extractor = Extractor(model_dir, list(hooks), max_length=max_length)
     windows = extractor.run(texts)
     acts = {
@@ -137,16 +141,26 @@ def evaluate_pipeline(
         )
         for hook, layers in hooks.items()
     }
-    embedding = {
-        str(m): embedding_agreement(model_dir, lut_dir, texts, compensate=m, max_length=max_length)
-        for m in ms
-    }
-    return {
+    figures = {
         "held_out_texts": len(texts),
         "held_out_tokens": {hook: len(x) for hook, x in acts.items()},
         "sae": saes,
         "lut": rows,
         "k_active": k_active,
         "latency": latency,
-        "embedding_cosine": embedding,
     }
+    if is_causal_lm(model_dir):
+        # the extractor's length: max_length 0 resolved to the model's context
+        lm = evaluate_lm(
+            model_dir, texts, saes=dict(sae_files), lut_dir=lut_dir, compensate=list(ms),
+            max_length=extractor.max_length,
+        )  # fmt: skip
+        figures["lm_loss"] = {**lm, "lut": {str(m): v for m, v in lm["lut"].items()}}
+    else:
+        figures["embedding_cosine"] = {
+            str(m): embedding_agreement(
+                model_dir, lut_dir, texts, compensate=m, max_length=max_length
+            )
+            for m in ms
+        }
+    return figures

@@ -14,7 +14,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
-    sections = (_overview, _stages, _extraction, _saes, _lut_errors, _lut_latency,
+    sections = (_overview, _stages, _extraction, _saes, _lm_loss, _lut_errors, _lut_latency,
                 _embeddings, _features, _configuration)  # fmt: skip
     return "\n".join(line for section in sections for line in section(summary))
 
@@ -28,6 +28,24 @@ def _overview(summary: dict) -> list[str]:
         f"{ev['held_out_texts']} held-out passages never seen by any stage; "
         f"SAEs trained on {c['nproc']} process(es) ({c['parallel']} parallel). "
         f"Created {summary['created_at']}, {summary['seconds']:.0f} s in all.",
+        "",
+        *_toy_lm(summary),
+    ]
+
+
+def _toy_lm(summary: dict) -> list[str]:
+    """The toy Llama the run trained, when it trained one."""
+    t = summary.get("toy_lm")
+    if not t:
+        return []
+    c = t["config"]
+    return [
+        f"The model is a toy Llama trained by the pipeline's `model` stage: {t['parameters']:,} "
+        f"parameters ({c['num_layers']} layers, hidden {c['hidden_size']}, vocabulary "
+        f"{c['vocab_size']}), {c['steps']} steps; held-out next-token loss "
+        f"{t['held_out_loss']:.3f} nats against {t['unigram_held_out_loss']:.3f} for a "
+        "unigram model. The evaluation's held-out passages are the model's own, never "
+        "trained on.",
         "",
     ]
 
@@ -79,6 +97,58 @@ def _saes(summary: dict) -> list[str]:
     for hook in summary["training"]:
         lines += [f"![training {hook}]({summary['sae_runs'][hook]}/training.png)", ""]
     return [*lines, f"![latent frequency]({summary['evaluation_dir']}/latent_frequency.png)", ""]
+
+
+def _lm_loss(summary: dict) -> list[str]:
+    """A causal LM's loss per hook point (the figures SAE papers compare) and with the LUT
+    layers patched in; nothing for an encoder or an older summary."""
+    ev = summary["evaluation"]
+    lm = ev.get("lm_loss")
+    if not lm:
+        return []
+    lines = [
+        "## Language-model loss",
+        "",
+        f"Next-token cross-entropy (nats per token) over {lm['tokens']:,} predicted tokens of "
+        f"the held-out passages; clean: **{lm['ce_clean']:.4f}**. Per hook point, the "
+        "activation is replaced at every real token by the SAE's reconstruction (spliced), "
+        "by zeros, or by its mean (a BOS token keeps its own: the SAEs never saw it); CE loss recovered = (CE zero − CE spliced) / "
+        "(CE zero − CE clean), 1 = no loss, 0 = as bad as zero ablation; KL of the "
+        "next-token distributions to the clean ones.",
+        "",
+    ]
+    rows = []
+    for hook, h in lm["hooks"].items():
+        s = ev["sae"].get(hook, {})
+        rows.append([
+            f"`{hook}`", _num(s.get("fvu"), ".4f"), _num(s.get("l0"), ".1f"),
+            _num(s.get("dead_fraction"), ".1%"), f"{h['ce_spliced']:.4f}",
+            f"{h['ce_zero_ablated']:.4f}", f"{h['ce_mean_ablated']:.4f}",
+            f"**{h['ce_loss_recovered']:.3f}**", f"{h['ce_loss_recovered_mean']:.3f}",
+            f"{h['kl_spliced']:.3g}", f"{h['kl_zero_ablated']:.3g}",
+        ])  # fmt: skip
+    lines += _table(
+        ["hook point", "FVU", "L0", "never fired", "CE spliced", "CE zero-abl.",
+         "CE mean-abl.", "CE loss recovered", "recovered vs mean", "KL spliced", "KL zero-abl."],
+        rows,
+    )  # fmt: skip
+    if lm.get("lut"):
+        lines += [
+            "",
+            "With every LUT layer patched in at once (each at every position, as in use; "
+            f"k = {ev['k_active']}, m = input dims added exactly):",
+            "",
+        ]
+        rows = [
+            [m, f"{v['ce']:.4f}", f"{v['ce_increase']:+.4f}", f"{v['kl']:.3g}"]
+            for m, v in lm["lut"].items()
+        ]
+        lines += _table(["m", "CE", "CE − clean", "KL"], rows)
+    return [*lines, ""]
+
+
+def _num(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def _lut_errors(summary: dict) -> list[str]:
@@ -137,7 +207,9 @@ def _lut_latency(summary: dict) -> list[str]:
 
 
 def _embeddings(summary: dict) -> list[str]:
-    cosines = summary["evaluation"]["embedding_cosine"]
+    cosines = summary["evaluation"].get("embedding_cosine")
+    if cosines is None:  # a causal LM: its loss is the downstream figure
+        return []
     return [
         "## Sentence embeddings",
         "",

@@ -1,6 +1,8 @@
 """The research pipeline, end to end (``pyspark-safetensors pipeline``, config
-``conf/pipeline.toml``):
+``conf/pipeline.toml``; ``conf/pipeline-llama.toml`` runs it on a toy Llama trained first):
 
+0. model (``model = "toy-llama"`` only): the toy Llama of ``extract.toy_lm`` trained on
+   the demo corpus, a stage like the others;
 1. extract: the corpus through the transformer inside Spark, the activations of every
    hook point written as token-level datasets (one Spark job for all hook points);
 2. train: one TopK SAE per hook point, on ``nproc`` processes launched with torchrun
@@ -8,7 +10,9 @@
 3. lut: lookup tables for every linear layer each hook point feeds;
 4. evaluate: on texts no stage has seen, each SAE (FVU, L0, dead latents), each LUT layer
    against the exact layer (relative L2 and cosine against k and m, latency against the
-   dense layer), and the sentence embeddings of the patched model;
+   dense layer); for a causal LM the loss with each SAE spliced in, its hook point
+   ablated, and every LUT layer patched in (CE loss recovered, KL), for an encoder the
+   sentence embeddings of the patched model;
 5. features (``features = true``): per SAE, every latent's statistics and contexts over
    all extracted tokens, in Spark, and a static feature browser (``docs/features.md``);
 6. report: ``report.md`` and ``summary.json`` in the output directory.
@@ -41,6 +45,8 @@ from ..dataset.publish import publishing
 from ..format.errors import PysparkSafetensorsError
 
 MARKER = ".pyspark-safetensors-pipeline"
+TOY_LLAMA = "toy-llama"
+"""``PipelineConfig.model`` value: train the toy Llama (``extract.toy_lm``) as a stage."""
 DEFAULT_HOOKS = {
     "encoder.layer.0.attention.self.query:input": (
         "encoder.layer.0.attention.self.query",
@@ -70,7 +76,11 @@ class PipelineConfig:
     """Hook point -> the linear layers it feeds (each gets a LUT from that hook's SAE)."""
     model: str = ""
     """A Hugging Face model directory or model id (from the local Hub cache); empty = the
-    packaged all-MiniLM-L6-v2."""
+    packaged all-MiniLM-L6-v2; "toy-llama" = a small Llama trained on the demo corpus as
+    the pipeline's first stage (``toy_lm`` sets its size)."""
+    toy_lm: dict = field(default_factory=dict)
+    """With ``model = "toy-llama"``: ``preset`` ("default" or "tiny", the tests' size) and
+    any ``ToyLMConfig`` fields over it (e.g. ``steps``, ``hidden_size``)."""
     master: str = "local[*]"
     """Spark master of the extraction."""
     nproc: int = 2
@@ -103,23 +113,43 @@ class PipelineConfig:
         for hook, layers in self.hooks.items():
             if not layers:
                 raise PipelineError(f"hook {hook!r} names no linear layer to build a LUT for")
+        if self.toy_lm:
+            if self.model != TOY_LLAMA:
+                raise PipelineError(f"toy_lm is set but model is {self.model!r}, not {TOY_LLAMA!r}")
+            self.toy_config()  # a bad preset or field fails here, before any stage
         reserved = {"dataset", "out_dir", "tokens", "data_parallel_size", "model_parallel_size"}
         if reserved & set(self.sae):
             raise PipelineError(
                 f"[sae] may not set {sorted(reserved & set(self.sae))}: the pipeline sets them"
             )
 
+    def toy_config(self):
+        """The ``ToyLMConfig`` that ``toy_lm`` describes."""
+        from ..extract.toy_lm import TINY, ToyLMConfig
+
+        settings = dict(self.toy_lm)
+        presets = {"default": ToyLMConfig(), "tiny": TINY}
+        preset = settings.pop("preset", "default")
+        if preset not in presets:
+            raise PipelineError(f"toy_lm preset {preset!r} is not one of {sorted(presets)}")
+        known = {f.name for f in dataclasses.fields(ToyLMConfig)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise PipelineError(f"unknown toy_lm setting(s) {unknown}; known: {sorted(known)}")
+        return replace(presets[preset], **settings)
+
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, **overrides) -> PipelineConfig:
-        """From a TOML file (``[pipeline]``, ``[pipeline.hooks]``, ``[sae]`` tables) and
+        """From a TOML file (``[pipeline]``, ``[pipeline.hooks]``, ``[sae]``, ``[toy_lm]``) and
         keyword overrides; unknown keys are errors naming them."""
         values: dict = {}
         if path is not None:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
             values.update(data.get("pipeline", {}))
-            if "sae" in data:
-                values["sae"] = data["sae"]
+            for table in ("sae", "toy_lm"):
+                if table in data:
+                    values[table] = data[table]
         values.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -180,6 +210,12 @@ class Pipeline:
         self.config, self.force, self.log = config, force, log
         self.out = Path(config.out)
         self.summary: dict = {"config": config.to_dict(), "stages": {}}
+        self.step_count = 0
+
+    def announce(self, text: str) -> None:
+        """``[i/n] text``: the next stage's progress line."""
+        self.step_count += 1
+        self.log(f"[{self.step_count}/{self.steps}] {text}")
 
     # -- stage plumbing ---------------------------------------------------------------
 
@@ -201,18 +237,28 @@ class Pipeline:
 
     def run(self) -> dict:
         started = time.perf_counter()
+        if self.config.model == TOY_LLAMA:
+            self.plan_toy()
         prepare_out_dir(self.out, force=self.force)
         self.log(f"outputs go to {self.out.resolve()}")
-        from ..extract import ExtractConfig, resolve_model
+        from ..extract import ExtractConfig, ModelSource, resolve_model
         from ..extract.model import weights_hash
 
         c = self.config
-        self.model_source = resolve_model(c.model)
-        self.model_dir = Path(self.model_source.path)
+        if c.model == TOY_LLAMA:
+            self.model_dir = self.toy_model()
+            self.model_source = ModelSource(self.model_dir.name, str(self.model_dir))
+            self.extract_config = ExtractConfig(
+                model=str(self.model_dir), hooks=tuple(c.hooks), max_texts=c.texts,
+                max_length=c.max_length, passage_chars=self.toy.passage_chars,
+            )  # fmt: skip
+        else:
+            self.model_source = resolve_model(c.model)
+            self.model_dir = Path(self.model_source.path)
+            self.extract_config = ExtractConfig(
+                model=c.model, hooks=tuple(c.hooks), max_texts=c.texts, max_length=c.max_length
+            )
         self.model_hash = weights_hash(self.model_dir)
-        self.extract_config = ExtractConfig(
-            model=c.model, hooks=tuple(c.hooks), max_texts=c.texts, max_length=c.max_length
-        )
         extract_dir = self.extract()
         sae_files = {hook: self.train(hook, extract_dir) for hook in c.hooks}
         lut_dir = self.lut(sae_files)
@@ -223,14 +269,53 @@ class Pipeline:
         self.write_report()
         return self.summary
 
+    def plan_toy(self) -> None:
+        """The toy model's config and held-out passages (the evaluation's), checked
+        before anything is written."""
+        from ..extract import passages_by_key
+        from ..extract.toy_lm import toy_lm_texts
+
+        c = self.config
+        self.toy = t = c.toy_config()
+        held_out = toy_lm_texts(t)[1]
+        available = len(passages_by_key(0, 1 << 30, t.passage_chars)) - len(held_out)
+        if c.texts > available:  # the SAEs' passages must not reach the model's held-out ones
+            raise PipelineError(
+                f"texts {c.texts} reaches the toy model's held-out passages: at most {available}"
+            )
+        if c.held_out_texts > len(held_out):
+            raise PipelineError(
+                f"held_out_texts {c.held_out_texts} exceeds the toy model's {len(held_out)} "
+                "held-out passages (toy_lm.held_out_texts)"
+            )
+        self.held_out = held_out[: c.held_out_texts]
+
+    def toy_model(self) -> Path:
+        """The toy Llama (stage ``model``), trained on the demo passages but the last
+        ``held_out_texts`` of its config, which the evaluation uses."""
+        from ..extract.toy_lm import toy_lm, toy_lm_hash
+
+        t = self.toy
+        self.announce(
+            f"model: a toy Llama ({t.num_layers} layers, hidden {t.hidden_size}, "
+            f"{t.steps} steps) trained on the demo corpus"
+        )
+        path = self.stage("model", toy_lm_hash(t)[:12], lambda tmp: toy_lm(tmp, t, progress=True))
+        model_dir = toy_lm(path, t)  # the trained directory inside the stage, never retrained
+        self.summary["toy_lm"] = json.loads((model_dir / "toy_lm.json").read_text())
+        return model_dir
+
     def extract(self) -> Path:
         from ..extract import config_hash, run_extraction
         from ..spark.session import local_session
 
         c = self.config
-        key = config_hash(self.extract_config, self.model_hash)[:12]
-        self.log(
-            f"[1/{self.steps}] extract: {c.texts} passages, {len(c.hooks)} hook points, in Spark ({c.master})"
+        # the toy model's path names the output directory; its weights hash names the model
+        named = replace(self.extract_config, model=self.source_model)
+        key = config_hash(named if c.model == TOY_LLAMA else self.extract_config, self.model_hash)
+        key = key[:12]
+        self.announce(
+            f"extract: {c.texts} passages, {len(c.hooks)} hook points, in Spark ({c.master})"
         )
 
         def build(tmp: Path) -> None:
@@ -266,9 +351,7 @@ class Pipeline:
         settings = self.sae_settings(hook, extract_dir)
         probe = SAEConfig.from_dict({**settings, "out_dir": "."})
         key = digest(self.summary["stages"]["extract"]["hash"], hook, probe.config_hash())
-        self.log(
-            f"[2/{self.steps}] train: TopK SAE on {hook} ({c.nproc} process(es), {c.parallel} parallel)"
-        )
+        self.announce(f"train: TopK SAE on {hook} ({c.nproc} process(es), {c.parallel} parallel)")
 
         def build(tmp: Path) -> None:
             overrides = [
@@ -303,7 +386,7 @@ class Pipeline:
         layers = {layer: sae_files[hook] for hook, names in c.hooks.items() for layer in names}
         sae_keys = [self.summary["stages"][f"sae-{hook_slug(h)}"]["hash"] for h in c.hooks]
         key = digest(sae_keys, sorted(layers), c.lut_dtype, self.model_hash)
-        self.log(f"[3/{self.steps}] lut: {len(layers)} linear layers from {len(sae_files)} SAEs")
+        self.announce(f"lut: {len(layers)} linear layers from {len(sae_files)} SAEs")
 
         def build(tmp: Path) -> None:
             precompute_lut(
@@ -319,17 +402,23 @@ class Pipeline:
         return self.model_source.name
 
     def evaluate(self, sae_files: dict[str, Path], lut_dir: Path) -> None:
+        from ..extract import passages_by_key
+        from ..extract.model import is_causal_lm
         from .evaluation import evaluate_pipeline
 
         c = self.config
-        key = digest(self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.ks, c.ms)
-        self.log(f"[4/{self.steps}] evaluate on {c.held_out_texts} held-out passages")
+        parts = [self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.ks, c.ms]
+        causal = is_causal_lm(self.model_dir)
+        key = digest(*parts, "lm_loss") if causal else digest(*parts)
+        # the toy model's own held-out passages; for any other model those after the SAEs'
+        texts = getattr(self, "held_out", None) or passages_by_key(c.texts, c.held_out_texts)
+        figure = "the LM loss" if causal else "the sentence embeddings"
+        self.announce(f"evaluate on {len(texts)} held-out passages (SAEs, LUTs, {figure})")
 
         def build(tmp: Path) -> None:
             figures = evaluate_pipeline(
                 model_dir=self.model_dir, hooks=c.hooks, sae_files=sae_files, lut_dir=lut_dir,
-                skip_texts=c.texts, held_out_texts=c.held_out_texts, max_length=c.max_length,
-                ks=c.ks, ms=c.ms, out_dir=tmp,
+                texts=texts, max_length=c.max_length, ks=c.ks, ms=c.ms, out_dir=tmp,
             )  # fmt: skip
             (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -339,7 +428,8 @@ class Pipeline:
 
     @property
     def steps(self) -> int:
-        return 5 if self.config.features else 4
+        c = self.config
+        return 2 + len(c.hooks) + c.features + (c.model == TOY_LLAMA) + 1
 
     def features(self, sae_files: dict[str, Path], extract_dir: Path) -> None:
         """One feature browser per SAE (``features-{hook}/features/index.html``), computed
@@ -349,7 +439,7 @@ class Pipeline:
         from ..spark.session import local_session
 
         c = self.config
-        self.log(f"[5/5] features: statistics and contexts of every latent, in Spark ({c.master})")
+        self.announce(f"features: statistics and contexts of every latent, in Spark ({c.master})")
         sessions: list = []  # one Spark session, started only when a stage is built
 
         def spark():

@@ -1,0 +1,102 @@
+"""The research pipeline on a causal LM, through the real CLI: the tiny toy Llama trained
+as the pipeline's first stage, SAEs on the inputs of layer 1's attention and MLP
+projections, LUTs named as the LUT spec names a Llama's layers, and the LM-loss
+evaluation (CE loss recovered, KL) per hook point in the summary and the report."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pyspark_safetensors.lut import validate_lut
+
+pytestmark = pytest.mark.integration
+
+ATTN, MLP = "model.layers.1.self_attn.q_proj:input", "model.layers.1.mlp.gate_proj:input"
+CONFIG = f"""
+[pipeline]
+model = "toy-llama"
+texts = 12
+held_out_texts = 6
+max_length = 0
+master = "local[1]"
+nproc = 1
+epochs = 1
+ms = [0, 8]
+features = false
+[pipeline.hooks]
+"{ATTN}" = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+            "model.layers.1.self_attn.v_proj"]
+"{MLP}" = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+[toy_lm]
+preset = "tiny"
+steps = 200  # enough that layer 1's attention matters: zero-ablating it costs loss
+[sae]
+expansion_factor = 2
+k = 8
+batch_size = 128
+log_every = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("pipeline-llama")
+    (work / "llama.toml").write_text(CONFIG)
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    result = subprocess.run(
+        [sys.executable, "-m", "pyspark_safetensors.cli", "pipeline", "--config", "llama.toml",
+         "--out", "run"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return work / "run"
+
+
+def test_lut_files_carry_the_spec_llama_names(run):
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stages"]["model"]["dir"].startswith("model-")
+    assert summary["toy_lm"]["config"]["steps"] == 200  # the preset's fields overridden
+    assert summary["source_model"].startswith("toy-llama-")
+    meta = validate_lut(run / "lut" / "lut")
+    assert sorted(meta["layers"]) == sorted(
+        [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+        + [f"model.layers.1.mlp.{p}_proj" for p in ("gate", "up")]
+    )
+    for layer in meta["layers"]:
+        assert (run / "lut" / "lut" / f"{layer}.lut.safetensors").is_file()
+    assert meta["model_config"]["model_type"] == "llama"
+    assert meta["model_config"]["num_layers"] == 2  # the tiny preset's
+
+
+def test_summary_and_report_hold_the_lm_loss_per_hook_point(run):
+    summary = json.loads((run / "summary.json").read_text())
+    ev = summary["evaluation"]
+    assert "embedding_cosine" not in ev  # an encoder's figure, not a causal LM's
+    lm = ev["lm_loss"]
+    assert lm["tokens"] > 0 and math.isfinite(lm["ce_clean"])
+    # the toy model beats the unigram baseline on its held-out texts
+    assert summary["toy_lm"]["held_out_loss"] < summary["toy_lm"]["unigram_held_out_loss"]
+    assert set(lm["hooks"]) == {ATTN, MLP}
+    for h in lm["hooks"].values():
+        values = [h[k] for k in ("ce_spliced", "ce_zero_ablated", "ce_mean_ablated",
+                                 "ce_loss_recovered", "kl_spliced", "kl_zero_ablated")]  # fmt: skip
+        assert all(math.isfinite(v) for v in values)
+        assert lm["ce_clean"] < h["ce_zero_ablated"]
+        assert 0 <= h["kl_spliced"] < h["kl_zero_ablated"]  # the SAE beats ablation
+        assert h["ce_loss_recovered"] == pytest.approx(
+            (h["ce_zero_ablated"] - h["ce_spliced"]) / (h["ce_zero_ablated"] - lm["ce_clean"])
+        )
+    assert set(lm["lut"]) == {"0", "8"}
+    assert all(math.isfinite(v["ce"]) and v["kl"] >= 0 for v in lm["lut"].values())
+    report = (run / "report.md").read_text()
+    assert "## Language-model loss" in report and "Sentence embeddings" not in report
+    assert "CE loss recovered" in report and "KL spliced" in report and "toy Llama" in report
+    for hook in (ATTN, MLP):  # the loss table's row of each hook point
+        recovered = f"**{lm['hooks'][hook]['ce_loss_recovered']:.3f}**"
+        assert any(
+            line.startswith(f"| `{hook}`") and recovered in line for line in report.splitlines()
+        )
