@@ -98,31 +98,33 @@ def connect_server(env: dict[str, str] | None = None, *, timeout: float = 180):
         "--conf", "spark.ui.enabled=false",
     ]  # fmt: skip
     environment = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_HOME": str(home)}
-    server = subprocess.Popen(
-        command,
-        env={**environment, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the Connect server exited: {server.stderr.read()[-3000:]}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no Connect server on port {port} after {timeout} s")
-            time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, 15)
+    # its log goes to a file: a pipe nobody reads fills up and blocks the server
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(
+            command,
+            env={**environment, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait()
-        server.stderr.close()
+            deadline = time.monotonic() + timeout
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"the Connect server exited: {log.read()[-3000:]!r}")
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no Connect server on port {port} after {timeout} s")
+                time.sleep(0.5)
+            yield f"sc://127.0.0.1:{port}"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, 15)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)
+                server.wait()
