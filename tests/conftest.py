@@ -36,8 +36,8 @@ def pytest_collection_modifyitems(config, items):
     # there, the JVM source's twin of each test still runs.
     from pyspark_safetensors.spark.register import python_data_sources
 
-    no_python_source = None if python_data_sources() else _no_python_source()
-    no_arrow_udf = None if _arrow_udfs() else _no_arrow_udf()
+    no_python_source = None if python_data_sources() else _skip_on_this_spark("Python data sources")
+    no_arrow_udf = None if _arrow_udfs() else _skip_on_this_spark("Arrow UDFs")
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
@@ -48,22 +48,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)
 
 
-def _no_python_source():
-    import pyspark
-
-    return pytest.mark.skip(reason=f"Spark {pyspark.__version__} has no Python data sources")
-
-
 def _arrow_udfs() -> bool:
     from pyspark.sql import functions as F
 
     return hasattr(F, "arrow_udf")
 
 
-def _no_arrow_udf():
+def _skip_on_this_spark(missing: str):
     import pyspark
 
-    return pytest.mark.skip(reason=f"Spark {pyspark.__version__} has no Arrow UDFs")
+    return pytest.mark.skip(reason=f"Spark {pyspark.__version__} has no {missing}")
 
 
 def _runs_the_python_source(item) -> bool:
