@@ -23,6 +23,11 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, str]]] = {
     "shim": ("local[2]", {"spark.sql.extensions": SHIM_EXTENSIONS}),
     # executors in separate JVMs, each with its own Python workers
     "cluster": ("local-cluster[2,1,1024]", {"spark.task.maxFailures": "2"}),
+    # catalog tables in a Hive metastore (embedded Derby) with the shim's functions
+    "hive": (
+        "local[2]",
+        {"spark.sql.catalogImplementation": "hive", "spark.sql.extensions": SHIM_EXTENSIONS},
+    ),
 }
 
 _current: dict[str, object] = {}
@@ -47,13 +52,19 @@ def spark_session(name: str = "local"):
         return _current[name]
     stop_all()
     master, conf = CONFIGURATIONS[name]
+    # catalog tables, a Hive metastore and its log go to a directory of the session's own,
+    # never the working directory
+    catalog = tempfile.mkdtemp(prefix="spark-catalog-")
     session = local_session(
         master,
         app_name=f"pyspark-safetensors-tests-{name}",
-        # catalog tables go to a directory of the run's own, never the working directory
         **{
             "spark.ui.showConsoleProgress": "false",
-            "spark.sql.warehouse.dir": tempfile.mkdtemp(prefix="spark-warehouse-"),
+            "spark.sql.warehouse.dir": f"{catalog}/warehouse",
+            "spark.hadoop.javax.jdo.option.ConnectionURL": (
+                f"jdbc:derby:;databaseName={catalog}/metastore_db;create=true"
+            ),
+            "spark.driver.extraJavaOptions": f"-Dderby.stream.error.file={catalog}/derby.log",
             **conf,
         },
     )

@@ -223,7 +223,7 @@ def test_manifest_path_reads_its_dataset(spark, tmp_path):
 def test_other_files_are_refused_when_loaded_not_in_a_task(spark, tmp_path):
     out = tmp_path / "ds"
     write(frame(spark).select("key", "vec"), out, name_col="key")
-    index = out / "_tensor_index.parquet"
+    index = out / "_tensor_index.parquet" / "part-00000.parquet"
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     reader = spark.read.format("safetensors")

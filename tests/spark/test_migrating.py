@@ -147,7 +147,7 @@ def test_generate_index_defaults(spark, tmp_path):
     df.write.format("safetensors").option("name_col", "k").mode("overwrite").save(
         str(tmp_path / "kv")
     )
-    assert (tmp_path / "kv" / "_tensor_index.parquet").is_file()
+    assert (tmp_path / "kv" / "_tensor_index.parquet").is_dir()
     df.write.format("safetensors").option("name_col", "k").option("generate_index", "false").mode(
         "overwrite"
     ).save(str(tmp_path / "kv_theirs"))
@@ -158,10 +158,14 @@ def test_generate_index_defaults(spark, tmp_path):
     assert not list((tmp_path / "batch").glob("_tensor_index*"))
 
 
-def test_index_is_one_file_read_by_plain_pyarrow(spark, tmp_path):
+def test_index_is_a_directory_read_by_plain_pyarrow_and_spark(spark, tmp_path):
     df = spark.createDataFrame([("a", [1.0, 2.0]), ("b", [3.0, 4.0])], "k string, x array<float>")
     df.write.format("safetensors").option("name_col", "k").mode("overwrite").save(str(tmp_path))
-    table = pq.read_table(tmp_path / "_tensor_index.parquet")
+    index = tmp_path / "_tensor_index.parquet"
+    assert index.is_dir()
+    keys = spark.read.parquet(str(index)).select("tensor_key").collect()
+    assert sorted(r.tensor_key for r in keys) == ["a__x", "b__x"]
+    table = pq.read_table(index)
     assert {"tensor_key", "file_name", "shape", "dtype", "begin", "end"} <= set(table.column_names)
     row = table.to_pylist()[table.column("tensor_key").to_pylist().index("b__x")]
     with open(tmp_path / row["file_name"], "rb") as f:

@@ -22,6 +22,7 @@ from pyspark_safetensors.dataset.commit import commit_dataset
 from pyspark_safetensors.torch import open_dataset
 
 SPEC_INDEX = "_tensor_index.parquet"
+SPEC_INDEX_PART = f"{SPEC_INDEX}/part-00000.parquet"
 SPEC_COLUMNS = ["tensor_key", "file_name", "shape", "dtype"]
 
 
@@ -38,15 +39,17 @@ def named_by(m):
     """The files a manifest names, plus the two the commit always leaves."""
     names = {s["shard_path"] for s in m["shards"]} | {"dataset_manifest.json", "_SUCCESS"}
     if "index_file" in m:
-        names |= {m["index_file"], SPEC_INDEX}
+        names |= {m["index_file"], SPEC_INDEX_PART}
     return sorted(names)
 
 
 def check_spec_index(root):
-    """``_tensor_index.parquet`` is the manifest's index byte for byte, readable by plain
-    pyarrow with the spec's columns, covering every shard and routing each tensor."""
+    """``_tensor_index.parquet/`` holds the manifest's index byte for byte as its one part,
+    readable by plain pyarrow with the spec's columns, covering every shard and routing
+    each tensor."""
     m = manifest(root)
-    assert (root / SPEC_INDEX).read_bytes() == (root / m["index_file"]).read_bytes()
+    assert [p.name for p in (root / SPEC_INDEX).iterdir()] == ["part-00000.parquet"]
+    assert (root / SPEC_INDEX_PART).read_bytes() == (root / m["index_file"]).read_bytes()
     table = pq.read_table(root / SPEC_INDEX)
     assert table.column_names[:4] == SPEC_COLUMNS
     assert set(table.column("file_name").to_pylist()) == {s["shard_path"] for s in m["shards"]}
@@ -207,7 +210,7 @@ def test_spark_overwrite_on_s3_leaves_only_the_new_dataset(spark, s3_bucket, s3_
     listed = sorted(n for n, i in loc.list(recursive=True).items() if i.type == pafs.FileType.File)
     m = json.loads(loc.read_bytes("dataset_manifest.json"))
     assert listed == named_by(m)
-    assert loc.read_bytes(SPEC_INDEX) == loc.read_bytes(m["index_file"])
+    assert loc.read_bytes(SPEC_INDEX_PART) == loc.read_bytes(m["index_file"])
     table = pq.read_table(f"{loc.root}/{SPEC_INDEX}", filesystem=loc.fs)
     assert table.column_names[:4] == SPEC_COLUMNS
     assert set(table.column("file_name").to_pylist()) == {s["shard_path"] for s in m["shards"]}

@@ -44,6 +44,7 @@ from .index import INDEX_SCHEMA, read_index
 from .layout import (
     INDEX,
     INDEX_NAME,
+    INDEX_PART,
     JOB_LEASE_SUFFIX,
     MANIFEST,
     SHARD_NAME,
@@ -402,14 +403,17 @@ def _put_index(location: DatasetLocation, commit_id: str, data: bytes) -> tuple[
 
 
 def _publish_spec_index(location: DatasetLocation, data: bytes | None) -> None:
-    """After the commit point: ``_tensor_index.parquet`` gets the committed index's
-    bytes, or goes when this commit has none (an index of another generation would
-    route readers to shards the manifest no longer lists). A crash before this step
-    leaves the per-commit index, which the manifest names, authoritative."""
+    """After the commit point: the directory ``_tensor_index.parquet/`` gets the committed
+    index's bytes as its one part, or goes when this commit has none (an index of another
+    generation would route readers to shards the manifest no longer lists). One file of
+    that name, as earlier versions wrote it, gives way to the directory. A crash before
+    this step leaves the per-commit index, which the manifest names, authoritative."""
     if data is None:
         location.delete([INDEX])
-    else:
-        location.put_bytes(INDEX, data)
+        return
+    if location.is_file(INDEX):
+        location.delete([INDEX])
+    location.put_bytes(INDEX_PART, data)
 
 
 def _clean_up(

@@ -11,6 +11,9 @@ from ..format.errors import InvalidArgumentError
 
 MANIFEST = "dataset_manifest.json"
 INDEX = "_tensor_index.parquet"
+"""The spec's index: a directory of parquet parts, as Spark writes one (``spark.read.parquet``
+reads a root path whose name starts with ``_`` only as a directory)."""
+INDEX_PART = f"{INDEX}/part-00000.parquet"
 SUCCESS = "_SUCCESS"
 STAGING = "_temporary"
 SHARD_SUFFIX = ".safetensors"

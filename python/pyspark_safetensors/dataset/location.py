@@ -227,6 +227,9 @@ class DatasetLocation:
     def has(self, name: str) -> bool:
         return self.fs.get_file_info(self.path(name, what="file")).type != pafs.FileType.NotFound
 
+    def is_file(self, name: str) -> bool:
+        return self.fs.get_file_info(self.path(name, what="file")).type == pafs.FileType.File
+
     def list(self, *, recursive: bool = False) -> dict[str, pafs.FileInfo]:
         """Everything under the directory by relative name (one listing)."""
         try:

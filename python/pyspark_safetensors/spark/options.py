@@ -264,8 +264,9 @@ class WriterOptions:
         if not opts.get("path"):
             raise OptionError(
                 "no path: use .save(path) or .option('path', ...). saveAsTable, insertInto "
-                "and INSERT INTO a catalog table hand no path to a Python data source: write "
-                "the dataset with .save(path)"
+                "and INSERT INTO a catalog table hand no path to a Python data source (a Spark "
+                "limitation): write the dataset with .save(path), or load the shim jar "
+                "(with_shim) so that the JVM source, which takes a table's location, answers"
             )
         if ("batch_size" in opts) == ("name_col" in opts):
             raise OptionError("set exactly one of batch_size (batch mode) or name_col (KV mode)")
@@ -344,9 +345,10 @@ class ReaderOptions:
         if not paths:
             raise OptionError(
                 "no path: use .load(path) or .load([path, ...]). A catalog table (saveAsTable, "
-                "CREATE TABLE ... USING safetensors) hands no path to a Python data source: "
-                "read the dataset with spark.read.format('safetensors').load(path), or "
-                "CREATE TEMPORARY VIEW ... USING safetensors OPTIONS (path '...')"
+                "CREATE TABLE ... USING safetensors) hands no path to a Python data source (a "
+                "Spark limitation): read the dataset with spark.read.format('safetensors')"
+                ".load(path), CREATE TEMPORARY VIEW ... USING safetensors OPTIONS (path '...'), "
+                "or load the shim jar (with_shim) so that the JVM source answers"
             )
         kw: dict = {"path": paths[0], "paths": tuple(paths)}
         for name, parse_value in _READER_PARSERS.items():

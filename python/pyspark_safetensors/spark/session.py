@@ -47,19 +47,20 @@ def _shim_classpath() -> dict[str, str]:
 
 def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors", **conf: str):
     """A local SparkSession whose Python workers run this interpreter (with the JVM shim's
-    jar on the classpath when built; pass ``spark.sql.extensions`` to enable its functions)."""
+    jar on the classpath when built; pass ``spark.sql.extensions`` to enable its functions).
+    Java options given in ``conf`` come after the shipped logging configuration's."""
     from pyspark.sql import SparkSession
 
     # Workers must import this package: run them with the interpreter we run in.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName(app_name)
+    settings = {**spark_defaults(), **_shim_classpath(), **conf}
     log4j = conf_file("log4j2.properties")
     if log4j is not None:
-        opt = f"-Dlog4j2.configurationFile=file:{log4j}"
-        builder = builder.config("spark.driver.extraJavaOptions", opt).config(
-            "spark.executor.extraJavaOptions", opt
-        )
-    for key, value in {**spark_defaults(), **_shim_classpath(), **conf}.items():
+        for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+            given = settings.get(key, "")
+            settings[key] = f"-Dlog4j2.configurationFile=file:{log4j} {given}".strip()
+    for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()

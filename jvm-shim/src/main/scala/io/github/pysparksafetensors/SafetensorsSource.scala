@@ -14,7 +14,7 @@ import org.apache.spark.sql.sources.DataSourceRegister
 import org.apache.spark.sql.types.StructType
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
 
-import io.github.pysparksafetensors.read.{ReadPlan, SafetensorsScanBuilder}
+import io.github.pysparksafetensors.read.{ReadPlan, ReaderOptions, SafetensorsScanBuilder}
 import io.github.pysparksafetensors.write.{SafetensorsBatchWrite, SafetensorsWriteBuilder, SafetensorsWriteException}
 
 /** The `safetensors` data source on the JVM: the twin of the Python source's reader (views
@@ -37,7 +37,7 @@ class SafetensorsSource extends TableProvider with DataSourceRegister {
 
   override def inferSchema(options: CaseInsensitiveStringMap): StructType = delegate(options) match {
     case Some(p) => p.inferSchema(options)
-    case None => SafetensorsSource.plan(options).schema
+    case None => SafetensorsSource.plan(new CaseInsensitiveStringMap(CatalogOptions.of(options))).schema
   }
 
   override def supportsExternalMetadata(): Boolean = true
@@ -130,6 +130,33 @@ object Implementation {
   }
 }
 
+/** What Spark's catalogs hand a provider besides the options a user gave: the table's
+  * location (`location`, or `path` when the session catalog loads a table), its reserved
+  * properties (`TableCatalog.PROP_*`), and the statement's `OPTIONS (...)` prefixed
+  * `option.` where they were stored as table properties (CTAS). */
+object CatalogOptions {
+  val Reserved: Set[String] =
+    Set("provider", "owner", "location", "comment", "external", "is_managed_location", "collation")
+
+  /** `given` as source options: `option.`-prefixed keys unprefixed, the location as `path`
+    * when no path is given, the catalog's reserved properties dropped. */
+  def of(given: util.Map[String, String]): util.Map[String, String] = {
+    val entries = given.asScala.toSeq
+    val lower = (k: String) => k.toLowerCase(Locale.ROOT)
+    val plain = entries.filterNot(e => Reserved(lower(e._1)) || lower(e._1).startsWith("option."))
+    val have = plain.map(e => lower(e._1)).toSet
+    val prefixed = entries.collect {
+      case (k, v) if lower(k).startsWith("option.") && !have(lower(k).stripPrefix("option.")) =>
+        k.substring("option.".length) -> v
+    }
+    val location = entries.collectFirst { case (k, v) if lower(k) == "location" && v.nonEmpty => v }
+      .filter(_ => !have("path") && !prefixed.exists(e => lower(e._1) == "path")).map("path" -> _)
+    val out = new util.HashMap[String, String]()
+    (plain ++ prefixed ++ location).foreach { case (k, v) => out.put(k, v) }
+    out
+  }
+}
+
 object SafetensorsSource {
   def plan(options: CaseInsensitiveStringMap): ReadPlan =
     ReadPlan.plan(options, SparkSession.active.sessionState.newHadoopConfWithOptions(
@@ -139,20 +166,67 @@ object SafetensorsSource {
 /** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation.
   * A read plans itself from the scan's options, completed by the table's (a catalog table's
   * path arrives only among its properties); a schema given by the user names some of the
-  * data's columns with their types. */
+  * data's columns with their types. A catalog table's schema (all the data's columns, in
+  * order) is the data's own: a CTAS with `dtype` stores the query's types, the dataset
+  * holds the cast ones. (A catalog hands its tables' properties with the `provider`; a
+  * `save()` and a `load()` bring only options.) */
 final class SafetensorsTable(tableSchema: StructType, properties: util.Map[String, String])
     extends Table with SupportsRead with SupportsWrite {
   override def name(): String = "safetensors"
-  override def schema(): StructType = tableSchema
+
+  private def plan(options: util.Map[String, String]): ReadPlan = SafetensorsSource.plan(
+    new CaseInsensitiveStringMap(SafetensorsBatchWrite.withTableOptions(options, properties, ReaderOptions.takes)))
+
+  private val inCatalog = properties.keySet.asScala.exists(_.equalsIgnoreCase("provider"))
+
+  private lazy val readSchema: StructType =
+    if (!inCatalog) tableSchema
+    else scala.util.Try(plan(new util.HashMap[String, String]()).schema).toOption
+      .filter(_.fieldNames.toSeq == tableSchema.fieldNames.toSeq).getOrElse(tableSchema)
+
+  override def schema(): StructType = readSchema
+
+  /** What `DESCRIBE` and `SHOW CREATE TABLE` show of a catalog table: provider, location,
+    * whether it is external, and the options it was made with (`option.`-prefixed). */
+  override def properties(): util.Map[String, String] = catalogProperties
+
+  private lazy val catalogProperties: util.Map[String, String] = {
+    val out = new util.HashMap[String, String]()
+    val options = CatalogOptions.of(properties).asScala
+    options.foreach { case (k, v) => if (!k.equalsIgnoreCase("path")) out.put(s"option.$k", v) }
+    options.collectFirst { case (k, v) if k.equalsIgnoreCase("path") => v }.foreach { path =>
+      out.put("provider", Implementation.ShortName)
+      out.put("location", path)
+      if (!SafetensorsTable.managedTableAt(path)) out.put("external", "true")
+    }
+    out
+  }
   override def capabilities(): util.Set[TableCapability] =
     util.EnumSet.of(TableCapability.BATCH_READ, TableCapability.BATCH_WRITE, TableCapability.TRUNCATE)
 
   override def newScanBuilder(options: CaseInsensitiveStringMap): ScanBuilder = {
-    val plan = SafetensorsSource.plan(new CaseInsensitiveStringMap(
-      SafetensorsBatchWrite.withTableOptions(options.asCaseSensitiveMap(), properties)))
-    new SafetensorsScanBuilder(if (plan.schema.catalogString == tableSchema.catalogString) plan
-      else ReadPlan.withSchema(plan, tableSchema))
+    val planned = plan(options.asCaseSensitiveMap())
+    new SafetensorsScanBuilder(if (planned.schema.catalogString == readSchema.catalogString) planned
+      else ReadPlan.withSchema(planned, readSchema))
   }
 
   override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder = new SafetensorsWriteBuilder(info, properties)
+}
+
+object SafetensorsTable {
+  /** Whether `path` is the location of a managed table of the session's catalog. Spark
+    * hands a provider a catalog table's location but not its type; a managed table lives in
+    * a directory named after it, so one lookup per database answers. */
+  def managedTableAt(path: String): Boolean = scala.util.Try {
+    val catalog = SparkSession.active.sessionState.catalog.externalCatalog
+    val dir = new org.apache.hadoop.fs.Path(path)
+    val name = dir.getName
+    catalog.listDatabases().exists { db =>
+      catalog.tableExists(db, name) && {
+        val table = catalog.getTable(db, name)
+        table.tableType == org.apache.spark.sql.catalyst.catalog.CatalogTableType.MANAGED &&
+          table.storage.locationUri.exists(_.getPath.stripSuffix("/") == dir.toUri.getPath.stripSuffix("/"))
+      }
+    }
+  }.getOrElse(false)
 }

@@ -28,6 +28,9 @@ object ReaderOptions {
   val Storage = Set("endpoint_url", "region", "path_style", "anonymous")
   val DefaultRowsPerPartition = 65536
 
+  /** Whether `key` (lower case) is one of the reader's options, storage ones included. */
+  def takes(key: String): Boolean = Known(key) || Storage(key)
+
   private def fail(msg: String): Nothing = throw new SafetensorsReadException(msg)
 
   def parse(options: CaseInsensitiveStringMap): ReaderOptions = {
@@ -57,11 +60,7 @@ object ReaderOptions {
         .getOrElse(fail(s"option paths='$v': expected a JSON list or a comma-separated list of paths"))
       else v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
     }
-    if (paths.isEmpty)
-      fail("no path: use .load(path) or .load(path1, path2, ...). A catalog table (saveAsTable, " +
-        "CREATE TABLE ... USING safetensors) hands no path to this source: read the dataset with " +
-        "spark.read.format('safetensors').load(path), or CREATE TEMPORARY VIEW ... USING " +
-        "safetensors OPTIONS (path '...')")
+    if (paths.isEmpty) fail("no path: use .load(path) or .load(path1, path2, ...)")
     ReaderOptions(paths, choice("view", Views), choice("tensor_format", Seq("array", "struct")).getOrElse("array"),
       bool("include_data", default = true), rows, bool("inferschema", default = false),
       given.contains("rows_per_partition"))

@@ -174,12 +174,20 @@ object Commit {
       createdAt = Some(OffsetDateTime.now(ZoneOffset.UTC).format(DateTimeFormatter.ofPattern("yyyy-MM-dd'T'HH:mm:ssxxx"))))
     try publish(files, manifest, previous)
     catch { case e: Throwable => indexFile.foreach(f => files.delete(Seq(f._1))); throw e }
-    indexData match {
-      case Some(data) => files.putBytes(Layout.Index, data)
-      case None => files.delete(Seq(Layout.Index))
-    }
+    publishSpecIndex(files, indexData)
     cleanUp(files, jobId, manifest, if (keepPrevious) previous else None)
     manifest
+  }
+
+  /** After the commit point: the spec's `_tensor_index.parquet/` gets the committed index
+    * as its one part, or goes when this commit has none (an index of another generation
+    * would route readers to shards the manifest no longer lists). One file of that name,
+    * as earlier versions wrote it, gives way to the directory. */
+  private def publishSpecIndex(files: DatasetFiles, data: Option[Array[Byte]]): Unit = data match {
+    case Some(bytes) =>
+      if (files.isFile(Layout.Index)) files.delete(Seq(Layout.Index))
+      files.putBytes(Layout.IndexPart, bytes)
+    case None => files.delete(Seq(Layout.Index))
   }
 
   private def entries(kept: Seq[ShardEntry], staged: Seq[StagedShard]): Seq[ShardEntry] = {

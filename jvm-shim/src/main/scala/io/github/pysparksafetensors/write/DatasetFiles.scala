@@ -64,6 +64,8 @@ final class DatasetFiles(val uri: String, conf: SerializableConfiguration) exten
     try in.readAllBytes() finally in.close()
   }
 
+  def isFile(name: String): Boolean = scala.util.Try(fs.getFileStatus(path(name)).isFile).getOrElse(false)
+
   def size(name: String): Long = fs.getFileStatus(path(name)).getLen
 
   /** Publish a whole small file in one atomic step (see the class comment). */

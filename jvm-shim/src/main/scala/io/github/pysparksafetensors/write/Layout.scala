@@ -9,7 +9,10 @@ object Layout {
   val FormatVersion = "1.0"
   val SafetensorsVersion = "1.0"
   val Manifest = "dataset_manifest.json"
+  /** The spec's index: a directory of parquet parts, as Spark writes one (a root path
+    * whose name starts with `_` is read by `spark.read.parquet` only as a directory). */
   val Index = "_tensor_index.parquet"
+  val IndexPart = s"$Index/part-00000.parquet"
   val Success = "_SUCCESS"
   val Staging = "_temporary"
   val JobLeaseSuffix = ".job"

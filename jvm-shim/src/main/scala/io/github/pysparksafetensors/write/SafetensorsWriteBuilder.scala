@@ -11,6 +11,8 @@ import org.apache.spark.sql.connector.write._
 import org.apache.spark.sql.sources.{AlwaysTrue, Filter}
 import org.apache.spark.sql.types.{StringType, StructType}
 
+import io.github.pysparksafetensors.CatalogOptions
+
 /** What the tasks of one write job need: options, column plans, the dataset's files, the
   * job id (its lease and the tag in every shard name) and whether the job made the
   * dataset's directory (a failed first write then removes it). */
@@ -81,27 +83,56 @@ final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) ex
 
 object SafetensorsBatchWrite {
   /** The write's options plus those of the table it writes to that it does not give
-    * (keys compared without case), less the catalog's own properties (provider, owner,
-    * location, ...), which are no options. */
-  def withTableOptions(given: util.Map[String, String], table: util.Map[String, String]): util.Map[String, String] = {
-    val have = given.keySet.asScala.map(_.toLowerCase(java.util.Locale.ROOT))
-    // TableCatalog's reserved properties (its PROP_* constants)
-    val reserved = Set("provider", "owner", "location", "comment", "external", "is_managed_location", "collation")
-    val merged = new util.HashMap[String, String](given)
-    table.asScala.foreach { case (k, v) =>
-      if (!have(k.toLowerCase(java.util.Locale.ROOT)) && !reserved(k)) merged.put(k, v)
+    * (keys compared without case) and that `keep` accepts, as `CatalogOptions.of` makes
+    * them source options (a table made by CTAS stores write options a scan does not take). */
+  def withTableOptions(given: util.Map[String, String], table: util.Map[String, String],
+      keep: String => Boolean): util.Map[String, String] = {
+    val write = CatalogOptions.of(given)
+    val have = write.keySet.asScala.map(_.toLowerCase(java.util.Locale.ROOT))
+    val merged = new util.HashMap[String, String](write)
+    CatalogOptions.of(table).asScala.foreach { case (k, v) =>
+      val key = k.toLowerCase(java.util.Locale.ROOT)
+      if (!have(key) && keep(key)) merged.put(k, v)
     }
     merged
   }
 
+  /** `given` completed from the manifest of the dataset the write goes to, for a write that
+    * states neither mode (a plain `INSERT INTO` a catalog table brings no options): its
+    * `batch_size`, or its `name_col` and `kv_separator`, and each written column's dtype
+    * unless `dtype` is given. A write that states its mode is checked against the dataset
+    * at the commit's append check, as `save()` is. */
+  def withDatasetSettings(given: util.Map[String, String], files: DatasetFiles,
+      columns: Seq[String]): util.Map[String, String] = {
+    val keys = given.keySet.asScala.map(_.toLowerCase(java.util.Locale.ROOT))
+    if (keys("batch_size") || keys("name_col") || !files.has(Layout.Manifest)) return given
+    val manifest = scala.util.Try(ManifestDoc.parse(files.readBytes(Layout.Manifest), "")).getOrElse(return given)
+    val out = new util.HashMap[String, String](given)
+    manifest.batchSize.foreach(b => out.put("batch_size", b.toString))
+    manifest.nameCol.foreach { key =>
+      out.put("name_col", key)
+      if (!keys("kv_separator")) manifest.kvSeparator.foreach(out.put("kv_separator", _))
+    }
+    val dtypes = manifest.schema.filter(c => columns.contains(c._1))
+    if (!keys("dtype") && dtypes.nonEmpty) {
+      val doc = ManifestDoc.mapper.createObjectNode()
+      dtypes.foreach { case (name, col) => doc.put(name, col.dtype) }
+      out.put("dtype", ManifestDoc.mapper.writeValueAsString(doc))
+    }
+    out
+  }
+
   def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String], overwrite: Boolean): SafetensorsBatchWrite = {
-    val given = withTableOptions(info.options().asCaseSensitiveMap(), tableOptions)
-    val options = WriterOptions.parse(given)
     val schema = info.schema()
-    val plans = planColumns(schema, options)
+    val stated = withTableOptions(info.options().asCaseSensitiveMap(), tableOptions, WriterOptions.takes)
     val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
-      given.asScala.toMap ++ WriterOptions.storageConf(given))
-    val files = new DatasetFiles(options.path, new SerializableConfiguration(hadoop))
+      stated.asScala.toMap ++ WriterOptions.storageConf(stated))
+    val conf = new SerializableConfiguration(hadoop)
+    val path = stated.asScala.collectFirst { case (k, v) if k.equalsIgnoreCase("path") && v.nonEmpty => v }
+    val given = path.fold(stated)(p => withDatasetSettings(stated, new DatasetFiles(p, conf), schema.fieldNames.toSeq))
+    val options = WriterOptions.parse(given)
+    val plans = planColumns(schema, options)
+    val files = new DatasetFiles(options.path, conf)
     val jobId = UUID.randomUUID().toString.replace("-", "")
     val keyOrdinal = options.nameCol.map(schema.fieldIndex).getOrElse(-1)
     val job = WriteJob(options, plans.toArray, keyOrdinal, files, jobId, madeDirectory = !files.exists())

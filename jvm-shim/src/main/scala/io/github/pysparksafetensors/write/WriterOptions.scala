@@ -56,6 +56,10 @@ object WriterOptions {
     "metadata", "checksum", "keep_previous_generation", "implementation"
   )
 
+  /** Whether `key` (lower case) is one of the writer's options, storage ones included. */
+  def takes(key: String): Boolean =
+    key == "path" || (Names ++ StorageOptions).exists(_.equalsIgnoreCase(key))
+
   /** The default of each option that has one, as the text a user would pass
     * (`generate_index`: true in KV mode, false in batch mode). */
   val Defaults: Map[String, String] = Map(
@@ -195,8 +199,7 @@ object WriterOptions {
     if (unknown.nonEmpty) unknownOptions(unknown)
     def get(name: String): Option[String] = opts.get(name.toLowerCase(Locale.ROOT))
     val path = get("path").filter(_.nonEmpty).getOrElse(
-      fail("no path: use .save(path) or .option('path', ...); a catalog table hands the " +
-        "writer no path: write the dataset with .save(path)"))
+      fail("no path: use .save(path) or .option('path', ...)"))
     if (get("batch_size").isDefined == get("name_col").isDefined)
       fail("set exactly one of batch_size (batch mode) or name_col (KV mode)")
     val dtypes = get("dtype").map(dtypeOption)
