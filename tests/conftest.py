@@ -38,6 +38,10 @@ def pytest_collection_modifyitems(config, items):
 
     no_python_source = None if python_data_sources() else _skip_on_this_spark("Python data sources")
     no_arrow_udf = None if _arrow_udfs() else _skip_on_this_spark("Arrow UDFs")
+    # Spark 3.5's session catalog resolves tables of its V1 source API only
+    no_catalog_tables = None if _spark_major() >= 4 else _skip_on_this_spark(
+        "catalog tables of DataSource V2 sources"
+    )
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
@@ -45,7 +49,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_python_source)
         if no_arrow_udf is not None and list(item.iter_markers("arrow_udf")):
             item.add_marker(no_arrow_udf)
+        if no_catalog_tables is not None and list(item.iter_markers("catalog_tables")):
+            item.add_marker(no_catalog_tables)
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)
+
+
+def _spark_major() -> int:
+    import pyspark
+
+    return int(pyspark.__version__.split(".")[0])
 
 
 def _arrow_udfs() -> bool:

@@ -79,6 +79,7 @@ def vectors(rows) -> dict:
     return {r[0]: list(r[1]) for r in rows}
 
 
+@pytest.mark.catalog_tables
 @pytest.mark.parametrize("mode", ["batch", "kv"])
 def test_a_table_over_a_dataset_every_statement(catalog, sql, tmp_path, mode):
     path = dataset(catalog, tmp_path / "ds", mode)
@@ -136,6 +137,7 @@ def test_a_table_over_a_dataset_every_statement(catalog, sql, tmp_path, mode):
     assert catalog.read.format("safetensors").load(path).count() == 4
 
 
+@pytest.mark.catalog_tables
 def test_ctas_save_as_table_and_managed_tables(catalog, sql, tmp_path):
     src = frame(catalog, 0, 6).select("id", "vec")
     src.createOrReplaceTempView("ctas_source")
@@ -175,6 +177,7 @@ def test_ctas_save_as_table_and_managed_tables(catalog, sql, tmp_path):
     assert not saved.exists() and not root.exists()
 
 
+@pytest.mark.catalog_tables
 def test_a_failed_insert_leaves_the_table_as_it_was(catalog, sql, tmp_path):
     path = dataset(catalog, tmp_path / "ds", "batch")
     sql(f"CREATE TABLE failing USING safetensors LOCATION '{path}'")
@@ -212,6 +215,7 @@ def test_tensor_index_is_a_directory_spark_reads(spark, tmp_path, implementation
     ).read_bytes()
 
 
+@pytest.mark.python_source
 def test_an_index_file_of_earlier_versions_gives_way_to_the_directory(spark, tmp_path):
     from pyspark_safetensors.torch import open_dataset
 
