@@ -39,8 +39,10 @@ def pytest_collection_modifyitems(config, items):
     no_python_source = None if python_data_sources() else _skip_on_this_spark("Python data sources")
     no_arrow_udf = None if _arrow_udfs() else _skip_on_this_spark("Arrow UDFs")
     # Spark 3.5's session catalog resolves tables of its V1 source API only
-    no_catalog_tables = None if _spark_major() >= 4 else _skip_on_this_spark(
-        "catalog tables of DataSource V2 sources"
+    no_catalog_tables = (
+        None
+        if _spark_major() >= 4
+        else _skip_on_this_spark("catalog tables of DataSource V2 sources")
     )
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):

@@ -89,7 +89,10 @@ def test_a_table_over_a_dataset_every_statement(catalog, sql, tmp_path, mode):
 
     # the schema comes from the manifest, the key column first in a KV table
     described = [(r.col_name, r.data_type) for r in sql(f"DESCRIBE {t}")]
-    assert described[:2] == [(key, "bigint" if mode == "batch" else "string"), ("vec", "array<float>")]
+    assert described[:2] == [
+        (key, "bigint" if mode == "batch" else "string"),
+        ("vec", "array<float>"),
+    ]
     rows = vectors(sql(f"SELECT {key}, vec FROM {t}"))
     first = 0 if mode == "batch" else "k0"
     assert len(rows) == 6 and rows[first] == [0.0, 1.0, 2.0]
@@ -163,11 +166,14 @@ def test_ctas_save_as_table_and_managed_tables(catalog, sql, tmp_path):
     w.mode("append").saveAsTable("saved_t")
     assert catalog.table("saved_t").count() == 12
     with pytest.raises(Exception, match=r"the dataset's batch_size is 2, this write's is 5"):
-        src.write.format("safetensors").option("batch_size", 5).mode("append").saveAsTable("saved_t")
+        src.write.format("safetensors").option("batch_size", 5).mode("append").saveAsTable(
+            "saved_t"
+        )
     assert catalog.table("saved_t").count() == 12
     saved = Path(
-        next(r.data_type for r in sql("DESCRIBE EXTENDED saved_t") if r.col_name == "Location")
-        .removeprefix("file:")
+        next(
+            r.data_type for r in sql("DESCRIBE EXTENDED saved_t") if r.col_name == "Location"
+        ).removeprefix("file:")
     )
     assert (saved / "dataset_manifest.json").is_file()
 
@@ -206,9 +212,9 @@ def test_tensor_index_is_a_directory_spark_reads(spark, tmp_path, implementation
         assert r.tensor_key in load_file(str(out / r.file_name))
     assert pq.read_table(index).num_rows == 5
     # an append replaces the part; the manifest's own index is the same bytes
-    writer(frame(spark, 5, 2).select("key", "vec"), implementation).option(
-        "name_col", "key"
-    ).mode("append").save(str(out))
+    writer(frame(spark, 5, 2).select("key", "vec"), implementation).option("name_col", "key").mode(
+        "append"
+    ).save(str(out))
     assert spark.read.parquet(str(index)).count() == 7
     assert (index / "part-00000.parquet").read_bytes() == (
         out / manifest(out)["index_file"]
@@ -237,7 +243,9 @@ def test_an_index_file_of_earlier_versions_gives_way_to_the_directory(spark, tmp
     for implementation in ("python", "jvm"):
         if implementation == "jvm" and not jvm_available(spark):
             continue
-        rows = spark.read.format("safetensors").option("implementation", implementation).load(str(out))
+        rows = (
+            spark.read.format("safetensors").option("implementation", implementation).load(str(out))
+        )
         assert rows.count() == 3
     writer(frame(spark, 3, 1).select("key", "vec"), "python").option("name_col", "key").mode(
         "append"
