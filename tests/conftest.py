@@ -34,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
     tiers = {"spark", "distributed", "integration", "jvm"}
     # Spark 3.5 has no Python data sources: what runs on the Python source is skipped
     # there, the JVM source's twin of each test still runs.
+    from pyspark_safetensors.spark.compat import spark_major
     from pyspark_safetensors.spark.register import python_data_sources
 
     no_python_source = None if python_data_sources() else _skip_on_this_spark("Python data sources")
@@ -41,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
     # Spark 3.5's session catalog resolves tables of its V1 source API only
     no_catalog_tables = (
         None
-        if _spark_major() >= 4
+        if spark_major() >= 4
         else _skip_on_this_spark("catalog tables of DataSource V2 sources")
     )
     for item in items:
@@ -54,12 +55,6 @@ def pytest_collection_modifyitems(config, items):
         if no_catalog_tables is not None and list(item.iter_markers("catalog_tables")):
             item.add_marker(no_catalog_tables)
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)
-
-
-def _spark_major() -> int:
-    import pyspark
-
-    return int(pyspark.__version__.split(".")[0])
 
 
 def _arrow_udfs() -> bool:

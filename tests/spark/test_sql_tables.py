@@ -98,6 +98,7 @@ def test_a_table_over_a_dataset_every_statement(catalog, sql, tmp_path, mode):
     assert len(rows) == 6 and rows[first] == [0.0, 1.0, 2.0]
     extended = {r.col_name: r.data_type for r in sql(f"DESCRIBE EXTENDED {t}")}
     assert extended["Provider"] == "safetensors" and extended["Location"].endswith("/ds")
+    assert extended["Type"] == "EXTERNAL"
     shown = sql(f"SHOW CREATE TABLE {t}")[0][0]
     assert "USING safetensors" in shown and "LOCATION" in shown
 
@@ -149,9 +150,9 @@ def test_ctas_save_as_table_and_managed_tables(catalog, sql, tmp_path):
         "CREATE TABLE ctas_t USING safetensors "
         """OPTIONS (batch_size 3, dtype '{"vec": "F16"}') AS SELECT * FROM ctas_source"""
     )
-    location = sql("DESCRIBE EXTENDED ctas_t")
-    where = next(r.data_type for r in location if r.col_name == "Location")
-    root = Path(where.removeprefix("file:"))
+    described = {r.col_name: r.data_type for r in sql("DESCRIBE EXTENDED ctas_t")}
+    assert described["Type"] == "MANAGED"
+    root = Path(described["Location"].removeprefix("file:"))
     m = manifest(root)
     assert m["batch_size"] == 3 and m["schema"]["vec"]["dtype"] == "F16"
     sql("INSERT INTO ctas_t SELECT * FROM ctas_source")

@@ -60,7 +60,7 @@ def from_arrow(spark, table):
     Table (4.0 and newer), else its record batches handed to the JVM as Arrow, the way a
     classic 3.5 session's ``createDataFrame`` hands a pandas frame (whose conversion would
     turn NaN into null)."""
-    if _spark_major() >= 4:
+    if spark_major() >= 4:
         return spark.createDataFrame(table)
     from pyspark.sql import DataFrame
     from pyspark.sql.pandas.serializers import ArrowStreamSerializer
@@ -82,7 +82,8 @@ def from_arrow(spark, table):
     )
 
 
-def _spark_major() -> int:
+def spark_major() -> int:
+    """The running pyspark's major version (3 or 4)."""
     import pyspark
 
     return int(pyspark.__version__.split(".")[0])

@@ -177,17 +177,21 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
   private def plan(options: util.Map[String, String]): ReadPlan = SafetensorsSource.plan(
     new CaseInsensitiveStringMap(SafetensorsBatchWrite.withTableOptions(options, properties, ReaderOptions.takes)))
 
-  private val inCatalog = properties.keySet.asScala.exists(_.equalsIgnoreCase("provider"))
+  private def has(key: String): Boolean = properties.keySet.asScala.exists(_.equalsIgnoreCase(key))
+
+  /** A catalog table's dataset as it stands, planned once for the schema and the scan. */
+  private lazy val stored: Option[ReadPlan] =
+    if (!has("provider")) None else scala.util.Try(plan(new util.HashMap[String, String]())).toOption
 
   private lazy val readSchema: StructType =
-    if (!inCatalog) tableSchema
-    else scala.util.Try(plan(new util.HashMap[String, String]()).schema).toOption
-      .filter(_.fieldNames.toSeq == tableSchema.fieldNames.toSeq).getOrElse(tableSchema)
+    stored.map(_.schema).filter(_.fieldNames.toSeq == tableSchema.fieldNames.toSeq).getOrElse(tableSchema)
 
   override def schema(): StructType = readSchema
 
   /** What `DESCRIBE` and `SHOW CREATE TABLE` show of a catalog table: provider, location,
-    * whether it is external, and the options it was made with (`option.`-prefixed). */
+    * whether it is external (the catalog hands an external table's `location` besides its
+    * `path`, a managed one's `path` only), and the options it was made with
+    * (`option.`-prefixed). */
   override def properties(): util.Map[String, String] = catalogProperties
 
   private lazy val catalogProperties: util.Map[String, String] = {
@@ -197,7 +201,7 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
     options.collectFirst { case (k, v) if k.equalsIgnoreCase("path") => v }.foreach { path =>
       out.put("provider", Implementation.ShortName)
       out.put("location", path)
-      if (!SafetensorsTable.managedTableAt(path)) out.put("external", "true")
+      if (has("location")) out.put("external", "true")
     }
     out
   }
@@ -205,28 +209,10 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
     util.EnumSet.of(TableCapability.BATCH_READ, TableCapability.BATCH_WRITE, TableCapability.TRUNCATE)
 
   override def newScanBuilder(options: CaseInsensitiveStringMap): ScanBuilder = {
-    val planned = plan(options.asCaseSensitiveMap())
+    val planned = stored.filter(_ => options.isEmpty).getOrElse(plan(options.asCaseSensitiveMap()))
     new SafetensorsScanBuilder(if (planned.schema.catalogString == readSchema.catalogString) planned
       else ReadPlan.withSchema(planned, readSchema))
   }
 
   override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder = new SafetensorsWriteBuilder(info, properties)
-}
-
-object SafetensorsTable {
-  /** Whether `path` is the location of a managed table of the session's catalog. Spark
-    * hands a provider a catalog table's location but not its type; a managed table lives in
-    * a directory named after it, so one lookup per database answers. */
-  def managedTableAt(path: String): Boolean = scala.util.Try {
-    val catalog = SparkSession.active.sessionState.catalog.externalCatalog
-    val dir = new org.apache.hadoop.fs.Path(path)
-    val name = dir.getName
-    catalog.listDatabases().exists { db =>
-      catalog.tableExists(db, name) && {
-        val table = catalog.getTable(db, name)
-        table.tableType == org.apache.spark.sql.catalyst.catalog.CatalogTableType.MANAGED &&
-          table.storage.locationUri.exists(_.getPath.stripSuffix("/") == dir.toUri.getPath.stripSuffix("/"))
-      }
-    }
-  }.getOrElse(false)
 }
