@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 _current: dict[str, object] = {}
+_catalog_dirs: list[str] = []
 
 
 def connect_server_in_pyspark() -> bool:
@@ -55,6 +57,7 @@ def spark_session(name: str = "local"):
     # catalog tables, a Hive metastore and its log go to a directory of the session's own,
     # never the working directory
     catalog = tempfile.mkdtemp(prefix="spark-catalog-")
+    _catalog_dirs.append(catalog)
     session = local_session(
         master,
         app_name=f"pyspark-safetensors-tests-{name}",
@@ -73,10 +76,12 @@ def spark_session(name: str = "local"):
 
 
 def stop_all() -> None:
-    """Stop the shared session, if one runs."""
+    """Stop the shared session, if one runs, and remove its catalog directory."""
     while _current:
         _, session = _current.popitem()
         session.stop()
+    while _catalog_dirs:
+        shutil.rmtree(_catalog_dirs.pop(), ignore_errors=True)
 
 
 atexit.register(stop_all)

@@ -64,3 +64,49 @@ def test_retried_tasks_on_separate_executors(cluster, tmp_path, s3_bucket, s3_en
             cluster.read.format("safetensors").options(**options).load(path).select("id").collect()
         )
         assert sorted(r.id for r in back) == list(range(300))
+
+
+def test_partitioned_write_with_a_killed_task_commits_once(cluster, tmp_path):
+    """The JVM source's partitioned write, a task's Python worker killed mid-write (its
+    first attempt): every partition lists each sample exactly once, as its own dataset and
+    through the root, and no file of the killed attempt is left."""
+    if not jvm_available(cluster):
+        pytest.skip("no JVM source on the class path (build it with jvm-shim/build.sh)")
+
+    killed = tmp_path / "killed"
+
+    def killed_once(x):  # defined here: pickled by value for the executors
+        import os
+
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context.attemptNumber() == 0 and context.partitionId() == 1 and x % 50 == 7:
+            killed.touch()
+            os._exit(1)  # the worker dies as a killed process does: no exception, no cleanup
+        return x
+
+    flaky = F.udf(killed_once, LongType())
+    df = cluster.range(0, 200, numPartitions=4).select(
+        flaky("id").alias("id"),
+        (F.col("id") % 3).cast("int").alias("layer"),
+        F.array(*[(F.col("id") + j / 10).cast("float") for j in range(3)]).alias("vec"),
+    )
+    out = tmp_path / "parts"
+    df.write.format("safetensors").option("implementation", "jvm").option(
+        "batch_size", 16
+    ).partitionBy("layer").mode("overwrite").save(str(out))
+    assert killed.exists()  # the first attempt did die
+    root = verify_dataset(out, checksums=True)
+    assert root.partition_columns == ("layer",)
+    loc = DatasetLocation.of(str(out))
+    files = sorted(n for n, i in loc.list(recursive=True).items() if i.type == pafs.FileType.File)
+    per_partition = [f"layer={k}/{name}" for k in range(3) for name in (MANIFEST, "_SUCCESS")]
+    assert files == sorted(
+        [*(s.shard_path for s in root.shards), MANIFEST, "_SUCCESS", *per_partition]
+    )
+    for k in range(3):
+        ds = open_dataset(out / f"layer={k}")
+        assert sorted(ds[i]["id"].item() for i in range(len(ds))) == list(range(k, 200, 3))
+    back = cluster.read.format("safetensors").load(str(out)).select("id", "layer").collect()
+    assert sorted((r.id, r.layer) for r in back) == [(i, i % 3) for i in range(200)]

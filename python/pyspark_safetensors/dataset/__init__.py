@@ -19,7 +19,13 @@ from .commit import (
     merge_schemas,
     reclaim,
 )
-from .errors import DatasetReplacedError, ManifestError, SpecialFileError, StorageError
+from .errors import (
+    DatasetReplacedError,
+    ManifestError,
+    PartitionedDatasetError,
+    SpecialFileError,
+    StorageError,
+)
 from .index import INDEX_SCHEMA, check_index, index_rows, index_table, read_index
 from .layout import (
     INDEX,
@@ -61,6 +67,7 @@ __all__ = [
     "LocalShard",
     "Manifest",
     "ManifestError",
+    "PartitionedDatasetError",
     "RemoteShard",
     "ShardEntry",
     "ShardReader",

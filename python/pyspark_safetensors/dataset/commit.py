@@ -150,6 +150,21 @@ def check_append(
         )
     if not previous.shards:
         return dict(schema or {})
+    if previous.partition_columns != template.partition_columns:
+
+        def by(columns):
+            return f"partitioned by {list(columns)}" if columns else "not partitioned"
+
+        advice = (
+            f"append with partitionBy({', '.join(map(repr, previous.partition_columns))}) "
+            "(the JVM source's)"
+            if previous.partition_columns
+            else "append without partitionBy"
+        )
+        raise AppendError(
+            f"{where} is {by(previous.partition_columns)}, this write is "
+            f"{by(template.partition_columns)}; {advice}, or overwrite the dataset"
+        )
     settings = (
         ("batch_size", previous.batch_size, template.batch_size)
         if previous.mode == "batch"

@@ -21,3 +21,7 @@ class SpecialFileError(ManifestError):
 class DatasetReplacedError(ManifestError):
     """A shard the reader's manifest lists is gone: the dataset was replaced or deleted
     since it was opened."""
+
+
+class PartitionedDatasetError(ManifestError):
+    """A reader that takes one dataset was given the root of a partitioned one."""

@@ -187,6 +187,12 @@ class DatasetLocation:
         uri_parent = self.uri.rstrip("/").rpartition("/")[0]
         return DatasetLocation(self.fs, parent or "/", uri_parent or "."), name
 
+    def child(self, name: str) -> DatasetLocation:
+        """The location of directory ``name`` inside this one (a partition of a dataset)."""
+        return DatasetLocation(
+            self.fs, self.path(name, what="partition"), f"{self.uri.rstrip('/')}/{name}"
+        )
+
     @property
     def is_local(self) -> bool:
         """Whether the dataset is on local storage (memory-mapped by the shard readers)."""

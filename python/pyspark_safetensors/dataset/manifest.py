@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from .._version import __version__
-from .errors import DatasetReplacedError, ManifestError
+from .errors import DatasetReplacedError, ManifestError, PartitionedDatasetError
 from .layout import MANIFEST, resolve_inside
 from .location import DatasetLocation
 
@@ -68,6 +68,9 @@ class Manifest:
     metadata: dict[str, str] = field(default_factory=dict)
     created_by: str = f"pyspark-safetensors {__version__}"
     created_at: str | None = None
+    partition_columns: tuple[str, ...] = ()
+    """A partitioned dataset's columns (the JVM writer's ``partitionBy``): its shards lie in
+    ``col=value/`` directories, each a dataset of its own."""
 
     @property
     def total_samples(self) -> int:
@@ -95,6 +98,7 @@ class Manifest:
             "index_crc32c": self.index_crc32c,
             "commit_id": self.commit_id,
             "parent_commit": self.parent_commit,
+            "partition_columns": list(self.partition_columns) or None,
             "created_by": self.created_by,
             "created_at": self.created_at,
             "metadata": self.metadata,
@@ -151,6 +155,7 @@ class Manifest:
             metadata=dict(doc.get("metadata") or {}),
             created_by=doc.get("created_by", "unknown"),
             created_at=doc.get("created_at"),
+            partition_columns=tuple(doc.get("partition_columns") or ()),
         )
         if (
             manifest.total_samples != doc["total_samples"]
@@ -158,6 +163,18 @@ class Manifest:
         ):
             fail("total_samples/total_bytes disagree with the sum over shards")
         return manifest
+
+    def refuse_partitioned(self, uri: str, reader: str) -> None:
+        """Raise, in one line, when this manifest is a partitioned dataset's root, which
+        ``reader`` reads one partition at a time."""
+        if self.partition_columns:
+            first = self.shards[0].shard_path.rpartition("/")[0] if self.shards else None
+            example = f" (e.g. {uri.rstrip('/')}/{first})" if first else ""
+            raise PartitionedDatasetError(
+                f"dataset {uri!r} is partitioned by {list(self.partition_columns)}: {reader} reads "
+                f"one partition's directory{example}; the JVM source (the shim jar) reads the "
+                "whole dataset with its partition columns"
+            )
 
     def shard_paths(self, root: Path) -> list[Path]:
         """Absolute shard paths, each checked to stay inside ``root``."""

@@ -94,9 +94,12 @@ def verify_dataset(
     ``DatasetLocation``, path or URI, see ``DatasetLocation.of``) is whole: every shard
     present, a regular file of the listed size, its header agreeing with the schema and
     its row count, and with ``checksums`` the crc32c of every shard and of the tensor
-    index. Raises ``ManifestError`` listing every problem found."""
+    index; a partitioned dataset's every partition so, each listing the shards the
+    dataset's manifest lists under it. Raises ``ManifestError`` listing every problem found."""
     location = DatasetLocation.of(root, filesystem)
     manifest = manifest or load_manifest(location)
+    if manifest.partition_columns:
+        return _verify_partitions(location, manifest, checksums)
     listing = location.list()
     problems: list[str] = []
 
@@ -121,3 +124,27 @@ def verify_dataset(
     if checksums and manifest.index_file is not None:
         read_index(location, manifest, checksums=True)
     return checked
+
+
+def _verify_partitions(location: DatasetLocation, manifest: Manifest, checksums: bool) -> Manifest:
+    """A partitioned dataset's partitions verified one by one, each against the root."""
+    problems: list[str] = []
+    by_dir: dict[str, set[str]] = {}
+    for s in manifest.shards:
+        folder, _, name = s.shard_path.rpartition("/")
+        by_dir.setdefault(folder, set()).add(name)
+    for folder, names in sorted(by_dir.items()):
+        try:
+            own = verify_dataset(location.child(folder), checksums=checksums)
+        except ManifestError as e:
+            problems.append(str(e))
+            continue
+        if {s.shard_path for s in own.shards} != names:
+            problems.append(
+                f"{folder}: its manifest lists other shards than the dataset's manifest does under it"
+            )
+    if problems:
+        raise ManifestError(
+            f"dataset {location.uri!r}: {len(problems)} partition(s) fail: " + "; ".join(problems)
+        )
+    return manifest

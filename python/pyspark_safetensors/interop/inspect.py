@@ -33,6 +33,10 @@ def describe(path: str, *, limit: int = 20) -> list[str]:
             for name, col in m.schema.items()
         ]
         lines += [f"  metadata {k} = {v}" for k, v in m.metadata.items()]
+        if m.partition_columns:
+            lines.append(
+                f"  partitioned by {list(m.partition_columns)}: {_partitions(m)} partitions"
+            )
         return lines
     parent, name = location.parent()
     header = read_header(parent, name)
@@ -61,4 +65,9 @@ def verify(path: str, *, checksums: bool = True) -> str:
     from ..dataset import verify_dataset
 
     m = verify_dataset(path, checksums=checksums)
-    return f"{path}: whole ({len(m.shards)} shards, {m.total_samples:,} samples)"
+    where = f" in {_partitions(m)} partitions" if m.partition_columns else ""
+    return f"{path}: whole ({len(m.shards)} shards{where}, {m.total_samples:,} samples)"
+
+
+def _partitions(m) -> int:
+    return len({s.shard_path.rpartition("/")[0] for s in m.shards})

@@ -113,6 +113,7 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
     listing = location.list()
     if MANIFEST in listing:
         manifest = load_manifest(location)
+        manifest.refuse_partitioned(location.uri, "the Python source")
         problems = []
         for s in manifest.shards:
             info = listing.get(s.shard_path)

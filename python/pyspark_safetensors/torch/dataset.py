@@ -20,6 +20,7 @@ from ..dataset import (
     Manifest,
     ManifestError,
     ShardReader,
+    load_manifest,
     open_shard,
     read_index,
     split_kv_name,
@@ -218,6 +219,10 @@ def open_dataset(
     ``DatasetLocation.of`` (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``).
     """
     location = DatasetLocation.of(path, filesystem, storage_options)
-    ds = SafetensorsDataset(location, verify_dataset(location, checksums=checksums))
+    manifest = load_manifest(location)
+    manifest.refuse_partitioned(location.uri, "open_dataset")
+    ds = SafetensorsDataset(
+        location, verify_dataset(location, checksums=checksums, manifest=manifest)
+    )
     ds.checksums = checksums
     return ds

@@ -7,7 +7,7 @@ import scala.jdk.CollectionConverters._
 
 import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.connector.catalog.{SupportsRead, SupportsWrite, Table, TableCapability, TableProvider}
-import org.apache.spark.sql.connector.expressions.Transform
+import org.apache.spark.sql.connector.expressions.{Expressions, Transform}
 import org.apache.spark.sql.connector.read.ScanBuilder
 import org.apache.spark.sql.connector.write.{LogicalWriteInfo, WriteBuilder}
 import org.apache.spark.sql.sources.DataSourceRegister
@@ -44,16 +44,24 @@ class SafetensorsSource extends TableProvider with DataSourceRegister {
 
   override def getTable(schema: StructType, partitioning: Array[Transform],
       properties: util.Map[String, String]): Table = delegate(properties) match {
+    case Some(_) if partitioning.nonEmpty =>
+      // Spark would refuse it with "partitioning ... do not match": say what works instead
+      throw new SafetensorsWriteException(
+        "the Python source cannot write a partitioned dataset (Spark hands a Python data source no " +
+          "partition columns): write with implementation=jvm, the shim jar's source, or drop partitionBy")
     case Some(p) => p.getTable(schema, partitioning, properties)
     case None => jvmTable(schema, partitioning, properties)
   }
 
   private def jvmTable(schema: StructType, partitioning: Array[Transform],
       properties: util.Map[String, String]): Table = {
-    if (partitioning.nonEmpty)
-      throw new SafetensorsWriteException(
-        "a safetensors dataset has no partition columns: drop partitionBy and write with save(path)")
-    new SafetensorsTable(schema, properties)
+    val columns = partitioning.toSeq.map { t =>
+      if (t.name() != "identity" || t.references().length != 1 || t.references()(0).fieldNames().length != 1)
+        throw new SafetensorsWriteException(
+          s"a safetensors dataset is partitioned by columns' values (partitionBy, PARTITIONED BY (col)), not by ${t.describe()}")
+      t.references()(0).fieldNames()(0)
+    }
+    new SafetensorsTable(schema, properties, columns)
   }
 }
 
@@ -170,9 +178,13 @@ object SafetensorsSource {
   * order) is the data's own: a CTAS with `dtype` stores the query's types, the dataset
   * holds the cast ones. (A catalog hands its tables' properties with the `provider`; a
   * `save()` and a `load()` bring only options.) */
-final class SafetensorsTable(tableSchema: StructType, properties: util.Map[String, String])
+final class SafetensorsTable(tableSchema: StructType, properties: util.Map[String, String],
+    partitionColumns: Seq[String] = Nil)
     extends Table with SupportsRead with SupportsWrite {
   override def name(): String = "safetensors"
+
+  /** The partition columns a write was given (`partitionBy`) or a catalog table has. */
+  override def partitioning(): Array[Transform] = partitionColumns.map(c => Expressions.identity(c): Transform).toArray
 
   private def plan(options: util.Map[String, String]): ReadPlan = SafetensorsSource.plan(
     new CaseInsensitiveStringMap(SafetensorsBatchWrite.withTableOptions(options, properties, ReaderOptions.takes)))
@@ -206,7 +218,8 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
     out
   }
   override def capabilities(): util.Set[TableCapability] =
-    util.EnumSet.of(TableCapability.BATCH_READ, TableCapability.BATCH_WRITE, TableCapability.TRUNCATE)
+    util.EnumSet.of(TableCapability.BATCH_READ, TableCapability.BATCH_WRITE, TableCapability.TRUNCATE,
+      TableCapability.OVERWRITE_BY_FILTER, TableCapability.OVERWRITE_DYNAMIC)
 
   override def newScanBuilder(options: CaseInsensitiveStringMap): ScanBuilder = {
     val planned = stored.filter(_ => options.isEmpty).getOrElse(plan(options.asCaseSensitiveMap()))
@@ -214,5 +227,6 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
       else ReadPlan.withSchema(planned, readSchema))
   }
 
-  override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder = new SafetensorsWriteBuilder(info, properties)
+  override def newWriteBuilder(info: LogicalWriteInfo): WriteBuilder =
+    new SafetensorsWriteBuilder(info, properties, partitionColumns)
 }

@@ -44,6 +44,9 @@ final class Storage(val root: String, conf: HadoopConf) extends Serializable {
       case e: IOException => throw new SafetensorsReadException(s"file '${display(name)}': ${e.getMessage}")
     }
 
+  /** The directory `dir` under this one (a partition of a dataset). */
+  def sub(dir: String): Storage = new Storage(display(dir), conf)
+
   def exists(name: String): Boolean = fs.exists(path(name))
   def status(name: String): Option[FileStatus] =
     try Some(fs.getFileStatus(path(name))) catch { case _: java.io.FileNotFoundException => None }

@@ -10,7 +10,7 @@ import org.apache.hadoop.fs.Path
 import org.apache.spark.sql.types._
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
 
-import io.github.pysparksafetensors.core.{Header, SafetensorsReadException, Storage}
+import io.github.pysparksafetensors.core.{Header, Partitions, SafetensorsReadException, Storage}
 import io.github.pysparksafetensors.core
 import io.github.pysparksafetensors.write.ManifestDoc
 
@@ -67,11 +67,15 @@ object ReaderOptions {
   }
 }
 
-/** One loaded path: a dataset (its manifest) or plain safetensors files with their sizes. */
-final case class Source(storage: Storage, manifest: Option[ManifestDoc], files: Seq[String], sizes: Seq[Long])
+/** One loaded path: a dataset (its manifest) or plain safetensors files with their sizes;
+  * or one partition of a partitioned dataset, with its columns' values (None: null). */
+final case class Source(storage: Storage, manifest: Option[ManifestDoc], files: Seq[String], sizes: Seq[Long],
+    partition: Seq[(String, Option[String])] = Nil)
 
-/** What a read resolved to on the driver: sources checked, the view and its schema. */
-final case class ReadPlan(options: ReaderOptions, sources: Seq[Source], view: String, schema: StructType)
+/** What a read resolved to on the driver: sources checked, the view and its schema (a
+  * partitioned dataset's partition columns last, `partitionSchema`). */
+final case class ReadPlan(options: ReaderOptions, sources: Seq[Source], view: String, schema: StructType,
+    partitionSchema: StructType = new StructType())
 
 object ReadPlan {
   val Manifest = "dataset_manifest.json"
@@ -93,9 +97,11 @@ object ReadPlan {
 
   def plan(options: CaseInsensitiveStringMap, conf: Configuration): ReadPlan = {
     val o = ReaderOptions.parse(options)
-    val sources = o.paths.map(resolve(_, conf))
+    val resolved = o.paths.map(resolve(_, conf))
+    val sources = resolved.map(_.head)
     val views = sources.map(defaultView(_, o))
-    val schemas = sources.zip(views).map { case (s, v) => schema(s, v, o) }
+    val partitions = resolved.zip(views).map { case (s, v) => if (v == "rows" || v == "kv") partitionSchema(s) else new StructType() }
+    val schemas = sources.zip(views).zip(partitions).map { case ((s, v), p) => StructType(schema(s, v, o).fields ++ p.fields) }
     sources.indices.drop(1).foreach { i =>
       if (views(i) != views(0) || schemas(i) != schemas(0))
         throw new SafetensorsReadException(
@@ -103,8 +109,14 @@ object ReadPlan {
             (views(0), schemas(0)), (views(i), schemas(i)))}. Load paths of one schema together, " +
             "or load them one by one and combine the DataFrames (unionByName)")
     }
-    ReadPlan(o, sources, views.head, schemas.head)
+    ReadPlan(o, resolved.flatten, views.head, schemas.head, partitions.head)
   }
+
+  /** The partition columns of a partitioned dataset's sources, typed from all their values. */
+  private def partitionSchema(sources: Seq[Source]): StructType =
+    StructType(sources.head.partition.map(_._1).zipWithIndex.map { case (c, i) =>
+      StructField(c, Partitions.inferType(sources.map(_.partition(i)._2)))
+    })
 
   /** Why two loaded paths differ, worded as the Python reader words it. */
   private def disagreement(first: String, other: String, a: (String, StructType), b: (String, StructType)): String = {
@@ -144,8 +156,9 @@ object ReadPlan {
       !tensorsView.fieldNames.contains(f.name) && f.dataType.simpleString == TensorStruct.simpleString
     }
 
-  /** A dataset directory or its manifest, a `.safetensors` file, a directory or a glob. */
-  def resolve(path: String, conf: Configuration): Source = {
+  /** A dataset directory or its manifest, a `.safetensors` file, a directory or a glob; a
+    * partitioned dataset as one source per partition. */
+  def resolve(path: String, conf: Configuration): Seq[Source] = {
     val dir = if (path.endsWith("/" + Manifest)) path.dropRight(Manifest.length + 1) else path
     val storage = Storage(dir, conf)
     val st = storage.rootStatus()
@@ -159,7 +172,7 @@ object ReadPlan {
               throw new SafetensorsReadException(s"dataset '$dir': no $Manifest, only files of a write that never committed; write it again")
             throw new SafetensorsReadException(s"'$dir': no $Manifest and no .safetensors file")
           }
-          plainFiles(storage, files)
+          Seq(plainFiles(storage, files))
       }
     } else if (st.exists(_.isFile)) {
       val p = new Path(path)
@@ -167,7 +180,7 @@ object ReadPlan {
         throw new SafetensorsReadException(
           s"'$path' is a file but neither a .safetensors file nor a dataset's $Manifest: give a " +
             "dataset directory, a .safetensors file, or a directory or glob of them")
-      plainFiles(Storage(Option(p.getParent).map(_.toString).getOrElse("."), conf), Seq(p.getName))
+      Seq(plainFiles(Storage(Option(p.getParent).map(_.toString).getOrElse("."), conf), Seq(p.getName)))
     } else {
       val p = new Path(path)
       val matches = Option(p.getFileSystem(conf).globStatus(p)).toSeq.flatten.filter(_.isFile)
@@ -176,7 +189,7 @@ object ReadPlan {
         throw new SafetensorsReadException(s"'$path': no such file or directory")
       val given = path.substring(0, math.max(0, path.lastIndexOf('/')))
       val root = if (given.nonEmpty && !given.exists("*?[{".contains(_))) given else matches.head.getParent.toString
-      plainFiles(Storage(root, conf), matches.map(_.getName).sorted)
+      Seq(plainFiles(Storage(root, conf), matches.map(_.getName).sorted))
     }
   }
 
@@ -190,7 +203,7 @@ object ReadPlan {
     Source(storage, None, files, sizes)
   }
 
-  private def dataset(storage: Storage): Source = {
+  private def dataset(storage: Storage): Seq[Source] = {
     val manifest = core.Manifest.load(storage)
     manifest.shards.foreach { s =>
       val st = storage.status(s.path).getOrElse(throw new SafetensorsReadException(
@@ -200,7 +213,17 @@ object ReadPlan {
       if (st.getLen != s.bytes) throw new SafetensorsReadException(
         s"dataset '${storage.root}': size differs from the manifest: ${s.path} (${st.getLen} bytes, the manifest says ${s.bytes})")
     }
-    Source(storage, Some(manifest), manifest.shards.map(_.path), manifest.shards.map(_.bytes))
+    val columns = manifest.partitionColumns
+    if (columns.isEmpty) return Seq(Source(storage, Some(manifest), manifest.shards.map(_.path), manifest.shards.map(_.bytes)))
+    // one source per partition directory, its shards' paths relative to it
+    val byDir = manifest.shards.groupBy(s => Partitions.prefix(s.path)).toSeq.sortBy(_._1)
+    if (byDir.isEmpty)
+      return Seq(Source(storage, Some(manifest.copy(partitionColumns = Nil)), Nil, Nil, columns.map(_ -> None)))
+    byDir.map { case (dir, shards) =>
+      val own = shards.map(s => s.copy(path = s.path.substring(dir.length + 1)))
+      Source(storage.sub(dir), Some(manifest.copy(shards = own, partitionColumns = Nil)), own.map(_.path),
+        own.map(_.bytes), columns.zip(Partitions.values(dir + "/x", columns).get))
+    }
   }
 
   def defaultView(source: Source, o: ReaderOptions): String = source.manifest match {

@@ -33,7 +33,10 @@ object Readers {
     if (m.mode != "kv") {
       m.schema.foreach { case (name, col) =>
         val t = header.get(name).getOrElse(fail(s"no tensor '$name', which the dataset schema lists"))
-        if (t.dtype != col.dtype || t.sampleShape != col.sampleShape.map(_.toLong))
+        // -1: a dimension that differs between the partitions of a partitioned dataset
+        val shapeFits = t.sampleShape.size == col.sampleShape.size &&
+          t.sampleShape.zip(col.sampleShape).forall { case (have, want) => want == -1 || have == want }
+        if (t.dtype != col.dtype || !shapeFits)
           fail(s"tensor '$name' is ${t.dtype}${t.shape.mkString("[", ", ", "]")}, the manifest says ${col.dtype}[*, ${col.sampleShape.mkString(", ")}]")
         if (t.rows != entry.samples)
           fail(s"tensor '$name' has ${t.rows} rows, the manifest's samples_count is ${entry.samples}")

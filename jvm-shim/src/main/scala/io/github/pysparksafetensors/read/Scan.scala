@@ -8,6 +8,8 @@ import org.apache.spark.sql.types.{LongType, StructField, StructType}
 import org.apache.spark.sql.connector.expressions.aggregate.{Aggregation, CountStar}
 import org.apache.spark.sql.vectorized.ColumnarBatch
 
+import io.github.pysparksafetensors.core
+
 /** One shard (or a row range of one) of a dataset; `rowStop` exclusive. */
 final case class ShardPart(source: Int, shard: Int, rowStart: Long, rowStop: Long) extends InputPartition
 /** Consecutive shards (or row ranges) of the `rows` view read by one task, one after another. */
@@ -21,14 +23,16 @@ final case class Wanted(names: Option[Set[String]], dtypes: Option[Set[String]],
 }
 
 /** Column pruning (selecting a column reads only its tensors' bytes; selecting none reads
-  * no shard, so `count()` is answered from the manifest) and equality filters on `name` and
-  * `dtype` (tensors view) and on the key (KV view). */
+  * no shard, so `count()` is answered from the manifest), equality filters on `name` and
+  * `dtype` (tensors view) and on the key (KV view), and partition pruning: a partition
+  * whose values fail a filter on partition columns is never opened. */
 final class SafetensorsScanBuilder(plan: ReadPlan) extends ScanBuilder
     with SupportsPushDownRequiredColumns with SupportsPushDownFilters with SupportsPushDownAggregates {
   private var required: StructType = plan.schema
   private var countOnly = false
   private var wanted = Wanted(None, None, None)
   private var pushed = Array.empty[Filter]
+  private var sources: Seq[Int] = plan.sources.indices
 
   override def pruneColumns(requiredSchema: StructType): Unit = {
     val keep = requiredSchema.fieldNames.toSet
@@ -52,7 +56,16 @@ final class SafetensorsScanBuilder(plan: ReadPlan) extends ScanBuilder
       else if (plan.view == "kv" && column == keyCol) { wanted = wanted.copy(keys = narrow(wanted.keys, values)); true }
       else false
     }
-    pushed = used
+    val partitionColumns = plan.partitionSchema.fieldNames.toSet
+    val onPartitions = filters.filter(f => f.references.nonEmpty && f.references.forall(partitionColumns))
+    if (onPartitions.nonEmpty) {
+      val types = plan.partitionSchema.fields.map(f => f.name -> f.dataType).toMap
+      sources = sources.filter { i =>
+        val values = plan.sources(i).partition.toMap
+        onPartitions.forall(f => core.Partitions.mayMatch(f, values, types))
+      }
+    }
+    pushed = used ++ onPartitions
     filters // Spark evaluates every filter again: a pushed one only narrows what is read
   }
 
@@ -68,9 +81,11 @@ final class SafetensorsScanBuilder(plan: ReadPlan) extends ScanBuilder
 
   override def supportCompletePushDown(aggregation: Aggregation): Boolean = true
 
-  override def build(): Scan =
-    if (countOnly) new ManifestCountScan(plan.sources.flatMap(_.manifest).map(_.shards.map(_.samples).sum).sum)
-    else new SafetensorsScan(plan, required, wanted)
+  override def build(): Scan = {
+    val read = if (sources.size == plan.sources.size) plan else plan.copy(sources = sources.map(plan.sources))
+    if (countOnly) new ManifestCountScan(read.sources.flatMap(_.manifest).map(_.shards.map(_.samples).sum).sum)
+    else new SafetensorsScan(read, required, wanted)
+  }
 }
 
 /** `COUNT(*)` answered from the manifests: one partition, one row, no shard opened. */
@@ -153,19 +168,89 @@ object SafetensorsScan {
   }
 }
 
+/** The readers of a scan's partitions. The columns read from shards are `required` less
+  * the partition columns, whose values each partition's reader adds (`WithPartitionValues`). */
 final class SafetensorsReaderFactory(plan: ReadPlan, required: StructType, wanted: Wanted) extends PartitionReaderFactory {
-  private val columnar = Columnar.supports(plan, required)
+  private val fromShards = StructType(required.fields.filterNot(f => plan.partitionSchema.fieldNames.contains(f.name)))
+  private val addsValues = fromShards.size != required.size
+  private val columnar = fromShards.nonEmpty && Columnar.supports(plan, fromShards)
   override def supportColumnarReads(partition: InputPartition): Boolean = columnar
+
+  private def values(p: ShardPart): org.apache.spark.sql.catalyst.InternalRow =
+    core.Partitions.row(plan.sources(p.source).partition.map(_._2), plan.partitionSchema)
+
+  private def columnarReader(p: ShardPart): PartitionReader[ColumnarBatch] = {
+    val reader = new RowsColumnarReader(plan, p, fromShards)
+    if (addsValues) new WithPartitionValues.Batches(reader, required, fromShards, plan.partitionSchema, values(p)) else reader
+  }
+  private def rowReader(p: ShardPart): PartitionReader[InternalRow] = {
+    val reader = if (plan.view == "rows") new RowsReader(plan, p, fromShards) else new KvReader(plan, p, fromShards, wanted)
+    if (addsValues) new WithPartitionValues.Rows(reader, required, fromShards, plan.partitionSchema, values(p)) else reader
+  }
+
   override def createColumnarReader(partition: InputPartition): PartitionReader[ColumnarBatch] = partition match {
-    case g: ShardsPart => new ChainedReader(g.parts.iterator.map(p => new RowsColumnarReader(plan, p, required)))
-    case p: ShardPart => new RowsColumnarReader(plan, p, required)
+    case g: ShardsPart => new ChainedReader(g.parts.iterator.map(columnarReader))
+    case p: ShardPart => columnarReader(p)
   }
   override def createReader(partition: InputPartition): PartitionReader[InternalRow] = partition match {
-    case g: ShardsPart => new ChainedReader(g.parts.iterator.map(p => new RowsReader(plan, p, required)))
-    case p: ShardPart if plan.view == "rows" => new RowsReader(plan, p, required)
-    case p: ShardPart => new KvReader(plan, p, required, wanted)
+    case g: ShardsPart => new ChainedReader(g.parts.iterator.map(rowReader))
+    case p: ShardPart => rowReader(p)
     case p: FilesPart if plan.view == "files" => new FilesReader(plan, p, required)
     case p: FilesPart => new TensorsReader(plan, p, required, wanted)
+  }
+}
+
+/** A partition's values added to the rows (or batches) read from its shards, each column
+  * where `required` puts it. */
+object WithPartitionValues {
+  import org.apache.spark.sql.catalyst.expressions.GenericInternalRow
+  import org.apache.spark.sql.execution.vectorized.{ColumnVectorUtils, ConstantColumnVector}
+  import org.apache.spark.sql.vectorized.ColumnVector
+
+  /** For each required column: (is a partition column, its ordinal in the shard columns or
+    * in the partition columns). */
+  private def slots(required: StructType, fromShards: StructType, partitions: StructType): Array[(Boolean, Int)] =
+    required.fields.map { f =>
+      if (fromShards.fieldNames.contains(f.name)) (false, fromShards.fieldIndex(f.name))
+      else (true, partitions.fieldIndex(f.name))
+    }
+
+  final class Rows(inner: PartitionReader[InternalRow], required: StructType, fromShards: StructType,
+      partitions: StructType, values: InternalRow) extends PartitionReader[InternalRow] {
+    private val at = slots(required, fromShards, partitions)
+    private val out = new GenericInternalRow(required.size)
+    // the partition's values, set once: only the shards' columns change from row to row
+    at.indices.foreach { i =>
+      if (at(i)._1) out.update(i, values.get(at(i)._2, partitions(at(i)._2).dataType))
+    }
+    override def next(): Boolean = inner.next()
+    override def get(): InternalRow = {
+      val row = inner.get()
+      var i = 0
+      while (i < at.length) {
+        if (!at(i)._1) out.update(i, row.get(at(i)._2, required(i).dataType))
+        i += 1
+      }
+      out
+    }
+    override def close(): Unit = inner.close()
+  }
+
+  final class Batches(inner: PartitionReader[ColumnarBatch], required: StructType, fromShards: StructType,
+      partitions: StructType, values: InternalRow) extends PartitionReader[ColumnarBatch] {
+    private val at = slots(required, fromShards, partitions)
+    private val constants: Map[Int, ConstantColumnVector] = at.toSeq.filter(_._1).map { case (_, o) =>
+      val v = new ConstantColumnVector(Columnar.BatchRows, partitions(o).dataType)
+      ColumnVectorUtils.populate(v, values, o)
+      o -> v
+    }.toMap
+    override def next(): Boolean = inner.next()
+    override def get(): ColumnarBatch = {
+      val batch = inner.get()
+      val columns = at.map { case (part, o) => if (part) constants(o): ColumnVector else batch.column(o) }
+      new ColumnarBatch(columns, batch.numRows())
+    }
+    override def close(): Unit = { inner.close(); constants.values.foreach(_.close()) }
   }
 }
 

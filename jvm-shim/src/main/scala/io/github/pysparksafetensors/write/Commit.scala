@@ -44,13 +44,21 @@ object Commit {
   private def show(s: Seq[Int]): String = s.mkString("[", ", ", "]")
 
   /** The schema of `previous` after appending data written with `template`'s settings
-    * and columns `schema` (None: no new shards); the rule of `check_append`. */
+    * and columns `schema` (None: no new shards); the rule of `check_append`. `varying`:
+    * dimensions may differ (KV datasets, and the partitions of a partitioned one). */
   def checkAppend(previous: ManifestDoc, template: ManifestDoc, schema: Option[Seq[(String, ColumnSchema)]],
-      where: String): Seq[(String, ColumnSchema)] = {
+      where: String, varying: Option[Boolean] = None): Seq[(String, ColumnSchema)] = {
     if (previous.mode != template.mode)
       throw new SafetensorsWriteException(
         s"$where: cannot append ${template.mode}-mode data to a ${previous.mode}-mode dataset")
     if (previous.shards.isEmpty) return schema.getOrElse(Seq.empty)
+    if (previous.partitionColumns != template.partitionColumns) {
+      def by(cols: Seq[String]) = if (cols.isEmpty) "not partitioned" else s"partitioned by ${cols.mkString("['", "', '", "']")}"
+      throw new SafetensorsWriteException(
+        s"$where is ${by(previous.partitionColumns)}, this write is ${by(template.partitionColumns)}; " +
+          (if (previous.partitionColumns.isEmpty) "append without partitionBy, or overwrite the dataset"
+           else s"append with partitionBy(${previous.partitionColumns.mkString("'", "', '", "'")}), or overwrite the dataset"))
+    }
     // values as the Python writer's message shows them: numbers bare, text quoted
     def shown(v: Option[Any]): String = v match {
       case Some(s: String) => s"'$s'"
@@ -78,7 +86,7 @@ object Commit {
             s"$where: appended columns ${have.toSeq.sorted.mkString("['", "', '", "']")} differ from the dataset's " +
               s"${want.toSeq.sorted.mkString("['", "', '", "']")} (${detail.mkString("; ")})")
         }
-        mergeSchemas(Seq(previous.schema, cols), s"$where (append)", previous.mode == "kv")
+        mergeSchemas(Seq(previous.schema, cols), s"$where (append)", varying.getOrElse(previous.mode == "kv"))
     }
   }
 
@@ -102,15 +110,19 @@ object Commit {
   }
 
   /** Delete what no manifest trusts: unlisted shards and indexes (except `keep`), and the
-    * leases and staging leftovers of dead jobs and of `ownJob`; live jobs' files stay. */
-  def reclaim(files: DatasetFiles, keep: Set[String], ownJob: Option[String]): Seq[String] = {
+    * leases and staging leftovers of dead jobs and of `ownJob`; live jobs' files stay.
+    * `leases`: where the jobs' leases are (a partition's are at its dataset's root). */
+  def reclaim(files: DatasetFiles, keep: Set[String], ownJob: Option[String],
+      leases: Option[DatasetFiles] = None): Seq[String] = {
     val listing = files.list()
     val staging = if (listing.contains(Layout.Staging)) files.listUnder(Layout.Staging).map(n => s"${Layout.Staging}/$n") else Seq.empty
-    val live = staging.filter(n => n.endsWith(Layout.JobLeaseSuffix) && !n.stripPrefix(Layout.Staging + "/").contains("/"))
+    val leaseFiles = leases.getOrElse(files)
+    val leaseNames = if (leases.isEmpty) staging else leaseFiles.listUnder(Layout.Staging).map(n => s"${Layout.Staging}/$n")
+    val live = leaseNames.filter(n => n.endsWith(Layout.JobLeaseSuffix) && !n.stripPrefix(Layout.Staging + "/").contains("/"))
       .flatMap { n =>
         val job = n.stripPrefix(Layout.Staging + "/").stripSuffix(Layout.JobLeaseSuffix)
         if (ownJob.contains(job)) None
-        else if (Try(files.readBytes(n)).toOption.exists(alive)) Some(Layout.jobTag(job)) else None
+        else if (Try(leaseFiles.readBytes(n)).toOption.exists(alive)) Some(Layout.jobTag(job)) else None
       }.toSet
     val doomed = listing.filterNot(keep).filter {
       case n @ Layout.ShardName(_, _, _) => !Layout.jobOf(n).exists(live)
@@ -128,7 +140,7 @@ object Commit {
     doomed
   }
 
-  private def previousManifest(files: DatasetFiles, overwrite: Boolean, where: String): Option[ManifestDoc] =
+  private[write] def previousManifest(files: DatasetFiles, overwrite: Boolean, where: String): Option[ManifestDoc] =
     if (!files.has(Layout.Manifest)) None
     else Try(ManifestDoc.parse(files.readBytes(Layout.Manifest), where)).fold(
       e => if (overwrite) None else throw e, Some(_))
@@ -176,6 +188,8 @@ object Commit {
     catch { case e: Throwable => indexFile.foreach(f => files.delete(Seq(f._1))); throw e }
     publishSpecIndex(files, indexData)
     cleanUp(files, jobId, manifest, if (keepPrevious) previous else None)
+    // an overwrite of a partitioned dataset by an unpartitioned write: its directories go
+    if (overwrite && !keepPrevious) previous.foreach(p => files.delete(PartitionedCommit.topDirs(p.shards)))
     manifest
   }
 
@@ -183,7 +197,7 @@ object Commit {
     * as its one part, or goes when this commit has none (an index of another generation
     * would route readers to shards the manifest no longer lists). One file of that name,
     * as earlier versions wrote it, gives way to the directory. */
-  private def publishSpecIndex(files: DatasetFiles, data: Option[Array[Byte]]): Unit = data match {
+  private[write] def publishSpecIndex(files: DatasetFiles, data: Option[Array[Byte]]): Unit = data match {
     case Some(bytes) =>
       if (files.isFile(Layout.Index)) files.delete(Seq(Layout.Index))
       files.putBytes(Layout.IndexPart, bytes)
@@ -216,7 +230,7 @@ object Commit {
 
   /** Put the manifest unless another commit landed since `previous` was read (locally
     * under the exclusive `_commit.lock`), then read it back. */
-  private def publish(files: DatasetFiles, manifest: ManifestDoc, previous: Option[ManifestDoc]): Unit = {
+  private[write] def publish(files: DatasetFiles, manifest: ManifestDoc, previous: Option[ManifestDoc]): Unit = {
     val base = previous.flatMap(_.commitId)
     withLock(files) {
       val current = currentCommit(files)

@@ -40,6 +40,9 @@ final class DatasetFiles(val uri: String, conf: SerializableConfiguration) exten
         throw new IOException(s"dataset '$uri', file '$name': ${e.getMessage}", e)
     }
 
+  /** The files of directory `dir` under this one (a partition of a dataset). */
+  def sub(dir: String): DatasetFiles = new DatasetFiles(s"${uri.stripSuffix("/")}/$dir", conf)
+
   def exists(): Boolean = fs.exists(rootPath)
   def has(name: String): Boolean = fs.exists(path(name))
   def makedirs(): Unit = naming(".")(fs.mkdirs(rootPath))
@@ -48,9 +51,9 @@ final class DatasetFiles(val uri: String, conf: SerializableConfiguration) exten
   def list(): Seq[String] =
     if (!fs.exists(rootPath)) Seq.empty else fs.listStatus(rootPath).toSeq.map(_.getPath.getName).sorted
 
-  /** Names of the files under `dir` (recursively), relative to it. */
+  /** Names of the files under `dir` (recursively; "" for the root), relative to it. */
   def listUnder(dir: String): Seq[String] = {
-    val base = path(dir)
+    val base = if (dir.isEmpty) rootPath else path(dir)
     if (!fs.exists(base)) return Seq.empty
     val prefix = fs.makeQualified(base).toUri.getPath.stripSuffix("/") + "/"
     val it = fs.listFiles(base, true)
@@ -116,6 +119,18 @@ final class DatasetFiles(val uri: String, conf: SerializableConfiguration) exten
   /** Delete files and directories (recursively) by name; missing ones are fine. */
   def delete(names: Iterable[String]): Unit = names.foreach { name =>
     naming(name)(fs.delete(path(name), true))
+  }
+
+  /** Remove the directories under the root that hold no file, however deep (those a
+    * failed partitioned write made); returns whether any file is under the root. */
+  def removeEmptyDirs(): Boolean = {
+    def walk(dir: Path): Boolean = {
+      val (dirs, files) = fs.listStatus(dir).toSeq.partition(_.isDirectory)
+      val held = dirs.map(d => walk(d.getPath)).foldLeft(false)(_ || _) || files.nonEmpty
+      if (!held && dir != rootPath) fs.delete(dir, false)
+      held
+    }
+    fs.exists(rootPath) && walk(rootPath)
   }
 
   /** Remove the directory itself when nothing is under it; returns whether it was. */

@@ -7,6 +7,8 @@ import scala.jdk.CollectionConverters._
 import com.fasterxml.jackson.databind.node.ObjectNode
 import com.fasterxml.jackson.databind.{JsonNode, ObjectMapper, SerializationFeature}
 
+import io.github.pysparksafetensors.core.Partitions
+
 /** One shard of a manifest. */
 final case class ShardEntry(path: String, samples: Long, bytes: Long, firstSample: Option[Long], crc32c: Option[String])
 
@@ -27,7 +29,9 @@ final case class ManifestDoc(
     createdBy: String,
     createdAt: Option[String],
     /** Full shapes of the schema's columns (batch: `[batch_size, *sample]`). */
-    shapes: Map[String, Seq[Int]] = Map.empty
+    shapes: Map[String, Seq[Int]] = Map.empty,
+    /** A partitioned dataset's columns: its shards lie in `col=value/` directories. */
+    partitionColumns: Seq[String] = Nil
 ) {
   def toJson: Array[Byte] = {
     val m = ManifestDoc.mapper
@@ -60,6 +64,10 @@ final case class ManifestDoc(
     indexCrc32c.foreach(doc.put("index_crc32c", _))
     commitId.foreach(doc.put("commit_id", _))
     parentCommit.foreach(doc.put("parent_commit", _))
+    if (partitionColumns.nonEmpty) {
+      val cols = doc.putArray("partition_columns")
+      partitionColumns.foreach(c => cols.add(c))
+    }
     doc.put("created_by", createdBy)
     createdAt.foreach(doc.put("created_at", _))
     val md = doc.putObject("metadata")
@@ -84,12 +92,18 @@ object ManifestDoc {
     if (!doc.get("format_version").asText.startsWith("1."))
       fail(where, s"format_version '${doc.get("format_version").asText}' is not supported (1.x expected)")
     def text(n: JsonNode, f: String): Option[String] = Option(n.get(f)).filter(!_.isNull).map(_.asText)
+    val partitionColumns = Option(doc.get("partition_columns")).filter(_.isArray)
+      .map(_.elements().asScala.map(_.asText).toList).getOrElse(Nil)
     val shards = doc.get("shards").elements().asScala.zipWithIndex.map { case (s, i) =>
       for (f <- Seq("shard_path", "samples_count", "bytes"))
         if (!s.has(f)) fail(where, s"missing required field 'shards[$i].$f'")
       val path = s.get("shard_path").asText
-      if (path.isEmpty || path.contains("/") || path.contains("\\") || !path.endsWith(".safetensors"))
-        fail(where, s"shards[$i].shard_path '$path' must be a relative name inside the dataset, ending in .safetensors")
+      val name = path.substring(path.lastIndexOf('/') + 1)
+      if (name.isEmpty || path.contains("\\") || !path.endsWith(".safetensors") ||
+          Partitions.values(path, partitionColumns).isEmpty)
+        fail(where, s"shards[$i].shard_path '$path' must be a relative name inside the dataset, ending in " +
+          ".safetensors" + (if (partitionColumns.isEmpty) "" else
+            s", in the directories of partition columns ${partitionColumns.mkString("[", ", ", "]")}"))
       ShardEntry(path, s.get("samples_count").asLong, s.get("bytes").asLong,
         Option(s.get("first_sample")).filter(_.isIntegralNumber).map(_.asLong), text(s, "crc32c"))
     }.toList
@@ -119,7 +133,8 @@ object ManifestDoc {
         .map(_.properties().asScala.map(e => e.getKey -> e.getValue.asText).toMap).getOrElse(Map.empty),
       createdBy = text(doc, "created_by").getOrElse("unknown"),
       createdAt = text(doc, "created_at"),
-      shapes = schema.map(s => s._1 -> s._3).toMap
+      shapes = schema.map(s => s._1 -> s._3).toMap,
+      partitionColumns = partitionColumns
     )
   }
 }

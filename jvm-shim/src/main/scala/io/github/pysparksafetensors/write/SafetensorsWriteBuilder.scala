@@ -9,9 +9,10 @@ import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.write._
 import org.apache.spark.sql.sources.{AlwaysTrue, Filter}
-import org.apache.spark.sql.types.{StringType, StructType}
+import org.apache.spark.sql.types.{DataType, StringType, StructType}
 
 import io.github.pysparksafetensors.CatalogOptions
+import io.github.pysparksafetensors.core.Partitions
 
 /** What the tasks of one write job need: options, column plans, the dataset's files, the
   * job id (its lease and the tag in every shard name) and whether the job made the
@@ -22,7 +23,28 @@ final case class WriteJob(
     keyOrdinal: Int,
     files: DatasetFiles,
     jobId: String,
-    madeDirectory: Boolean)
+    madeDirectory: Boolean,
+    partitioning: PartitionLayout = PartitionLayout.Unpartitioned)
+
+/** The partition columns of a write (`partitionBy`), their ordinals and types in its rows. */
+final case class PartitionLayout(columns: Seq[String], ordinals: Array[Int], types: Array[DataType])
+
+object PartitionLayout {
+  val Unpartitioned: PartitionLayout = PartitionLayout(Nil, Array.empty, Array.empty)
+}
+
+/** Which partitions of a partitioned dataset a write replaces. */
+sealed trait Replace
+object Replace {
+  /** An append: none. */
+  case object Nothing extends Replace
+  /** An overwrite (`truncate`): all of them, the dataset. */
+  case object All extends Replace
+  /** A dynamic overwrite (`partitionOverwriteMode=dynamic`): those the write has rows for. */
+  case object Written extends Replace
+  /** `INSERT OVERWRITE … PARTITION (col = v)`: those whose values pass every filter. */
+  final case class Matching(filters: Seq[Filter]) extends Replace
+}
 
 /** The writer side of the JVM `safetensors` source: `df.write.format("safetensors")`
   * with `mode("append")`, `mode("overwrite")` (a truncate: the whole dataset is replaced
@@ -34,30 +56,49 @@ final case class WriteJob(
   * @param tableOptions the options the table was made with, for those the write lacks:
   *   Spark 3.5 hands an `INSERT` into a temporary view `USING safetensors OPTIONS (path …)`
   *   the view's options only there.
+  * @param partitionColumns the table's partition columns (`partitionBy`, `PARTITIONED BY`).
   */
-class SafetensorsWriteBuilder(info: LogicalWriteInfo, tableOptions: util.Map[String, String])
-    extends WriteBuilder with SupportsTruncate with SupportsOverwrite {
-  private var overwrite = false
+class SafetensorsWriteBuilder(info: LogicalWriteInfo, tableOptions: util.Map[String, String],
+    partitionColumns: Seq[String] = Nil)
+    extends WriteBuilder with SupportsTruncate with SupportsOverwrite with SupportsDynamicOverwrite {
+  private var replace: Replace = Replace.Nothing
 
-  override def truncate(): WriteBuilder = { overwrite = true; this }
+  /** An overwrite of the whole dataset, or with `partitionOverwriteMode=dynamic` (the
+    * write's option, else the session's `spark.sql.sources.partitionOverwriteMode`) of the
+    * partitions written: Spark calls this for `save()` in either mode, so the writer reads
+    * the mode itself. */
+  override def truncate(): WriteBuilder = {
+    val mode = info.options().asCaseSensitiveMap().asScala.collectFirst {
+      case (k, v) if k.equalsIgnoreCase(SafetensorsBatchWrite.PartitionOverwriteMode) => v
+    }.getOrElse(SparkSession.active.conf.get("spark.sql.sources.partitionOverwriteMode", "static"))
+    replace = if (mode.trim.equalsIgnoreCase("dynamic")) Replace.Written else Replace.All
+    this
+  }
+
+  override def overwriteDynamicPartitions(): WriteBuilder = { replace = Replace.Written; this }
 
   override def overwrite(filters: Array[Filter]): WriteBuilder = {
-    if (!filters.forall(_.isInstanceOf[AlwaysTrue]))
+    if (filters.forall(_.isInstanceOf[AlwaysTrue])) return truncate()
+    val other = filters.flatMap(_.references).filterNot(c => partitionColumns.exists(_.equalsIgnoreCase(c)))
+    if (partitionColumns.isEmpty || other.nonEmpty)
       throw new SafetensorsWriteException(
-        "a safetensors dataset has no partitions to overwrite by a condition; overwrite the whole dataset")
-    overwrite = true
+        if (partitionColumns.isEmpty) "a safetensors dataset without partitions cannot be overwritten by a condition; overwrite the whole dataset"
+        else s"an overwrite by a condition may name partition columns only (${partitionColumns.mkString(", ")}), not ${other.distinct.mkString(", ")}")
+    replace = Replace.Matching(filters.toSeq)
     this
   }
 
   override def build(): Write = new Write {
     override def description(): String = "safetensors"
-    override def toBatch: BatchWrite = SafetensorsBatchWrite(info, tableOptions, overwrite)
+    override def toBatch: BatchWrite = SafetensorsBatchWrite(info, tableOptions, partitionColumns, replace)
   }
 }
 
 /** Plans the write on the driver (options, column types, the append check), leases the
   * job, and commits or aborts it. */
-final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) extends BatchWrite {
+final class SafetensorsBatchWrite private (job: WriteJob, replace: Replace) extends BatchWrite {
+  private val partitioned = job.partitioning.columns.nonEmpty
+
   override def createBatchWriterFactory(physical: PhysicalWriteInfo): DataWriterFactory =
     new SafetensorsWriterFactory(job)
 
@@ -65,18 +106,26 @@ final class SafetensorsBatchWrite private (job: WriteJob, overwrite: Boolean) ex
     val o = job.options
     ManifestDoc(Seq.empty, Seq.empty, o.mode, o.batchSize, o.nameCol,
       if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata,
-      s"pyspark-safetensors ${Layout.Version} (JVM)", None)
+      s"pyspark-safetensors ${Layout.Version} (JVM)", None, partitionColumns = job.partitioning.columns)
   }
 
   override def commit(messages: Array[WriterCommitMessage]): Unit = {
-    val results = messages.toSeq.collect { case t: TaskCommit => t }
-    try Commit.commit(job.files, job.jobId, results, template, overwrite, job.options.generateIndex,
-      uniqueKeys = job.options.mode == "kv", keepPrevious = job.options.keepPreviousGeneration)
-    catch { case e: Throwable => abort(messages); throw e }
+    val results = messages.toSeq.flatMap {
+      case t: TaskCommit => Seq(t)
+      case t: TaskCommits => t.parts
+      case _ => Nil
+    }
+    val o = job.options
+    try {
+      if (partitioned) PartitionedCommit.commit(job.files, job.jobId, results, template, replace,
+        o.generateIndex, uniqueKeys = o.mode == "kv", keepPrevious = o.keepPreviousGeneration)
+      else Commit.commit(job.files, job.jobId, results, template, replace != Replace.Nothing, o.generateIndex,
+        uniqueKeys = o.mode == "kv", keepPrevious = o.keepPreviousGeneration)
+    } catch { case e: Throwable => abort(messages); throw e }
   }
 
   override def abort(messages: Array[WriterCommitMessage]): Unit = {
-    Commit.abort(job.files, job.jobId)
+    if (partitioned) PartitionedCommit.abort(job.files, job.jobId) else Commit.abort(job.files, job.jobId)
     if (job.madeDirectory) job.files.removeIfEmpty()
   }
 }
@@ -122,31 +171,65 @@ object SafetensorsBatchWrite {
     out
   }
 
-  def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String], overwrite: Boolean): SafetensorsBatchWrite = {
+  /** The option naming the overwrite mode of a partitioned write, as Spark's file sources take it. */
+  val PartitionOverwriteMode = "partitionOverwriteMode"
+
+  def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String], partitionColumns: Seq[String],
+      replace: Replace): SafetensorsBatchWrite = {
     val schema = info.schema()
     val stated = withTableOptions(info.options().asCaseSensitiveMap(), tableOptions, WriterOptions.takes)
+    stated.keySet.asScala.filter(_.equalsIgnoreCase(PartitionOverwriteMode)).toSeq.foreach(stated.remove)
     val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
       stated.asScala.toMap ++ WriterOptions.storageConf(stated))
     val conf = new SerializableConfiguration(hadoop)
     val path = stated.asScala.collectFirst { case (k, v) if k.equalsIgnoreCase("path") && v.nonEmpty => v }
     val given = path.fold(stated)(p => withDatasetSettings(stated, new DatasetFiles(p, conf), schema.fieldNames.toSeq))
     val options = WriterOptions.parse(given)
-    val plans = planColumns(schema, options)
     val files = new DatasetFiles(options.path, conf)
+    val partitioning = partitionLayout(schema, options,
+      if (partitionColumns.nonEmpty || replace == Replace.All) partitionColumns else datasetPartitions(files, schema))
+    val plans = planColumns(schema, options, partitioning.columns)
     val jobId = UUID.randomUUID().toString.replace("-", "")
     val keyOrdinal = options.nameCol.map(schema.fieldIndex).getOrElse(-1)
-    val job = WriteJob(options, plans.toArray, keyOrdinal, files, jobId, madeDirectory = !files.exists())
-    if (!overwrite) checkAppend(job)
+    val job = WriteJob(options, plans.toArray, keyOrdinal, files, jobId, madeDirectory = !files.exists(), partitioning)
+    if (replace != Replace.All) checkAppend(job)
     Commit.beginJob(files, jobId)
-    new SafetensorsBatchWrite(job, overwrite)
+    new SafetensorsBatchWrite(job, if (partitioning.columns.isEmpty && replace != Replace.Nothing) Replace.All else replace)
   }
 
-  private def planColumns(schema: StructType, o: WriterOptions): Seq[ColumnPlan] = {
+  /** A partitioned dataset's partition columns, for an append that names none (a plain
+    * `save()` or `INSERT`), when the DataFrame has them all. */
+  private def datasetPartitions(files: DatasetFiles, schema: StructType): Seq[String] =
+    if (!files.has(Layout.Manifest)) Nil
+    else scala.util.Try(ManifestDoc.parse(files.readBytes(Layout.Manifest), "").partitionColumns).getOrElse(Nil)
+      .filter(c => schema.fieldNames.contains(c)) match {
+        case cols if cols.size == schema.fieldNames.count(cols.contains) && cols.nonEmpty => cols
+        case _ => Nil
+      }
+
+  private def partitionLayout(schema: StructType, o: WriterOptions, columns: Seq[String]): PartitionLayout = {
+    def fail(msg: String): Nothing = throw new SafetensorsWriteException(msg)
     val names = schema.fieldNames.toSeq
+    columns.foreach { c =>
+      if (!names.contains(c)) fail(s"partition column '$c' is not a column; columns: ${names.mkString("['", "', '", "']")}")
+      if (o.nameCol.contains(c)) fail(s"partition column '$c' is the key column (name_col); partition by another column")
+      if (!Partitions.supported(schema(c).dataType))
+        fail(s"partition column '$c' has type ${schema(c).dataType.simpleString}; a partition column must be a " +
+          "string, an integer, a boolean or a date (its value names a directory)")
+    }
+    if (columns.distinct.size != columns.size) fail(s"partitionBy names a column twice: ${columns.mkString(", ")}")
+    PartitionLayout(columns, columns.map(schema.fieldIndex).toArray, columns.map(schema(_).dataType).toArray)
+  }
+
+  private def planColumns(schema: StructType, o: WriterOptions, partitionColumns: Seq[String]): Seq[ColumnPlan] = {
+    val all = schema.fieldNames.toSeq
+    val names = all.filterNot(partitionColumns.contains)
     def fail(msg: String): Nothing = throw new SafetensorsWriteException(msg)
     val unknown = (o.columns.getOrElse(Nil) ++ o.shapes.keys ++ o.columnDtypes.keys).filterNot(names.contains)
     if (unknown.nonEmpty)
-      fail(s"option names column(s) ${unknown.mkString("['", "', '", "']")} that the DataFrame lacks; its columns: ${names.mkString("['", "', '", "']")}")
+      fail(s"option names column(s) ${unknown.mkString("['", "', '", "']")} that the DataFrame lacks" +
+        (if (unknown.exists(partitionColumns.contains)) " as tensor columns (a partition column is written as its directory)" else "") +
+        s"; its columns: ${all.mkString("['", "', '", "']")}")
     o.nameCol.foreach { key =>
       if (!names.contains(key)) fail(s"name_col '$key' is not a column; columns: ${names.mkString("['", "', '", "']")}")
       if (schema(key).dataType != StringType)
@@ -177,8 +260,11 @@ object SafetensorsBatchWrite {
       p.name -> ColumnSchema(dtype, sample)
     }
     val template = ManifestDoc(Seq.empty, Seq.empty, o.mode, o.batchSize, o.nameCol,
-      if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata, "", None)
-    Commit.checkAppend(previous, template, Some(known), s"dataset '${files.uri}'")
+      if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata, "", None,
+      partitionColumns = job.partitioning.columns)
+    // a partition's sample shapes are checked at the commit, against the partition's own
+    val varying = if (job.partitioning.columns.nonEmpty) Some(true) else None
+    Commit.checkAppend(previous, template, Some(known), s"dataset '${files.uri}'", varying)
   }
 }
 

@@ -5,6 +5,8 @@ import scala.collection.mutable
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.write.{DataWriter, WriterCommitMessage}
 
+import io.github.pysparksafetensors.core
+
 /** Index rows of one shard: tensor names in file order with dtype, shape and absolute
   * byte offsets [begin, end). */
 final case class IndexRows(
@@ -21,15 +23,20 @@ final case class StagedShard(
     crc32c: Option[String], keys: Option[Array[String]])
 
 /** The commit message of one task attempt: its shards, the columns' schema and, when the
-  * job writes a tensor index, the index rows of its shards already encoded as parquet. */
+  * job writes a tensor index, the index rows of its shards already encoded as parquet; in a
+  * partitioned write, those of one partition `dir` (shard names under it). */
 final case class TaskCommit(
-    attemptId: Long, shards: Seq[StagedShard], schema: Seq[(String, ColumnSchema)], index: Option[Array[Byte]])
+    attemptId: Long, shards: Seq[StagedShard], schema: Seq[(String, ColumnSchema)], index: Option[Array[Byte]],
+    dir: String = "")
   extends WriterCommitMessage
 
-/** Writes the shards of one task attempt at the dataset root, under names of its own
-  * (`part-{task}-{shard}-{uuid}.safetensors`, the uuid starting with the job's tag), and
-  * remembers what it wrote and the columns' schema. */
-private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long) {
+/** The commit message of one task attempt of a partitioned write: one per partition. */
+final case class TaskCommits(parts: Seq[TaskCommit]) extends WriterCommitMessage
+
+/** Writes the shards of one task attempt at the dataset root (or in its partition's
+  * directory `dir`), under names of its own (`part-{task}-{shard}-{uuid}.safetensors`, the
+  * uuid starting with the job's tag), and remembers what it wrote and the columns' schema. */
+private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long, dir: String = "") {
   private val fileUuid = Layout.attemptUuid(job.jobId)
   val started = mutable.ArrayBuffer.empty[String]
   val shards = mutable.ArrayBuffer.empty[StagedShard]
@@ -41,7 +48,7 @@ private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long
 
   def write(slots: Seq[TensorSlot], samples: Long, indexed: Boolean): Unit = {
     val layout = ShardFormat.layout(slots, metadata)
-    val name = Layout.shardName(taskId, shards.size, fileUuid)
+    val name = (if (dir.isEmpty) "" else dir + "/") + Layout.shardName(taskId, shards.size, fileUuid)
     started += name
     val crc = if (job.options.checksum == "crc32c") new java.util.zip.CRC32C() else null
     job.files.writeFile(name)(out => ShardFormat.write(layout, out, crc))
@@ -69,31 +76,47 @@ private[write] final class ShardSink(job: WriteJob, taskId: Int, attemptId: Long
       throw new IllegalStateException(
         "the write job ended (aborted or committed without this attempt) before this task " +
           "finished; its shards are deleted")
-    TaskCommit(attemptId, shards.toSeq, schema, index)
+    TaskCommit(attemptId, shards.toSeq, schema, index, dir)
   }
 
   def discard(): Unit =
     try job.files.delete(started) catch { case _: java.io.IOException => () }
 }
 
-/** One partition of a write: rows in, shards out, one `TaskCommit` back. */
+/** One partition of a write: rows in, shards out, one `TaskCommit` back; in a partitioned
+  * write, one sink and row writer per partition directory its rows fall in (rows arrive in
+  * any order: Spark does not sort them for a V2 write). */
 private[write] final class SafetensorsDataWriter(job: WriteJob, taskId: Int, attemptId: Long)
     extends DataWriter[InternalRow] {
-  private val sink = new ShardSink(job, taskId, attemptId)
-  private val mode: RowWriter =
-    if (job.options.mode == "kv") new KVModeWriter(job, sink) else new BatchModeWriter(job, sink)
+  private val writers = mutable.LinkedHashMap.empty[String, (ShardSink, RowWriter)]
+  private var last: (String, (ShardSink, RowWriter)) = _
   private var finished = false
 
-  override def write(row: InternalRow): Unit = mode.add(row)
+  private def writerFor(dir: String): (ShardSink, RowWriter) = {
+    if (last != null && last._1 == dir) return last._2
+    val w = writers.getOrElseUpdate(dir, {
+      val sink = new ShardSink(job, taskId, attemptId, dir)
+      (sink, if (job.options.mode == "kv") new KVModeWriter(job, sink) else new BatchModeWriter(job, sink))
+    })
+    last = (dir, w)
+    w
+  }
+
+  override def write(row: InternalRow): Unit = {
+    val p = job.partitioning
+    writerFor(if (p.columns.isEmpty) "" else core.Partitions.dir(row, p.columns, p.ordinals, p.types))._2.add(row)
+  }
 
   override def commit(): WriterCommitMessage = {
-    mode.finish()
+    if (writers.isEmpty) writerFor("")
+    writers.values.foreach(_._2.finish())
     finished = true
-    sink.result()
+    if (job.partitioning.columns.isEmpty) writers("")._1.result()
+    else TaskCommits(writers.values.map(_._1.result()).toSeq)
   }
 
   override def abort(): Unit = {
-    sink.discard()
+    writers.values.foreach(_._1.discard())
     if (job.madeDirectory) try job.files.removeIfEmpty() catch { case _: java.io.IOException => () }
   }
 
