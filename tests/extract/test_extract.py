@@ -244,3 +244,37 @@ def test_dataframe_corpus_numbered_by_key_across_partitions(spark, tmp_path):
     with pytest.raises(ExtractionError, match="must be a Spark DataFrame"):
         run_extraction(spark, config, tmp_path / "z", corpus=texts)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_partition_by_hook_writes_one_dataset_of_the_same_tokens(spark, extracted, tmp_path):
+    """``partition_by_hook``: one dataset partitioned by hook point (the JVM source's
+    ``partitionBy``), each partition the tokens of that hook's own dataset."""
+    import dataclasses
+
+    from implementations import require
+
+    require(spark, "jvm")
+    per_hook, _ = extracted
+    config = dataclasses.replace(CONFIG, partition_by_hook=True, kv_dataset=False)
+    run_extraction(spark, config, tmp_path / "out")
+    root = json.loads((tmp_path / "out" / "activations" / "dataset_manifest.json").read_text())
+    assert root["partition_columns"] == ["hook"]
+    hooks = json.loads((tmp_path / "out" / "extraction.json").read_text())["hooks"]
+    before = json.loads((per_hook / "extraction.json").read_text())["hooks"]
+
+    def tokens(path):
+        ds = open_dataset(path)
+        return {
+            (r["sample_id"].item(), r["window"].item(), r["token_pos"].item()): r[
+                "activation"
+            ].numpy()
+            for r in (ds[i] for i in range(len(ds)))
+        }
+
+    for name in (QUERY_IN, LAYER1_OUT):
+        assert hooks[name]["dataset"].startswith("activations/hook=")
+        got = tokens(tmp_path / "out" / hooks[name]["dataset"])
+        want = tokens(per_hook / before[name]["dataset"])
+        assert got.keys() == want.keys() and len(got) > 0
+        for key, value in want.items():
+            np.testing.assert_array_equal(got[key], value)

@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from implementations import require, writer
 from pyspark_safetensors.cli import main as cli
 from pyspark_safetensors.dataset import PartitionedDatasetError, verify_dataset
+from pyspark_safetensors.dataset.layout import partition_dir
 from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
@@ -215,6 +216,7 @@ def test_kv_partitions_with_values_that_need_escaping(spark, tmp_path):
     writer(df, "jvm").option("name_col", "key").partitionBy("hook").mode("overwrite").save(str(out))
     dirs = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("hook="))
     assert dirs == ["hook=__HIVE_DEFAULT_PARTITION__", "hook=a%2Fb", "hook=x%3Dy"]
+    assert dirs == sorted(partition_dir("hook", v) for v in (None, "a/b", "x=y"))  # the Python twin
     back = spark.read.format("safetensors").load(str(out))
     assert back.schema.fieldNames() == ["key", "vec", "hook"]
     got = sorted((r.hook or "", r.key, list(r.vec)) for r in back.collect())

@@ -24,6 +24,21 @@ INDEX_NAME = re.compile(r"^_tensor_index(-[0-9a-f]{32})?\.parquet$")
 JOB_LEASE_SUFFIX = ".job"
 
 
+NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+_ESCAPED = set("\"#%'*/:=?\\\x7f{[]^") | {chr(c) for c in range(0x20)}
+
+
+def partition_dir(column: str, value: str | None) -> str:
+    """The Hive-style directory ``column=value`` of one partition, escaped as Spark (and
+    the JVM writer's ``partitionBy``) escapes it; a null or empty value is
+    ``__HIVE_DEFAULT_PARTITION__``."""
+
+    def escape(text: str) -> str:
+        return "".join(f"%{ord(c):02X}" if c in _ESCAPED else c for c in text)
+
+    return f"{escape(column)}={escape(value) if value else NULL_PARTITION}"
+
+
 def shard_name(task_id: int, shard_index: int, file_uuid: str | None = None) -> str:
     """``part-{taskId:05d}-{shardIndex:04d}-{uuid}.safetensors`` (format spec §3.2)."""
     return f"part-{task_id:05d}-{shard_index:04d}-{file_uuid or uuid.uuid4()}{SHARD_SUFFIX}"

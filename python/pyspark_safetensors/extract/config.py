@@ -56,6 +56,10 @@ class ExtractConfig:
     max_texts: int = 0
     """Use only the first N texts (by key); 0 = all."""
     kv_dataset: bool = True
+    partition_by_hook: bool = False
+    """Write the token-level activations as one dataset partitioned by hook point
+    (``activations/hook=<name>/``, each directory the dataset ``activations/<hook>/`` would
+    be) instead of one dataset per hook point; needs the JVM source (the shim jar)."""
     zarr_run: bool = False
     """Also write the samples as a Zarr sharded run (``samples_zarr/``: each Spark task
     one writer of ``shards/shard-XXXX.zarr``, layers = hook points in order, T_max =
@@ -108,5 +112,7 @@ def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -
         body["corpus_sha256"] = corpus_hash
     body.pop("partitions")  # the layout of the work does not change the data
     body.pop("zarr_run")  # nor does a second copy of the samples
+    if not body["partition_by_hook"]:  # the default layout hashes as it always has
+        body.pop("partition_by_hook")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

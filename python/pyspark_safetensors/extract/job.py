@@ -287,7 +287,7 @@ class _OutputWriter:
             "model_weights_sha256": self.plan.weights_sha256,
             "hooks": {
                 h.name: {
-                    "dataset": token_dataset_name(h),
+                    "dataset": token_dataset_name(h, self.config.partition_by_hook),
                     "kv_column": h.column,
                     "width": widths[h.name],
                 }

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..dataset import DatasetLocation, verify_dataset
+from ..dataset.layout import partition_dir
 from .config import ExtractConfig
-from .model import Hook
+from .model import ExtractionError, Hook
 from .workers import explode_fn, token_rows_schema
 
 
@@ -70,22 +71,28 @@ class ExtractionOutput(Protocol):
         ...
 
 
-def token_dataset_name(hook: Hook) -> str:
+def token_dataset_name(hook: Hook, partitioned: bool = False) -> str:
+    """Where a hook point's token-level dataset is: its own dataset, or its partition of
+    the one dataset partitioned by hook point (``partition_by_hook``)."""
+    if partitioned:
+        return f"activations/{partition_dir('hook', hook.name)}"
     return f"activations/{hook.column}"
 
 
 @dataclass(frozen=True)
 class SafetensorsDatasets:
     """The safetensors datasets, written through the Spark writer (its commit is atomic on
-    any storage): ``activations/{hook}/`` token-level batch datasets, and the ``samples/``
+    any storage): ``activations/{hook}/`` token-level batch datasets (or, with
+    ``partition_by_hook``, ``activations/`` partitioned by hook point), and the ``samples/``
     KV dataset (key -> one ``[seq_len, H]`` per hook point) when ``kv_dataset`` is on."""
 
     kv_dataset: bool = True
+    partition_by_hook: bool = False
     name: str = "activations"
 
     @classmethod
     def for_config(cls, config: ExtractConfig) -> SafetensorsDatasets:
-        return cls(kv_dataset=config.kv_dataset)
+        return cls(kv_dataset=config.kv_dataset, partition_by_hook=config.partition_by_hook)
 
     def target_refusal(self, target: str, local: bool) -> str | None:
         return None
@@ -94,8 +101,11 @@ class SafetensorsDatasets:
         return None
 
     def write(self, out: DatasetLocation, rows: SampleRows) -> None:
-        for hook in rows.hooks:
-            self._token_dataset(out, rows, hook)
+        if self.partition_by_hook:
+            self._partitioned_tokens(out, rows)
+        else:
+            for hook in rows.hooks:
+                self._token_dataset(out, rows, hook)
         if self.kv_dataset:
             _save(
                 rows,
@@ -106,20 +116,48 @@ class SafetensorsDatasets:
                 out.display("samples"),
             )
         for hook in rows.hooks:  # each dataset whole before the extraction is marked finished
-            name = out.display(token_dataset_name(hook))
+            name = out.display(token_dataset_name(hook, self.partition_by_hook))
             verify_dataset(DatasetLocation.of(name, storage_options=rows.storage_options))
 
     @staticmethod
-    def _token_dataset(out: DatasetLocation, rows: SampleRows, hook: Hook) -> None:
+    def _tokens(rows: SampleRows, hook: Hook):
         width = rows.widths[hook.name]
-        tokens = rows.samples.select(
+        return rows.samples.select(
             "sample_id", "window", "seq_len", "first_pos", hook.column
         ).mapInArrow(explode_fn(hook.column, width, rows.dtype), token_rows_schema())
+
+    @classmethod
+    def _token_dataset(cls, out: DatasetLocation, rows: SampleRows, hook: Hook) -> None:
         _save(
             rows,
-            tokens.write.option("batch_size", rows.rows_per_shard),
-            {"hook_point": hook.name, "d_model": str(width)},
+            cls._tokens(rows, hook).write.option("batch_size", rows.rows_per_shard),
+            {"hook_point": hook.name, "d_model": str(rows.widths[hook.name])},
             out.display(token_dataset_name(hook)),
+        )
+
+    @classmethod
+    def _partitioned_tokens(cls, out: DatasetLocation, rows: SampleRows) -> None:
+        """Every hook point's tokens as one dataset partitioned by ``hook`` (the JVM
+        source's ``partitionBy``: one commit for all of them)."""
+        from functools import reduce
+
+        from pyspark.sql import functions as F
+
+        from ..spark.register import implementation
+
+        if implementation(rows.samples.sparkSession) == "python":
+            raise ExtractionError(
+                "partition_by_hook needs the JVM source (the shim jar: local_session() or "
+                "with_shim(builder)); the Python source cannot write partitions"
+            )
+        frames = [cls._tokens(rows, h).withColumn("hook", F.lit(h.name)) for h in rows.hooks]
+        _save(
+            rows,
+            reduce(lambda a, b: a.unionByName(b), frames)
+            .write.option("batch_size", rows.rows_per_shard)
+            .partitionBy("hook"),
+            {"hook_points": json.dumps([h.name for h in rows.hooks])},
+            out.display("activations"),
         )
 
 
