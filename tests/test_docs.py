@@ -121,12 +121,30 @@ def test_markers_are_well_placed():
             )
 
 
+# The pages that run the research stages (extraction, features, training) take minutes
+# each: a class of their own, which xdist's loadscope runs beside the other pages' class.
+STAGE_PAGES = ("README.md", "docs/extract.md", "docs/features.md")
+
+
 def pytest_generate_tests(metafunc):
     if "doc" in metafunc.fixturenames:
-        metafunc.parametrize("doc", _docs_with_blocks())
+        stages = metafunc.cls is TestStagePages
+        docs = [d for d in _docs_with_blocks() if (d in STAGE_PAGES) == stages]
+        metafunc.parametrize("doc", docs)
 
 
-def test_doc_blocks_run(doc, tmp_path):
+class TestStagePages:
+    def test_doc_blocks_run(self, doc, tmp_path):
+        run_doc(doc, tmp_path)
+
+
+class TestPages:
+    def test_doc_blocks_run(self, doc, tmp_path):
+        run_doc(doc, tmp_path)
+
+
+def run_doc(doc, tmp_path):
+    """Run one page's blocks in a fresh process in ``tmp_path``; fails with their errors."""
     shutil.copytree(REPO / "conf", tmp_path / "conf")
     # As in an activated environment: bash blocks' `python` and console scripts are ours.
     bin_dir = os.path.dirname(sys.executable)

@@ -277,18 +277,38 @@ def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
     return run
 
 
+def display_tokens(text: str, offsets, pieces: list[str]) -> list[str]:
+    """Each token as a reader sees it: the text it covers with the whitespace before it
+    (``" the"`` whether the tokenizer wrote ``the``, ``Ġthe`` or ``▁the``; ``"ing"`` for
+    ``##ing``), so the tokens of a context joined are its text; a special token (no span in
+    the text, e.g. ``[CLS]``, ``<s>``) as itself. ``offsets``: the fast tokenizer's
+    character spans of ``pieces``."""
+    out, previous = [], None
+    for (start, end), piece in zip(offsets, pieces, strict=True):
+        if end <= start:
+            out.append(piece)
+            continue
+        begin = start if previous is None or previous > start else previous
+        out.append(text[begin:end])
+        previous = end
+    return out
+
+
 def _tokenize_fn(plan: FeaturesPlan):
     """Texts -> one row per token of each model input, as the extraction tokenized them
-    (same tokenizer, ``max_length`` and windows)."""
+    (same tokenizer, ``max_length`` and windows); ``token`` is its text as a reader sees
+    it (``display_tokens``)."""
 
     def run(batches):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(plan.model_dir, local_files_only=True)
         for batch in batches:
+            texts = batch.column("text").to_pylist()
             enc = tokenizer(
-                batch.column("text").to_pylist(), truncation=True, max_length=plan.max_length,
+                texts, truncation=True, max_length=plan.max_length,
                 return_overflowing_tokens=plan.long_texts == "window", padding=False,
+                return_offsets_mapping=tokenizer.is_fast,
             )  # fmt: skip
             ids = batch.column("sample_id").to_pylist()
             mapping = enc.get("overflow_to_sample_mapping", list(range(len(ids))))
@@ -297,7 +317,11 @@ def _tokenize_fn(plan: FeaturesPlan):
             for r, input_ids in enumerate(enc["input_ids"]):
                 window = seen.get(mapping[r], 0)
                 seen[mapping[r]] = window + 1
-                tokens = tokenizer.convert_ids_to_tokens(input_ids)
+                pieces = tokenizer.convert_ids_to_tokens(input_ids)
+                if tokenizer.is_fast:
+                    tokens = display_tokens(texts[mapping[r]], enc["offset_mapping"][r], pieces)
+                else:  # no character spans: each token decoded alone
+                    tokens = [tokenizer.convert_tokens_to_string([p]) for p in pieces]
                 cols["sample_id"] += [ids[mapping[r]]] * len(tokens)
                 cols["window"] += [window] * len(tokens)
                 cols["pos"] += list(range(len(tokens)))

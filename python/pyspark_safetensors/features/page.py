@@ -42,7 +42,8 @@ def browser_files(
         )
     rows = []
     for r in latents:
-        top = [c[3][c[5]] for c in by_latent.get(r["latent"], []) if c[0] == "top"]
+        top = [c[3][c[5]].strip() for c in by_latent.get(r["latent"], []) if c[0] == "top"]
+        top = [t for t in top if t]
         rows.append([
             r["latent"], r["count"], _round(r["frequency"]), _round(r["mean"]), _round(r["max"]),
             r["dead"], r["dense"], r["hist"], list(dict.fromkeys(top))[:TOP_TOKENS],

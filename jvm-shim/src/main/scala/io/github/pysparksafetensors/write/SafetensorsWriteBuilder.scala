@@ -59,8 +59,11 @@ object Replace {
   * @param partitionColumns the table's partition columns (`partitionBy`, `PARTITIONED BY`).
   */
 class SafetensorsWriteBuilder(info: LogicalWriteInfo, tableOptions: util.Map[String, String],
-    partitionColumns: Seq[String] = Nil)
+    partitionColumns: Seq[String])
     extends WriteBuilder with SupportsTruncate with SupportsOverwrite with SupportsDynamicOverwrite {
+  /** An unpartitioned write (what a caller outside Spark's planner builds). */
+  def this(info: LogicalWriteInfo, tableOptions: util.Map[String, String]) = this(info, tableOptions, Nil)
+
   private var replace: Replace = Replace.Nothing
 
   /** An overwrite of the whole dataset, or with `partitionOverwriteMode=dynamic` (the
