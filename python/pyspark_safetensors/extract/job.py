@@ -33,6 +33,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,14 +114,26 @@ def run_extraction(
                 f"corpus {config.corpus!r} in the config and a corpus DataFrame: give one"
             )
         config = dataclasses.replace(config, corpus="dataframe")
-    plan = _plan_model(config, outputs)
+    cores = default_parallelism(spark)
+    threads = max(1, (os.cpu_count() or 1) // cores)
+    source = resolve_model(config.model)
+    # The driver loads the model to plan (seconds: imports, weights) while Spark numbers
+    # the texts: neither needs the other. (Loading the model into the Python workers at
+    # the same time gains nothing on two cores: the three loads share them.)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="number-texts")
+    numbering = pool.submit(_numbered_texts, spark, config, corpus, config.partitions or cores)
+    pool.shutdown(wait=False)
+    try:
+        plan = _plan_model(config, outputs, source)
+    except BaseException:  # a bad model or hook point: say so now, drop the texts when done
+        numbering.add_done_callback(lambda f: f.exception() is None and f.result()[1].unpersist())
+        raise
+    texts, stored = numbering.result()
     # max_length 0 (the model's context) is recorded and hashed as the number it means
     config = dataclasses.replace(config, max_length=plan.max_length)
-    cores = default_parallelism(spark)
-    texts, stored = _numbered_texts(spark, config, corpus, config.partitions or cores)
     run = None
     try:
-        run = _run_model(texts, plan, config, threads=max(1, (os.cpu_count() or 1) // cores))
+        run = _run_model(texts, plan, config, threads=threads)
         chash = _config_hash(config, plan, texts)
         write = _OutputWriter(
             config, plan, run, texts, chash, dict(storage_options or {}) if not local else {},
@@ -149,10 +162,11 @@ def _check_target(
             raise ExtractionError(refusal)
 
 
-def _plan_model(config: ExtractConfig, outputs: list[ExtractionOutput]) -> _ModelPlan:
+def _plan_model(
+    config: ExtractConfig, outputs: list[ExtractionOutput], source: ModelSource
+) -> _ModelPlan:
     """Load the model once on the driver: a bad model or hook point, or hook points an
-    output cannot take, fail before any task."""
-    source = resolve_model(config.model)
+    output cannot take, fail before the model stage."""
     probe = extractor_for(source.path, config)
     widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
     for output in outputs:
