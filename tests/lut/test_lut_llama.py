@@ -16,8 +16,15 @@ from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.extract import Extractor, passages_by_key
 from pyspark_safetensors.extract.model import load_model
 from pyspark_safetensors.extract.toy_lm import TINY, toy_lm, toy_lm_texts
-from pyspark_safetensors.lut import LUTLinear, load_layer_file, precompute_lut, validate_lut
+from pyspark_safetensors.lut import (
+    LUTLinear,
+    load_layer_file,
+    patch_model,
+    precompute_lut,
+    validate_lut,
+)
 from pyspark_safetensors.lut.evaluate import evaluate_lm, lm_loss_evaluation
+from pyspark_safetensors.lut.inference import dense_lut_reference
 from pyspark_safetensors.lut.precompute import model_config
 from pyspark_safetensors.sae import SAEConfig, load_sae_model
 from pyspark_safetensors.sae.train import Trainer
@@ -220,3 +227,13 @@ def test_gpt2_conv1d_weights_are_read_as_linear_ones(toy, tmp_path):
         expected = conv(codes @ tensors["decoder_weight"]) - conv.bias  # x @ weight + bias
     got = codes @ tensors["precomputed_products"]
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))
+    # patched in place of the Conv1D, its output is the spec's formula plus the layer's bias
+    x = torch.randn(2, 5, TINY.hidden_size)
+    bias = conv.bias.detach().clone()
+    assert patch_model(model, tmp_path / "lut") == [layer]
+    lut = model.get_submodule(layer)
+    assert isinstance(lut, LUTLinear)
+    with torch.no_grad():
+        want = dense_lut_reference(tensors, x, K) + bias
+        torch.testing.assert_close(lut(x), want, rtol=1e-4, atol=1e-4)
+        model(torch.tensor([[1, 2, 3]]))  # the whole model runs with the LUT layer

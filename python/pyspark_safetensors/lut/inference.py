@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -208,7 +209,20 @@ def dense_lut_reference(tensors: dict[str, torch.Tensor], x: torch.Tensor, k: in
     return z @ tensors["precomputed_products"] + tensors["bias_product"]
 
 
-def _find_linear(model: nn.Module, name: str) -> tuple[str, nn.Linear]:
+@dataclass(frozen=True)
+class _Projection:
+    """A model's linear map as a LUT replaces it: ``nn.Linear`` (weight ``[out, in]``) or
+    ``transformers``' ``Conv1D`` of GPT-2 style models (weight ``[in, out]``, seen
+    transposed)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _find_projection(model: nn.Module, name: str) -> _Projection:
     modules = dict(model.named_modules())
     if name in modules:
         found = [name]
@@ -217,9 +231,14 @@ def _find_linear(model: nn.Module, name: str) -> tuple[str, nn.Linear]:
     if len(found) != 1:
         raise LUTError(f"layer {name!r} matches {found or 'no'} module(s) of the model")
     module = modules[found[0]]
-    if not isinstance(module, nn.Linear):
-        raise LUTError(f"{found[0]} is a {type(module).__name__}, not nn.Linear")
-    return found[0], module
+    if isinstance(module, nn.Linear):
+        return _Projection(
+            found[0], module.in_features, module.out_features, module.weight, module.bias
+        )
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        n_in, n_out = module.weight.shape  # y = x @ weight + bias
+        return _Projection(found[0], n_in, n_out, module.weight.T, module.bias)
+    raise LUTError(f"{found[0]} is a {type(module).__name__}, not nn.Linear (nor GPT-2's Conv1D)")
 
 
 class EncoderGroups:
@@ -282,7 +301,8 @@ def patch_model(
     k_active: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> list[str]:
-    """Replace every linear layer listed in ``lut_dir/metadata.json`` by a ``LUTLinear``
+    """Replace every linear layer listed in ``lut_dir/metadata.json`` (``nn.Linear``, or
+    GPT-2's ``Conv1D``) by a ``LUTLinear``
     (keeping the layer's bias; its weight too when ``compensate > 0``). Layers whose files
     carry the same encoder share one ``LUTEncoder``, so those that read one input (q, k
     and v; gate and up) encode it once per forward. Returns the module names replaced."""
@@ -292,22 +312,23 @@ def patch_model(
     groups = EncoderGroups(k, dtype)
     replaced = []
     for name, entry in meta["layers"].items():
-        qualified, linear = _find_linear(model, name)
-        if (linear.in_features, linear.out_features) != (entry["input_dim"], entry["output_dim"]):
+        layer = _find_projection(model, name)
+        qualified = layer.name
+        if (layer.in_features, layer.out_features) != (entry["input_dim"], entry["output_dim"]):
             raise LUTError(
-                f"{qualified}: the model's layer is {linear.in_features}->{linear.out_features}, "
+                f"{qualified}: the model's layer is {layer.in_features}->{layer.out_features}, "
                 f"the LUT {entry['input_dim']}->{entry['output_dim']}"
             )
         tensors = load_layer_file(lut_dir / entry["file"], dtype)
         lut = LUTLinear(
             tensors,
             k,
-            bias=linear.bias,
-            weight=linear.weight if compensate else None,
+            bias=layer.bias,
+            weight=layer.weight if compensate else None,
             compensate=compensate,
             dtype=dtype,
-            encoder=groups.encoder(tensors, linear.weight.device),
-        ).to(linear.weight.device)
+            encoder=groups.encoder(tensors, layer.weight.device),
+        ).to(layer.weight.device)
         parent_name, _, child = qualified.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, lut)
         replaced.append(qualified)
