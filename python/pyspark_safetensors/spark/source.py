@@ -87,9 +87,11 @@ class SafetensorsDataSource(DataSource):
     driver's commit, which writes the manifest last; a failed job leaves nothing (not even
     the directory, when it made it). An append is checked against the dataset's manifest
     on the driver before any task runs (columns, dtypes, ranks, batch size, key settings)
-    and again at commit. A dataset has no partition columns, buckets or catalog entry:
-    Spark refuses ``partitionBy`` and ``bucketBy`` on ``save()``, and ``saveAsTable`` or a
-    catalog table hands a Python source no path; use ``save(path)`` and ``load(path)``.
+    and again at commit. This source writes no partitions, buckets or catalog entries:
+    Spark hands a Python source no partition columns and refuses ``bucketBy`` on
+    ``save()``, and ``saveAsTable`` or a catalog table hands it no path; use ``save(path)``
+    and ``load(path)``, or the shim jar's JVM source, which writes partitioned datasets and
+    catalog tables (``docs/sql.md``).
 
     Reading (``spark.read.format("safetensors").load(path)``): a dataset directory (shards
     listed by its manifest, never globbed) or its ``dataset_manifest.json``, a single
