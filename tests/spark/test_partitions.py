@@ -254,8 +254,19 @@ def test_catalog_table_partitioned_by(spark, tmp_path):
         assert ids[1] == [i + 100 for i in range(1, 15, 3)] and ids[0] == list(range(0, 15, 3))
         spark.sql("INSERT INTO parts SELECT id, vec, 7 FROM source_rows WHERE layer = 0")
         assert spark.sql("SELECT count(*) FROM parts WHERE layer = 7").first()[0] == 5
+        # saveAsTable with partitionBy: a managed table, partitioned the same way
+        w = writer(spark.table("source_rows"), "jvm").option("batch_size", 2).partitionBy("layer")
+        w.mode("overwrite").saveAsTable("parts_saved")
+        w.mode("append").saveAsTable("parts_saved")
+        saved = spark.table("parts_saved")
+        assert saved.count() == 30 and saved.where("layer = 1").count() == 10
+        location = spark.sql("DESCRIBE EXTENDED parts_saved").where("col_name = 'Location'")
+        assert manifest(location.first().data_type.removeprefix("file:"))["partition_columns"] == [
+            "layer"
+        ]
     finally:
         spark.sql("DROP TABLE IF EXISTS parts")
+        spark.sql("DROP TABLE IF EXISTS parts_saved")
 
 
 def test_python_readers_and_writer_say_what_works(spark, tmp_path):
