@@ -67,7 +67,7 @@ def rows(spark, path, where=None):
     return sorted((r.layer, r.id, [round(x, 3) for x in r.vec]) for r in df.collect())
 
 
-def test_layout_each_partition_a_dataset(spark, tmp_path):
+def test_layout_each_partition_a_dataset(spark, tmp_path, capsys):
     out = tmp_path / "acts"
     save(frame(spark, [0, 1, 2]), out, "overwrite", "layer", generate_index="true")
     root = manifest(out)
@@ -98,6 +98,11 @@ def test_layout_each_partition_a_dataset(spark, tmp_path):
         assert sorted(ds[i]["id"].item() for i in range(len(ds))) == list(range(layer, 15, 3))
         assert cli(["verify", str(part)]) == 0
     assert verify_dataset(out).partition_columns == ("layer",)
+    capsys.readouterr()
+    assert cli(["inspect", str(out)]) == 0 and cli(["inspect", str(out / "layer=1")]) == 0
+    printed = capsys.readouterr().out
+    assert "partitioned by ['layer']: 3 partitions" in printed
+    assert "batch dataset, 5 samples" in printed  # the partition alone
     with pytest.raises(PartitionedDatasetError, match=r"partitioned by \['layer'\].*layer=0"):
         open_dataset(out)
 
