@@ -114,11 +114,13 @@ def connect_server(env: dict[str, str] | None = None, *, timeout: float = 180):
         "--conf", "spark.ui.enabled=false",
     ]  # fmt: skip
     environment = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_HOME": str(home)}
-    # its log goes to a file: a pipe nobody reads fills up and blocks the server
-    with tempfile.TemporaryFile() as log:
+    # its log goes to a file: a pipe nobody reads fills up and blocks the server; it runs
+    # in a directory of its own, where its spark-warehouse/ and metastore land
+    with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory(prefix="connect-") as cwd:
         server = subprocess.Popen(
             command,
             env={**environment, **(env or {})},
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

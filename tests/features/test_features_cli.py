@@ -27,7 +27,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, make_sae, args, needle):
     base = ["--extraction", str(extraction), "--sae", str(sae), "--out", str(tmp_path / "o")]
     result = subprocess.run(
         [sys.executable, "-m", "pyspark_safetensors.cli", "features", *base, *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 2
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
