@@ -204,9 +204,9 @@ object SafetensorsBatchWrite {
     * `save()` or `INSERT`), when the DataFrame has them all. */
   private def datasetPartitions(files: DatasetFiles, schema: StructType): Seq[String] =
     if (!files.has(Layout.Manifest)) Nil
-    else scala.util.Try(ManifestDoc.parse(files.readBytes(Layout.Manifest), "").partitionColumns).getOrElse(Nil)
-      .filter(c => schema.fieldNames.contains(c)) match {
-        case cols if cols.size == schema.fieldNames.count(cols.contains) && cols.nonEmpty => cols
+    else scala.util.Try(ManifestDoc.parse(files.readBytes(Layout.Manifest), "").partitionColumns)
+      .getOrElse(Nil) match {
+        case cols if cols.forall(schema.fieldNames.contains) => cols
         case _ => Nil
       }
 
