@@ -22,7 +22,8 @@ ALL = [
     "zarr",
     "storage",
 ]
-# Run by name only (minutes, and the optional 'baselines' extra): sae_quality.
+# Run by name only: sae_quality (minutes, and the optional 'baselines' extra) and lines
+# (half an hour: every Spark line installed by `./dev test-spark LINE`).
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 
