@@ -26,12 +26,6 @@ from benchmarks.common import interleaved_medians, table
 
 REPEAT = 5
 ROOT = Path(__file__).resolve().parent.parent
-WRITES = {
-    "parquet": "write parquet",
-    "batch F32": "write batch F32",
-    "batch F16": "write batch F16",
-    "KV F32": "write KV F32",
-}
 READS = {"rows": "read rows → noop", "count": "count()", "tensors": "read tensors → noop"}
 
 
@@ -50,8 +44,8 @@ def _measure(connector: bool) -> dict[str, float]:
         acts = df.select("activation")
 
         def save(fmt, frame, name, **options):
-            return lambda: frame.write.format(fmt).options(**options).mode("overwrite").save(
-                str(out / name)
+            return lambda: (
+                frame.write.format(fmt).options(**options).mode("overwrite").save(str(out / name))
             )
 
         writers = {"jvm": (JVM_SOURCE, {})}
@@ -86,8 +80,8 @@ def _measure(connector: bool) -> dict[str, float]:
         }
         if connector:
             reads["scala connector | read tensors → noop"] = noop(
-                lambda: spark.read.format(SCALA_CONNECTOR).option("inferSchema", "true").load(
-                    dataset
+                lambda: (
+                    spark.read.format(SCALA_CONNECTOR).option("inferSchema", "true").load(dataset)
                 )
             )
         seconds |= interleaved_medians(reads, repeat=REPEAT, settle=os.sync)
@@ -144,6 +138,35 @@ def _session(line: str, python: Path, connector: str | None) -> dict[str, float]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else ""
+
+
+def _row(s: dict[str, float], newest: dict[str, float]) -> list[str]:
+    """One line's cells: the JVM source's seconds, then the ratios of the table's header."""
+
+    def jvm(case):
+        return s.get(f"jvm | {case}")
+
+    def scala(case):
+        return s.get(f"scala connector | {case}")
+
+    writes = ("write batch F32", "write batch F16", "write KV F32")
+    return [
+        *(f"{jvm(c):.2f}" for c in writes),
+        *(f"{jvm(c):.2f}" for c in READS.values()),
+        _ratio(
+            newest["jvm | write batch F32"] + newest["jvm | write KV F32"],
+            jvm("write batch F32") + jvm("write KV F32"),
+        ),
+        _ratio(newest["jvm | read rows → noop"], jvm("read rows → noop")),
+        *(_ratio(scala(c), jvm(c)) for c in writes),
+        _ratio(s["parquet | write parquet"], jvm("write batch F32")),
+        _ratio(s["parquet | read rows → noop"], jvm("read rows → noop")),
+        _ratio(scala("read tensors → noop"), jvm("read tensors → noop")),
+    ]
+
+
 def run() -> str:
     import pyspark
 
@@ -168,29 +191,10 @@ def run() -> str:
         for line, runs in sessions.items()
     }
 
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{a / b:.2f}x" if a and b else ""
-
-    rows = []
-    for line, s in best.items():
-        jvm = lambda case: s.get(f"jvm | {case}")  # noqa: E731
-        scala = lambda case: s.get(f"scala connector | {case}")  # noqa: E731
-        rows.append(
-            [
-                f"{line} ({versions[line]})",
-                *(f"{jvm(c):.2f}" for c in ("write batch F32", "write batch F16", "write KV F32")),
-                *(f"{jvm(c):.2f}" for c in READS.values()),
-                ratio(best[newest]["jvm | write batch F32"] + best[newest]["jvm | write KV F32"],
-                      jvm("write batch F32") + jvm("write KV F32")),
-                ratio(best[newest]["jvm | read rows → noop"], jvm("read rows → noop")),
-                ratio(scala("write batch F32"), jvm("write batch F32")),
-                ratio(scala("write batch F16"), jvm("write batch F16")),
-                ratio(scala("write KV F32"), jvm("write KV F32")),
-                ratio(s["parquet | write parquet"], jvm("write batch F32")),
-                ratio(s["parquet | read rows → noop"], jvm("read rows → noop")),
-                ratio(scala("read tensors → noop"), jvm("read tensors → noop")),
-            ]
-        )
+    rows = [
+        [f"{line} ({versions[line]})", *_row(figures, best[newest])]
+        for line, figures in best.items()
+    ]
     mb = ROWS * DIM * 4 / 1e6
     return (
         f"## The JVM source on every Spark line: {ROWS:,} × {DIM} float32 ({mb:.0f} MB), "
