@@ -393,31 +393,6 @@ def test_append_refuses_missing_or_extra_columns(spark, tmp_path):
     assert manifest(out)["total_samples"] == 4 and len(shards(out)) == len(manifest(out)["shards"])
 
 
-def test_task_retry_leaves_every_sample_once_and_no_orphans(spark, tmp_path):
-    from pyspark import TaskContext
-
-    out = tmp_path / "retry"
-
-    def flaky(batches):
-        ctx = TaskContext.get()
-        for i, b in enumerate(batches):
-            yield b
-            if i == 1 and ctx.attemptNumber() == 0:
-                raise RuntimeError("injected failure after two batches")
-
-    df = spark.range(4000, numPartitions=2).select(F.array(F.col("id").cast("float")).alias("v"))
-    df = df.mapInArrow(flaky, df.schema)
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "500")
-    try:
-        write(df, out, batch_size=100)
-    finally:
-        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
-    values = np.concatenate([load_file(f)["v"][:, 0] for f in shards(out)])
-    assert sorted(values.tolist()) == list(range(4000))
-    assert {f.name for f in shards(out)} == {s["shard_path"] for s in manifest(out)["shards"]}
-    assert not (out / "_temporary").exists()
-
-
 # ------------------------------------------------------------------ bad input: clear errors, nothing left
 
 

@@ -1,14 +1,19 @@
 """Executors in separate JVMs (master ``local-cluster[2,1,1024]``, each with its own Python
 workers) writing to the loopback S3 server and to a local path, while every task's first
 attempt fails: each sample lands exactly once and nothing stray is left. The local path is
-written by both writers (the JVM one cannot reach ``s3://`` without hadoop-aws)."""
+written by both writers (the JVM one cannot reach ``s3://`` without hadoop-aws).
 
+The retry tests live here, in the one shared session that retries tasks: the others fail
+a task at its first error, so a test of bad input does not wait for four attempts."""
+
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
+from safetensors.numpy import load_file
 
-from implementations import jvm_available
+from implementations import jvm_available, writer
 from pyspark_safetensors.dataset import MANIFEST, DatasetLocation, verify_dataset
 from pyspark_safetensors.spark.register import python_data_sources
 from pyspark_safetensors.torch import open_dataset
@@ -110,3 +115,35 @@ def test_partitioned_write_with_a_killed_task_commits_once(cluster, tmp_path):
         assert sorted(ds[i]["id"].item() for i in range(len(ds))) == list(range(k, 200, 3))
     back = cluster.read.format("safetensors").load(str(out)).select("id", "layer").collect()
     assert sorted((r.id, r.layer) for r in back) == [(i, i % 3) for i in range(200)]
+
+
+def test_a_retried_task_that_had_written_shards_leaves_every_sample_once(cluster, tmp_path):
+    """A task's first attempt fails after it has written part of its output: the retry's
+    shards alone are committed, and no file of the failed attempt is left."""
+    from pyspark import TaskContext
+
+    def flaky(batches):
+        context = TaskContext.get()
+        for i, batch in enumerate(batches):
+            yield batch
+            if i == 1 and context.attemptNumber() == 0:
+                raise RuntimeError("injected failure after two batches")
+
+    df = cluster.range(4000, numPartitions=2).select(F.array(F.col("id").cast("float")).alias("v"))
+    df = df.mapInArrow(flaky, df.schema)
+    implementations = (["python"] if python_data_sources() else []) + (
+        ["jvm"] if jvm_available(cluster) else []
+    )
+    cluster.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "500")
+    try:
+        for implementation in implementations:
+            out = tmp_path / implementation
+            writer(df, implementation).option("batch_size", 100).mode("overwrite").save(str(out))
+            manifest = verify_dataset(out)
+            shards = sorted(out.glob("*.safetensors"))
+            values = np.concatenate([load_file(f)["v"][:, 0] for f in shards])
+            assert sorted(values.tolist()) == list(range(4000)), implementation
+            assert {f.name for f in shards} == {s.shard_path for s in manifest.shards}
+            assert not (out / "_temporary").exists()
+    finally:
+        cluster.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
