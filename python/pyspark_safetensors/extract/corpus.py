@@ -118,10 +118,13 @@ def _corpus_at(spark, path: Path, text_column: str):
 
 def default_parallelism(spark) -> int:
     """The session's default parallelism, on classic and Connect sessions alike: the
-    partition count Spark gives ``range()`` (one tiny job; Connect has no
-    ``sparkContext`` to ask)."""
+    SparkContext's, else (Connect has no ``sparkContext`` to ask) the partition count
+    Spark gives ``range()``, found by one tiny job (seconds, when it is the session's
+    first)."""
     from pyspark.sql import functions as F
 
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        return spark.sparkContext.defaultParallelism
     parts = spark.range(0, PARALLELISM_PROBE_ROWS).select(F.spark_partition_id().alias("p"))
     (last,) = parts.agg(F.max("p")).first()
     return int(last) + 1
