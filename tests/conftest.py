@@ -181,7 +181,7 @@ def s3_bucket(s3_endpoint, request) -> str:
 
 @pytest.fixture(scope="module")
 def spark():
-    """The run's shared local Spark session (local[2]; task retries for retry tests),
+    """The run's shared local Spark session (local[2]; a task fails at its first error),
     from ``tests/spark_sessions.py``."""
     from spark_sessions import spark_session
 
