@@ -30,13 +30,29 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 def machine() -> str:
     import os
 
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    import pyspark
+
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"pyspark {pyspark.__version__}"
+    )
+
+
+def block_name(name: str) -> str:
+    """The benchmark's block in the doc: its name on the newest Spark line, else the name
+    and the line (``writer@spark-3.5``), so another line's run keeps the newest's figures."""
+    from pyspark_safetensors.spark.shim import SPARK_LINES, spark_line
+
+    line = spark_line()
+    newest = max(SPARK_LINES, key=lambda v: tuple(map(int, v.split("."))))
+    return name if line == newest else f"{name}@spark-{line}"
 
 
 def update(name: str, body: str) -> None:
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     block = f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
-    pattern = re.compile(rf"<!-- bench:{name} -->.*?<!-- /bench:{name} -->", re.S)
+    tag = re.escape(name)
+    pattern = re.compile(rf"<!-- bench:{tag} -->.*?<!-- /bench:{tag} -->", re.S)
     text = (
         pattern.sub(lambda _: block, text)
         if pattern.search(text)
@@ -52,7 +68,7 @@ def main(argv: list[str]) -> None:
         print(f"== {name}", flush=True)
         body = module.run()
         print(body, flush=True)
-        update(name, body + f"\n\n_Measured on {machine()}._")
+        update(block_name(name), body + f"\n\n_Measured on {machine()}._")
 
 
 if __name__ == "__main__":

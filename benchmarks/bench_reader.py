@@ -1,6 +1,7 @@
 """Spark reader throughput: the writer benchmark's 200,000 x 256 float32 dataset read back
-by Spark's parquet reader, the Python source, the JVM source (jvm-shim) and, when
-``SCALA_CONNECTOR_JAR`` names its jar, the Scala safetensors connector.
+by Spark's parquet reader, the Python source (Spark 4.0 and newer), the JVM source
+(jvm-shim) and, when ``SCALA_CONNECTOR_JAR`` names its jar, the Scala safetensors
+connector.
 
 One session (local[2]), warm page cache, cases taken in turn, median of ``REPEAT``. Cases:
 the rows view into the noop sink, ``count()``, the tensors view with Tensor Structs into
@@ -31,12 +32,12 @@ JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
 SHARD_ROWS = 10_000
 
 
-def _datasets(spark, df, out: Path) -> None:
+def _datasets(spark, df, out: Path, writer: str) -> None:
     from pyspark.sql import functions as F
 
     acts = df.select("activation")
     acts.write.mode("overwrite").parquet(str(out / "pq"))
-    acts.write.format(PYTHON_SOURCE).option("batch_size", SHARD_ROWS).mode("overwrite").save(
+    acts.write.format(writer).option("batch_size", SHARD_ROWS).mode("overwrite").save(
         str(out / "st")
     )
     three = df.select(
@@ -44,25 +45,28 @@ def _datasets(spark, df, out: Path) -> None:
         F.reverse("activation").alias("other"),
         F.slice("activation", 1, 16).alias("small"),
     )
-    three.write.format(PYTHON_SOURCE).option("batch_size", SHARD_ROWS).mode("overwrite").save(
+    three.write.format(writer).option("batch_size", SHARD_ROWS).mode("overwrite").save(
         str(out / "three")
     )
 
 
-def _cases(spark, out: Path, jvm: bool, scala: bool) -> dict:
+def _cases(spark, out: Path, python: bool, jvm: bool, scala: bool) -> dict:
     def noop(frame):
         return lambda: frame().write.format("noop").mode("overwrite").save()
 
     st, three = str(out / "st"), str(out / "three")
     parquet = lambda: spark.read.parquet(str(out / "pq"))  # noqa: E731
-    python = lambda **o: spark.read.format(PYTHON_SOURCE).options(**o).load(st)  # noqa: E731
     cases = {
         "rows → noop | parquet": noop(parquet),
-        "rows → noop | python": noop(python),
         "count() | parquet": lambda: parquet().count(),
-        "count() | python": lambda: python().count(),
-        "tensors struct → noop | python": noop(lambda: python(view="tensors")),
     }
+    if python:
+        ours = lambda **o: spark.read.format(PYTHON_SOURCE).options(**o).load(st)  # noqa: E731
+        cases |= {
+            "rows → noop | python": noop(ours),
+            "count() | python": lambda: ours().count(),
+            "tensors struct → noop | python": noop(lambda: ours(view="tensors")),
+        }
     if jvm:
         ours = lambda path=st, **o: spark.read.format(JVM_SOURCE).options(**o).load(path)  # noqa: E731
         cases |= {
@@ -83,6 +87,7 @@ def _cases(spark, out: Path, jvm: bool, scala: bool) -> dict:
 
 
 def run() -> str:
+    from pyspark_safetensors.spark.register import python_data_sources
     from pyspark_safetensors.spark.session import local_session
     from pyspark_safetensors.spark.shim import shim_jar
 
@@ -92,14 +97,16 @@ def run() -> str:
     spark = local_session(
         "local[2]", **{"spark.ui.showConsoleProgress": "false", "spark.jars": ",".join(jars)}
     )
-    spark.dataSource.register(_python_source())
+    python = python_data_sources()  # Spark 4.0 and newer
+    if python:
+        spark.dataSource.register(_python_source())
     out = Path(tempfile.mkdtemp(prefix="bench-reader-"))
     try:
         df = make_df(spark)
-        _datasets(spark, df, out)
+        _datasets(spark, df, out, PYTHON_SOURCE if python else JVM_SOURCE)
         df.unpersist()
         cases = _cases(
-            spark, out, _has_class(spark, JVM_SOURCE), _has_class(spark, SCALA_CONNECTOR)
+            spark, out, python, _has_class(spark, JVM_SOURCE), _has_class(spark, SCALA_CONNECTOR)
         )
         seconds = interleaved_medians(cases, repeat=REPEAT, settle=os.sync)
     finally:

@@ -1,6 +1,7 @@
-"""Spark writer throughput: our batch and KV modes, written by the Python source and by
-the JVM source (jvm-shim), against Spark's parquet writer and, when ``SCALA_CONNECTOR_JAR``
-names its jar, the Scala safetensors connector.
+"""Spark writer throughput: our batch and KV modes, written by the Python source (where
+Spark has Python data sources: 4.0 and newer) and by the JVM source (jvm-shim), against
+Spark's parquet writer and, when ``SCALA_CONNECTOR_JAR`` names its jar, the Scala
+safetensors connector.
 
 One session (local[2]), a cached DataFrame of 200,000 rows x 256 float32 in 2 partitions,
 warm, median of several runs, cases taken in turn. Throughput is input float32 bytes per
@@ -84,6 +85,7 @@ def _has_class(spark, name: str) -> bool:
 
 
 def run() -> str:
+    from pyspark_safetensors.spark.register import python_data_sources
     from pyspark_safetensors.spark.session import local_session
     from pyspark_safetensors.spark.shim import shim_jar
 
@@ -111,30 +113,35 @@ def run() -> str:
 
     jvm_source = JVM_SOURCE if _has_class(spark, JVM_SOURCE) else None
     ours, jvm, scala = save(PYTHON_SOURCE), save(jvm_source), save(SCALA_CONNECTOR)
-    spark.dataSource.register(_discarding_source())
-    spark.dataSource.register(_python_source())
     profile = {
         "scan only (noop sink)": lambda: acts.write.format("noop").mode("overwrite").save(),
         "scan + Arrow to Python (mapInArrow, noop)": arrow_transfer,
-        "a Python data source that discards its input": lambda: (
-            acts.write.format("discard").mode("overwrite").save()
-        ),
-        "the same, with the key column": lambda: (
-            df.write.format("discard").mode("overwrite").save()
-        ),
-        "Python source batch F32, checksum none": lambda: ours(
-            acts, "f32n", batch_size=10_000, checksum="none"
-        ),
     }
     cases = {
         "parquet (Spark's own)": lambda: acts.write.mode("overwrite").parquet(str(out / "pq")),
-        "Python source batch F32": lambda: ours(acts, "f32", batch_size=10_000),
-        "Python source batch F16": lambda: ours(acts, "f16", batch_size=10_000, dtype="F16"),
-        "Python source KV F32": lambda: ours(df, "kv", name_col="key"),
         "parquet with key (KV baseline)": lambda: df.write.mode("overwrite").parquet(
             str(out / "pqkv")
         ),
     }
+    if python_data_sources():  # Spark 4.0 and newer
+        spark.dataSource.register(_discarding_source())
+        spark.dataSource.register(_python_source())
+        profile |= {
+            "a Python data source that discards its input": lambda: (
+                acts.write.format("discard").mode("overwrite").save()
+            ),
+            "the same, with the key column": lambda: (
+                df.write.format("discard").mode("overwrite").save()
+            ),
+            "Python source batch F32, checksum none": lambda: ours(
+                acts, "f32n", batch_size=10_000, checksum="none"
+            ),
+        }
+        cases |= {
+            "Python source batch F32": lambda: ours(acts, "f32", batch_size=10_000),
+            "Python source batch F16": lambda: ours(acts, "f16", batch_size=10_000, dtype="F16"),
+            "Python source KV F32": lambda: ours(df, "kv", name_col="key"),
+        }
     if jvm_source is not None:
         cases["JVM source batch F32"] = lambda: jvm(acts, "jf32", batch_size=10_000)
         cases["JVM source batch F16"] = lambda: jvm(acts, "jf16", batch_size=10_000, dtype="F16")
