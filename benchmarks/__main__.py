@@ -44,8 +44,7 @@ def block_name(name: str) -> str:
     from pyspark_safetensors.spark.shim import SPARK_LINES, spark_line
 
     line = spark_line()
-    newest = max(SPARK_LINES, key=lambda v: tuple(map(int, v.split("."))))
-    return name if line == newest else f"{name}@spark-{line}"
+    return name if line == list(SPARK_LINES)[-1] else f"{name}@spark-{line}"  # oldest first
 
 
 def update(name: str, body: str) -> None:

@@ -171,7 +171,7 @@ def run() -> str:
     import pyspark
 
     lines = _lines()
-    newest = max(lines, key=lambda line: tuple(map(int, line.split("."))))
+    newest = list(lines)[-1]  # in SPARK_LINES's order, oldest first
     connectors = {line: _connector_jar(line, python) for line, python in lines.items()}
     versions = {
         line: subprocess.run(
