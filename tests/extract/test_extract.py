@@ -246,6 +246,33 @@ def test_dataframe_corpus_numbered_by_key_across_partitions(spark, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_demo_corpus_numbered_on_the_driver_as_spark_numbers_it(spark):
+    """The demo corpus skips Spark's numbering jobs: the same texts, ids and key ranges."""
+    from pyspark.sql import functions as F
+
+    from pyspark_safetensors.extract.corpus import load_corpus, number_texts, numbered_demo
+
+    config = ExtractConfig(max_texts=40)
+    for partitions in (2, 3):
+        by_spark, stored = number_texts(
+            load_corpus(spark, config).orderBy("key").limit(40), partitions
+        )
+        frames = {"driver": numbered_demo(spark, config, partitions), "spark": by_spark}
+        got = {
+            who: df.select("sample_id", "key", "text", F.spark_partition_id().alias("p"))
+            .collect()
+            for who, df in frames.items()
+        }
+        stored.unpersist()
+        assert sorted(r[:3] for r in got["driver"]) == sorted(r[:3] for r in got["spark"])
+        assert [r.sample_id for r in got["driver"]] == list(range(40))  # ranked by key
+        ranges = {}
+        for r in got["driver"]:  # each partition a contiguous key range, in key order
+            ranges.setdefault(r.p, []).append(r.sample_id)
+        assert len(ranges) == partitions
+        assert [i for p in sorted(ranges) for i in ranges[p]] == list(range(40))
+
+
 def test_partition_by_hook_writes_one_dataset_of_the_same_tokens(spark, extracted, tmp_path):
     """``partition_by_hook``: one dataset partitioned by hook point (the JVM source's
     ``partitionBy``), each partition the tokens of that hook's own dataset."""

@@ -45,10 +45,16 @@ from ..dataset import DatasetLocation
 from ..dataset.publish import publishing
 from ..spark.compat import to_arrow
 from .config import ExtractConfig, ExtractionSummary, config_hash
-from .corpus import corpus_sha256, default_parallelism, load_corpus, number_texts
-from .model import ExtractionError, Hook, ModelSource, bos_added, resolve_model, weights_hash
+from .corpus import (
+    corpus_sha256,
+    default_parallelism,
+    load_corpus,
+    number_texts,
+    numbered_demo,
+)
+from .model import ExtractionError, Hook, ModelSource, resolve_model, weights_hash
 from .outputs import ExtractionOutput, SampleRows, outputs_for, token_dataset_name
-from .workers import extractor_for, run_model_fn, samples_schema
+from .workers import MODEL_PLAN_SCHEMA, plan_fn, run_model_fn, samples_schema
 
 EXTRACTION_DOC = "extraction.json"
 """Written last: its presence marks a finished extraction."""
@@ -117,23 +123,23 @@ def run_extraction(
     cores = default_parallelism(spark)
     threads = max(1, (os.cpu_count() or 1) // cores)
     source = resolve_model(config.model)
-    # The driver loads the model to plan (seconds: imports, weights) while Spark numbers
-    # the texts: neither needs the other. (Loading the model into the Python workers at
-    # the same time gains nothing on two cores: the three loads share them.)
+    # The Python workers load the model to plan (one per core: they keep it for the model
+    # stage) while Spark numbers the texts: neither needs the other.
     pool = ThreadPoolExecutor(1, thread_name_prefix="number-texts")
     numbering = pool.submit(_numbered_texts, spark, config, corpus, config.partitions or cores)
     pool.shutdown(wait=False)
     try:
-        plan = _plan_model(config, outputs, source)
+        plan = _plan_model(spark, config, outputs, source, workers=cores, threads=threads)
     except BaseException:  # a bad model or hook point: say so now, drop the texts when done
-        numbering.add_done_callback(lambda f: f.exception() is None and f.result()[1].unpersist())
+        numbering.add_done_callback(lambda f: f.exception() is None and _unpersist(f.result()[1]))
         raise
     texts, stored = numbering.result()
-    # max_length 0 (the model's context) is recorded and hashed as the number it means
-    config = dataclasses.replace(config, max_length=plan.max_length)
     run = None
     try:
+        # the workers' config as planned: their loaded model is keyed by it
         run = _run_model(texts, plan, config, threads=threads)
+        # max_length 0 (the model's context) is recorded and hashed as the number it means
+        config = dataclasses.replace(config, max_length=plan.max_length)
         chash = _config_hash(config, plan, texts)
         write = _OutputWriter(
             config, plan, run, texts, chash, dict(storage_options or {}) if not local else {},
@@ -145,9 +151,14 @@ def run_extraction(
             return dataclasses.replace(summary, out_dir=Path(target.root))
         return _write_in_place(target, write)
     finally:
-        stored.unpersist()
+        _unpersist(stored)
         if run is not None:
             run.samples.unpersist()
+
+
+def _unpersist(stored) -> None:
+    if stored is not None:
+        stored.unpersist()
 
 
 def _check_target(
@@ -163,24 +174,39 @@ def _check_target(
 
 
 def _plan_model(
-    config: ExtractConfig, outputs: list[ExtractionOutput], source: ModelSource
+    spark,
+    config: ExtractConfig,
+    outputs: list[ExtractionOutput],
+    source: ModelSource,
+    *,
+    workers: int,
+    threads: int,
 ) -> _ModelPlan:
-    """Load the model once on the driver: a bad model or hook point, or hook points an
-    output cannot take, fail before the model stage."""
-    probe = extractor_for(source.path, config)
-    widths = {h.name: w for h, w in zip(probe.hooks, probe.widths().values(), strict=True)}
+    """Load the model in ``workers`` Python workers (one job, a task each), which keep it
+    for the model stage, and plan from what they report: a bad model or hook point, or
+    hook points an output cannot take, fail before the model stage. The driver itself
+    imports no torch."""
+    tasks = spark.range(0, workers, 1, workers)
+    reports = to_arrow(tasks.mapInArrow(plan_fn(source, config, threads), MODEL_PLAN_SCHEMA))
+    doc = json.loads(reports.column("plan")[0].as_py())
+    if "error" in doc:
+        raise ExtractionError(doc["error"])
+    hooks = tuple(Hook(module, where) for module, where in doc["hooks"])
+    widths = {h.name: int(doc["widths"][h.name]) for h in hooks}
     for output in outputs:
         refusal = output.widths_refusal(widths)
         if refusal:
             raise ExtractionError(refusal)
     return _ModelPlan(
-        source, tuple(probe.hooks), widths, weights_hash(source.path), probe.max_length,
-        bos_added(probe.tokenizer),
-    )  # fmt: skip
+        source, hooks, widths, weights_hash(source.path), doc["max_length"], doc["bos_added"]
+    )
 
 
 def _numbered_texts(spark, config: ExtractConfig, corpus, partitions: int):
-    """(texts numbered by key, the stored rows to unpersist): see ``number_texts``."""
+    """(texts numbered by key, the stored rows to unpersist, or None): see
+    ``number_texts``; the demo corpus is numbered on the driver (``numbered_demo``)."""
+    if corpus is None and config.corpus == "demo":
+        return numbered_demo(spark, config, partitions), None
     texts = load_corpus(spark, config, corpus)
     if config.max_texts:
         texts = texts.orderBy("key").limit(config.max_texts)

@@ -3,6 +3,9 @@ produce. Each is built on the driver from picklable arguments and runs inside
 ``mapInArrow``; torch and transformers load in the workers (through ``Extractor``), once
 per worker process.
 
+- ``plan_fn``: loads the model in a worker (where it stays for the model stage) and
+  returns what the driver plans with: the hook points, their widths, the tokens per
+  input, whether a BOS is added (``MODEL_PLAN_SCHEMA``).
 - ``run_model_fn``: texts in, one row per model input out (``samples_schema``): the
   sample's key, ``seq_len``, ``first_pos`` (the model-input position of its first stored
   token: 1 when BOS is dropped) and one Tensor Struct ``[seq_len, H]`` per hook point.
@@ -12,12 +15,14 @@ per worker process.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 
 from ..format import get_dtype
 from .config import ExtractConfig
-from .model import ExtractionError, Extractor, ModelSource
+from .model import ExtractionError, Extractor, ModelSource, bos_added
 
 MODEL_BATCHES_PER_OUTPUT_BATCH = 8
 """Texts per ``mapInArrow`` output batch, in model batches: bounds a worker's memory."""
@@ -38,6 +43,35 @@ def samples_schema(hooks) -> str:
         "sample_id long, window int, key string, seq_len int, first_pos int, text_chars int, "
         f"source string, {cols}"
     )
+
+
+MODEL_PLAN_SCHEMA = "plan string"
+"""One JSON document per ``plan_fn`` task: the plan, or ``{"error": ...}``."""
+
+
+def plan_fn(model: ModelSource, config: ExtractConfig, threads: int):
+    """The function ``mapInArrow`` runs to plan an extraction: it loads the model as the
+    model stage will (``threads`` torch threads; kept loaded in the worker for it) and
+    returns one ``MODEL_PLAN_SCHEMA`` row: ``hooks`` ([module, where] pairs), ``widths``
+    (by hook name), ``max_length``, ``bos_added``. A bad model or hook point comes back as
+    ``{"error": message}``, for the driver to raise as the ExtractionError it is."""
+
+    def plan(batches):
+        for _ in batches:  # the input's rows only say how many workers to warm
+            pass
+        try:
+            extractor = _cached_extractor(str(model.local_dir()), config, threads)
+            doc = {
+                "hooks": [[h.module, h.where] for h in extractor.hooks],
+                "widths": extractor.widths(),
+                "max_length": extractor.max_length,
+                "bos_added": bos_added(extractor.tokenizer),
+            }
+        except ExtractionError as e:
+            doc = {"error": str(e)}
+        yield pa.RecordBatch.from_pydict({"plan": [json.dumps(doc)]})
+
+    return plan
 
 
 def run_model_fn(model: ModelSource, config: ExtractConfig, threads: int):
