@@ -19,9 +19,9 @@ from typing import Protocol
 
 from ..dataset import DatasetLocation, verify_dataset
 from ..dataset.layout import partition_dir
+from ..format import get_dtype
 from .config import ExtractConfig
 from .model import ExtractionError, Hook
-from .workers import explode_fn, token_rows_schema
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,27 @@ class SafetensorsDatasets:
 
     @staticmethod
     def _tokens(rows: SampleRows, hook: Hook):
+        """One row per token (``activation`` [H], ``sample_id``, ``token_pos``, ``window``)
+        from the sample rows [seq_len, H], in Spark's own expressions: each token's bytes
+        are a slice of its sample's (no trip through a Python worker)."""
+        from pyspark.sql import functions as F
+
         width = rows.widths[hook.name]
-        return rows.samples.select(
-            "sample_id", "window", "seq_len", "first_pos", hook.column
-        ).mapInArrow(explode_fn(hook.column, width, rows.dtype), token_rows_schema())
+        row_bytes = width * get_dtype(rows.dtype).itemsize
+        tokens = rows.samples.select(
+            "sample_id", "window", "first_pos", F.col(hook.column).data.alias("data"),
+            F.posexplode(F.array_repeat(F.lit(0), F.col("seq_len"))).alias("i", "_"),
+        )  # fmt: skip
+        activation = F.struct(
+            F.col("data").substr(F.col("i") * row_bytes + 1, F.lit(row_bytes)).alias("data"),
+            F.array(F.lit(width)).alias("shape"),
+            F.lit(rows.dtype).alias("dtype"),
+        )
+        # the position in the model input: a dropped BOS shifts the stored tokens by one
+        token_pos = (F.col("i") + F.col("first_pos")).cast("int")
+        return tokens.select(
+            activation.alias("activation"), "sample_id", token_pos.alias("token_pos"), "window"
+        )
 
     @classmethod
     def _token_dataset(cls, out: DatasetLocation, rows: SampleRows, hook: Hook) -> None:

@@ -9,30 +9,19 @@ per worker process.
 - ``run_model_fn``: texts in, one row per model input out (``samples_schema``): the
   sample's key, ``seq_len``, ``first_pos`` (the model-input position of its first stored
   token: 1 when BOS is dropped) and one Tensor Struct ``[seq_len, H]`` per hook point.
-- ``explode_fn``: sample rows in, one row per token out (``TOKEN_ROWS_SCHEMA``), without
-  copying the activation bytes.
 """
 
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pyarrow as pa
 
-from ..format import get_dtype
 from .config import ExtractConfig
 from .model import ExtractionError, Extractor, ModelSource, bos_added
 
 MODEL_BATCHES_PER_OUTPUT_BATCH = 8
 """Texts per ``mapInArrow`` output batch, in model batches: bounds a worker's memory."""
-
-
-def token_rows_schema() -> str:
-    """The DDL of ``explode_fn``'s rows: one token's activation, its sample and position."""
-    from ..spark.tensor_struct import TENSOR_STRUCT_DDL
-
-    return f"activation {TENSOR_STRUCT_DDL}, sample_id long, token_pos int, window int"
 
 
 def samples_schema(hooks) -> str:
@@ -141,46 +130,3 @@ def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int) -> Ex
         _EXTRACTORS.clear()
         _EXTRACTORS[key] = extractor_for(model_dir, config, threads)
     return _EXTRACTORS[key]
-
-
-def explode_fn(column: str, width: int, dtype: str):
-    """Sample rows ``[seq_len, H]`` -> one row per token, without copying the bytes: the
-    samples' data buffers already hold the tokens back to back."""
-    from ..spark.tensor_struct import assemble_tensor_structs
-
-    row_bytes = width * get_dtype(dtype).itemsize
-
-    def explode(batches):
-        for batch in batches:
-            data = batch.column(column).flatten()[0]  # children cut to the parent's slice
-            seq_lens = batch.column("seq_len").to_numpy().astype(np.int64)
-            n = int(seq_lens.sum())
-            wide = pa.types.is_large_binary(data.type)
-            offsets = np.frombuffer(data.buffers()[1], np.int64 if wide else np.int32)
-            offsets = offsets[data.offset : data.offset + len(data) + 1].astype(np.int64)
-            if offsets[-1] - offsets[0] != n * row_bytes:
-                raise ExtractionError(f"{column}: sample bytes do not match seq_len x {width}")
-            values = data.buffers()[2]
-            token_offsets = pa.py_buffer(
-                (offsets[0] + np.arange(n + 1, dtype=np.int64) * row_bytes).astype(
-                    np.int64 if wide else np.int32
-                )
-            )
-            token_data = pa.Array.from_buffers(data.type, n, [None, token_offsets, values])
-            shape = pa.ListArray.from_arrays(
-                pa.array(np.arange(n + 1, dtype=np.int32)), pa.array(np.full(n, width, np.int32))
-            )
-            sample_id = np.repeat(batch.column("sample_id").to_numpy(), seq_lens)
-            window = np.repeat(batch.column("window").to_numpy(), seq_lens)
-            firsts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
-            # the position in the model input: a dropped BOS shifts the stored tokens by one
-            shift = np.repeat(batch.column("first_pos").to_numpy().astype(np.int64), seq_lens)
-            token_pos = (np.arange(n) - firsts + shift).astype(np.int32)
-            yield pa.RecordBatch.from_pydict({
-                "activation": assemble_tensor_structs(token_data, shape, dtype),
-                "sample_id": pa.array(sample_id),
-                "token_pos": pa.array(token_pos),
-                "window": pa.array(window.astype(np.int32)),
-            })  # fmt: skip
-
-    return explode
