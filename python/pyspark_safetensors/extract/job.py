@@ -225,13 +225,16 @@ def _run_model(texts, plan: _ModelPlan, config: ExtractConfig, *, threads: int) 
         run_model_fn(plan.source, config, threads), samples_schema(plan.hooks)
     ).persist(StorageLevel.DISK_ONLY)
     try:
-        if samples.count() == 0:
-            raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
-        seconds = time.perf_counter() - started
-        info = samples.select(
-            "sample_id", "window", "key", "seq_len", "first_pos", "text_chars", "source"
+        # one pass: collecting the scalar columns stores every column (the first read of
+        # a persisted frame computes all of it); a second read would load it all from disk
+        info = to_arrow(
+            samples.select(
+                "sample_id", "window", "key", "seq_len", "first_pos", "text_chars", "source"
+            )
         )
-        return _ModelRun(samples, to_arrow(info), seconds)
+        if info.num_rows == 0:
+            raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
+        return _ModelRun(samples, info, time.perf_counter() - started)
     except BaseException:
         samples.unpersist()
         raise
