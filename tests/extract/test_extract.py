@@ -259,8 +259,7 @@ def test_demo_corpus_numbered_on_the_driver_as_spark_numbers_it(spark):
         )
         frames = {"driver": numbered_demo(spark, config, partitions), "spark": by_spark}
         got = {
-            who: df.select("sample_id", "key", "text", F.spark_partition_id().alias("p"))
-            .collect()
+            who: df.select("sample_id", "key", "text", F.spark_partition_id().alias("p")).collect()
             for who, df in frames.items()
         }
         stored.unpersist()

@@ -165,18 +165,16 @@ def numbered_demo(spark, config, partitions: int):
     it anyway (no Spark job: a session's first jobs take seconds): ``key, text, source,
     sample_id`` in ``partitions`` key ranges, each in key order; ``config.max_texts``
     keeps the first by key. Returns the DataFrame."""
-    from pyspark.sql import functions as F
-
     by_key: dict[str, tuple[str, str]] = {}
     for source, text in demo_passages(config.passage_chars):  # stripped, none blank
         by_key.setdefault(text_key(text), (text, source))
     keys = sorted(by_key)[: config.max_texts or None]
     rows = [(key, *by_key[key], i) for i, key in enumerate(keys)]
-    schema = "key string, text string, source string, sample_id long"
-    df = spark.createDataFrame(rows, schema)  # contiguous slices, one per core, in order
+    # contiguous slices, one per core, in order
+    df = spark.createDataFrame(rows, "key string, text string, source string, sample_id long")
     if partitions != default_parallelism(spark):
         df = df.repartitionByRange(partitions, "sample_id").sortWithinPartitions("sample_id")
-    return df.select("key", "text", "source", F.col("sample_id"))
+    return df
 
 
 def corpus_sha256(keys) -> str:
