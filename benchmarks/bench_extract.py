@@ -120,8 +120,7 @@ def _large_corpus(path: Path) -> str:
 
 
 def _pair(corpus: str, max_texts: int, tmp: Path, name: str) -> dict:
-    """The loop's and the job's runs on one corpus (the job also without its KV dataset
-    when ``name`` asks for it)."""
+    """The loop's and the job's runs on one corpus, with equal token counts checked."""
     python = sys.executable
     here = [python, "-m", "benchmarks.bench_extract", "--loop", corpus]
     loop_s, loop_cpu = _timed([*here, str(tmp / f"{name}-loop"), str(max_texts)])

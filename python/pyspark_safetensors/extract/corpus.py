@@ -41,11 +41,19 @@ def text_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def demo_by_key(max_chars: int = DEMO_PASSAGE_CHARS) -> list[tuple[str, str, str]]:
+    """The distinct demo passages as (key, text, source), in the order the extraction
+    takes them (by key); a passage found under two topics keeps the first."""
+    by_key: dict[str, tuple[str, str]] = {}
+    for source, text in demo_passages(max_chars):  # stripped, none blank
+        by_key.setdefault(text_key(text), (text, source))
+    return [(key, *by_key[key]) for key in sorted(by_key)]
+
+
 def passages_by_key(skip: int, count: int, max_chars: int = DEMO_PASSAGE_CHARS) -> list[str]:
     """``count`` distinct demo passages after the first ``skip``, in the order the
     extraction takes them (by key): ``skip = texts`` gives held-out ones."""
-    texts = sorted({t for _, t in demo_passages(max_chars)}, key=text_key)
-    return texts[skip : skip + count]
+    return [text for _, text, _ in demo_by_key(max_chars)[skip : skip + count]]
 
 
 def load_corpus(spark, config, corpus=None):
@@ -165,11 +173,8 @@ def numbered_demo(spark, config, partitions: int):
     it anyway (no Spark job: a session's first jobs take seconds): ``key, text, source,
     sample_id`` in ``partitions`` key ranges, each in key order; ``config.max_texts``
     keeps the first by key. Returns the DataFrame."""
-    by_key: dict[str, tuple[str, str]] = {}
-    for source, text in demo_passages(config.passage_chars):  # stripped, none blank
-        by_key.setdefault(text_key(text), (text, source))
-    keys = sorted(by_key)[: config.max_texts or None]
-    rows = [(key, *by_key[key], i) for i, key in enumerate(keys)]
+    texts = demo_by_key(config.passage_chars)[: config.max_texts or None]
+    rows = [(key, text, source, i) for i, (key, text, source) in enumerate(texts)]
     # contiguous slices, one per core, in order
     df = spark.createDataFrame(rows, "key string, text string, source string, sample_id long")
     if partitions != default_parallelism(spark):
