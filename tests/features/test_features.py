@@ -5,6 +5,7 @@ works in a real (headless) Chromium."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -15,7 +16,7 @@ from tables import assert_examples_match, assert_latents_match
 
 from pyspark_safetensors.features import FeaturesConfig, FeaturesError, plan_features, run_features
 from pyspark_safetensors.features.merge import examples_table, latents_table
-from pyspark_safetensors.features.reference import reference_state
+from pyspark_safetensors.features.reference import reference_contexts, reference_state
 
 pytestmark = pytest.mark.spark
 LATENTS = 96  # the random SAE of conftest.py
@@ -47,6 +48,84 @@ def test_statistics_and_examples_equal_the_reference(run):
     top = contexts[contexts.kind == "top"]
     assert top.groupby("latent").size().max() == config.top_n
     assert set(contexts.kind) > {"top"}  # random examples per quantile band too
+
+
+def assert_contexts_equal(got, want) -> None:
+    """Two contexts tables (pandas): the same examples, windows, tokens and centers, the
+    activations to float32 rounding."""
+    for column in ("latent", "kind", "rank", "sample_id", "window", "token_pos", "center"):
+        assert got[column].tolist() == want[column].tolist(), column
+    assert [list(t) for t in got["tokens"]] == [list(t) for t in want["tokens"]]
+    for a, b in zip(got["acts"], want["acts"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def dense_code(plan):
+    """Every token's activation of every latent (the SAE run over the whole dataset at
+    once), by token: ``{(sample_id, window, token_pos): row}`` and the ``[tokens,
+    latents]`` matrix."""
+    import torch
+
+    from pyspark_safetensors.sae.ecosystem import load_sae_model
+    from pyspark_safetensors.torch import open_dataset
+
+    ds = open_dataset(plan.dataset)
+    columns = {c: np.concatenate([np.asarray(ds.shard_view(s, c)).reshape(len(ds.shard_view(s, c)), -1)
+                                  for s in range(len(ds.paths))])
+               for c in ("activation", "sample_id", "window", "token_pos")}  # fmt: skip
+    with torch.inference_mode():
+        values, indices = load_sae_model(plan.sae).encode(
+            torch.from_numpy(columns["activation"].astype(np.float32))
+        )
+    z = torch.zeros(len(values), plan.n_latents).scatter_(1, indices.long(), values.float())
+    rows = {tuple(int(columns[c][i, 0]) for c in ("sample_id", "window", "token_pos")): i
+            for i in range(len(z))}  # fmt: skip
+    return rows, z.numpy()
+
+
+def test_contexts_equal_the_loop_and_the_code_of_every_token(run):
+    """The one-pass windows (each candidate's context taken while its chunk is encoded)
+    equal the single-process loop's contexts, and every activation of every window is
+    the latent's on that token when the SAE encodes the whole dataset at once."""
+    config, summary = run
+    plan = plan_features(config)
+    got = pq.read_table(summary.out / "contexts.parquet").to_pandas()
+    want = reference_contexts(plan, config, reference_state(plan, config)).to_pandas()
+    assert_contexts_equal(got, want)
+    rows, z = dense_code(plan)
+    checked = 0
+    for r in got.itertuples():
+        first = r.token_pos - r.center
+        for i, act in enumerate(r.acts):
+            row = rows.get((r.sample_id, r.window, first + i))
+            expected = 0.0 if row is None else z[row, r.latent]  # no activation row: 0
+            assert act == pytest.approx(expected, rel=1e-5, abs=1e-6)
+            checked += act > 0 and i != r.center
+    assert checked > 100  # neighbours fire, not only the example token
+
+
+def test_a_dataset_out_of_token_order_gives_the_same_contexts(spark, run, extraction, tmp_path):
+    """Rows shuffled (not an extraction's order): the first pass cannot see the windows,
+    so the second pass re-encodes the example samples; the tables are the same."""
+    import shutil
+
+    from pyspark.sql import functions as F
+
+    config, summary = run
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(extraction, shuffled, ignore=shutil.ignore_patterns("activations"))
+    plan = plan_features(config)
+    dataset = os.path.relpath(plan.dataset, extraction)
+    spark.read.format("safetensors").load(plan.dataset).orderBy(F.rand(seed=1)).write.format(
+        "safetensors"
+    ).option("batch_size", 64).mode("overwrite").save(str(shuffled / dataset))
+    out = tmp_path / "features"
+    again = run_features(spark, dataclasses.replace(config, extraction=str(shuffled), out=str(out)))
+    assert again.tokens == summary.tokens
+    assert_contexts_equal(
+        pq.read_table(out / "contexts.parquet").to_pandas(),
+        pq.read_table(summary.out / "contexts.parquet").to_pandas(),
+    )
 
 
 def test_contexts_hold_the_activation_of_every_token(run):

@@ -1,5 +1,6 @@
 """The per-latent state without Spark: merging the states of any split of the tokens
-gives the state of all of them (statistics, top-N with ties, random examples)."""
+gives the state of all of them (statistics, top-N with ties, random examples and their
+context windows)."""
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from pyspark_safetensors.features.state import (
     token_ids,
 )
 
-N_LATENTS, K = 12, 3
+N_LATENTS, K, MARGIN = 12, 3, 2
 
 
 def codes(tokens: int, seed: int):
@@ -31,23 +32,49 @@ def codes(tokens: int, seed: int):
 
 def state():
     edges = torch.from_numpy(histogram_edges(8, 0.01, 10.0))
-    return LatentState(N_LATENTS, top_n=5, per_bin=2, edges=edges, seed=3)
+    return LatentState(N_LATENTS, top_n=5, per_bin=2, edges=edges, seed=3, window=2 * MARGIN + 1)
+
+
+def windows(values, indices, ids, start):
+    """``contexts(rows, latents)`` of the batch starting at token ``start``, read from the
+    whole code: the latent's activation on the tokens +-MARGIN around each row."""
+
+    def contexts(rows, latents):
+        out = torch.zeros(len(rows), 2 * MARGIN + 1)
+        for i, (row, latent) in enumerate(zip(rows.tolist(), latents.tolist(), strict=True)):
+            for o in range(-MARGIN, MARGIN + 1):
+                j = start + row + o
+                if 0 <= j < len(ids) and ids[j] == ids[start + row] + o:
+                    out[i, o + MARGIN] = values[j][indices[j] == latent].sum()
+        return out
+
+    return contexts
+
+
+def update(s, values, indices, ids, start, stop):
+    s.update(values[start:stop], indices[start:stop], ids[start:stop],
+             windows(values, indices, ids, start))  # fmt: skip
 
 
 def test_split_and_merge_equals_one_pass():
     values, indices, ids = codes(600, 0)
     whole = state()
     for s in range(0, 600, 50):
-        whole.update(values[s : s + 50], indices[s : s + 50], ids[s : s + 50])
+        update(whole, values, indices, ids, s, s + 50)
     parts = [state(), state(), state()]
     for i, s in enumerate(range(0, 600, 37)):  # another batching, interleaved parts
-        parts[i % 3].update(values[s : s + 37], indices[s : s + 37], ids[s : s + 37])
+        update(parts[i % 3], values, indices, ids, s, s + 37)
     merged = parts[0]
     merged.merge(parts[1])
     merged.merge(parts[2])
     config = FeaturesConfig(top_n=5, samples_per_band=2, hist_bins=8, hist_min=0.01, hist_max=10.0)
     assert latents_table(merged, config).equals(latents_table(whole, config))
-    assert examples_table(merged, config).equals(examples_table(whole, config))
+    examples = examples_table(merged, config)
+    assert examples.equals(examples_table(whole, config))  # the windows too
+    windows = np.array(examples.column("context").to_pylist())
+    center = windows[:, MARGIN]
+    assert center.tolist() == examples.column("value").to_pylist()
+    assert (windows[:, [0, 1, 3, 4]] > 0).any()  # neighbours fire too
 
 
 def test_top_n_is_the_largest_with_ties_by_token():

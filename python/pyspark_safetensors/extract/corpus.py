@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from ..spark.compat import default_parallelism
 from .model import ExtractionError
 
 DEMO_PASSAGE_CHARS = 400
-PARALLELISM_PROBE_ROWS = 1 << 16
 """Rows of the ``range()`` whose partition count gives the default parallelism (more
 rows than any session has cores, so every partition is used)."""
 MONOTONIC_ID_PARTITION_SHIFT = 33
@@ -122,20 +122,6 @@ def _corpus_at(spark, path: Path, text_column: str):
     return table.select(
         F.col(text_column).cast("string").alias("text"), F.lit(str(path)).alias("source")
     )
-
-
-def default_parallelism(spark) -> int:
-    """The session's default parallelism, on classic and Connect sessions alike: the
-    SparkContext's, else (Connect has no ``sparkContext`` to ask) the partition count
-    Spark gives ``range()``, found by one tiny job (seconds, when it is the session's
-    first)."""
-    from pyspark.sql import functions as F
-
-    if not type(spark).__module__.startswith("pyspark.sql.connect"):
-        return spark.sparkContext.defaultParallelism
-    parts = spark.range(0, PARALLELISM_PROBE_ROWS).select(F.spark_partition_id().alias("p"))
-    (last,) = parts.agg(F.max("p")).first()
-    return int(last) + 1
 
 
 def number_texts(texts, partitions: int):

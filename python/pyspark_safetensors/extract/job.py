@@ -43,11 +43,10 @@ import pyarrow.fs as pafs
 
 from ..dataset import DatasetLocation
 from ..dataset.publish import publishing
-from ..spark.compat import to_arrow
+from ..spark.compat import default_parallelism, to_arrow
 from .config import ExtractConfig, ExtractionSummary, config_hash
 from .corpus import (
     corpus_sha256,
-    default_parallelism,
     load_corpus,
     number_texts,
     numbered_demo,

@@ -2,25 +2,29 @@
 inside Spark tasks, per-latent state merged by Spark, examples decoded with the model's
 tokenizer, two parquet tables and the browser published whole.
 
-1. encode (``mapInArrow``): each task folds its tokens into a ``LatentState`` (bounded
-   memory) and emits it as rows: statistics per (latent, bin), top-N candidates, sample
+1. encode (``mapInArrow`` over row ranges): each task reads its range of the dataset's
+   shards itself (``scan``: the bytes do not cross the JVM), folds its tokens into a
+   ``LatentState`` (bounded memory), each kept candidate with its context window (the
+   latent's activation on the +-``context`` tokens around it, taken from the chunk's
+   code), and emits it as rows: statistics per (latent, bin), top-N candidates, sample
    candidates; written under the staging directory (a local output) or kept on the
    executors' disks (``persist``, an output elsewhere);
 2. merge (Spark): sums and maxima per cell, ``row_number`` windows keep the global top-N
    per latent and the bottom-R priorities per (latent, bin); the driver receives
    O(latents x (N + bins x R)) rows, never activations;
-3. contexts (Spark): the example tokens' samples only are read again and encoded, their
-   texts tokenized, and each example's window of +-``context`` tokens assembled with the
-   latent's activation on every token;
+3. contexts: the texts of the example samples are tokenized (Spark) and only the tokens
+   of the examples' windows come back; each example's row is assembled on the driver.
+   A dataset not in token order (not an extraction's) has no windows from the first
+   pass: a second pass re-encodes the example samples then (``windows_from_codes``);
 4. outputs: the two tables (small: one row per latent, one per example) and the browser
    are made on the driver and written through ``DatasetLocation``, ``features.json``
    last: locally into a staging directory published by one rename, on an object store
    (``s3://``, any pyarrow or fsspec filesystem) in place, after everything was computed.
 
-The extraction may live on any such storage too: its activation dataset is read by the
-``safetensors`` data source (which reaches object stores itself), ``extraction.json``
-and the texts of the example samples by the driver through ``DatasetLocation`` (Spark's
-own JSON reader is used for a local ``texts.jsonl``).
+The extraction may live on any such storage too: the tasks read its activation dataset
+through ``DatasetLocation`` (ranged reads on an object store), as the driver reads
+``extraction.json`` and the texts of the example samples (Spark's own JSON reader is
+used for a local ``texts.jsonl``).
 """
 
 from __future__ import annotations
@@ -44,16 +48,21 @@ from .._version import __version__
 from ..dataset import DatasetLocation
 from ..spark.compat import from_arrow, to_arrow
 from .config import FeaturesConfig, FeaturesError
-from .merge import examples_table, latents_table
+from .merge import contexts_table, examples_table, latents_table
+from .scan import RowReader, encoded_chunks, fold, row_ranges
 from .state import LatentState, histogram_edges, priority, split_ids, token_ids
 
 CANDIDATES_SCHEMA = (
     "kind byte, latent int, cell long, value float, token long, priority long, "
-    "count long, total double"
+    "count long, total double, context array<float>"
 )
-STAT, MAXIMUM, TOKENS, TOP, SAMPLE = 0, 1, 2, 3, 4
+STAT, MAXIMUM, TOKENS, TOP, SAMPLE, OUT_OF_ORDER = 0, 1, 2, 3, 4, 5
+ROWS_PER_TASK = 1 << 20
+"""Most rows one encode task scans (more tasks than cores past that: retries stay small)."""
 CODES_SCHEMA = "sample_id long, window int, token_pos int, latents array<int>, acts array<float>"
 TOKENS_SCHEMA = "sample_id long, window int, pos int, token string"
+TOKENS_ARROW = pa.schema([("sample_id", pa.int64()), ("window", pa.int32()), ("pos", pa.int32()),
+                          ("token", pa.string())])  # fmt: skip
 EXTRACTION_DOC, SAMPLES_TABLE, TEXTS_TABLE = "extraction.json", "samples.parquet", "texts.jsonl"
 FEATURES_DOC = "features.json"
 """Written last: its presence marks a finished output (it lists every other file)."""
@@ -201,19 +210,30 @@ def encode_batches(batches, sae, width: int, batch_tokens: int, device: str):
 
 def new_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
     edges = torch.from_numpy(histogram_edges(config.hist_bins, config.hist_min, config.hist_max))
-    return LatentState(plan.n_latents, config.top_n, config.samples_per_band, edges, config.seed)
+    return LatentState(plan.n_latents, config.top_n, config.samples_per_band, edges, config.seed,
+                       window=2 * config.context + 1)  # fmt: skip
 
 
-def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig):
-    """The task: its tokens folded into one state, emitted as candidate rows."""
+def scan_range(state: LatentState, reader: RowReader, start: int, stop: int, sae,
+               config: FeaturesConfig, device: str) -> None:  # fmt: skip
+    """Rows ``[start, stop)`` of the dataset encoded and folded into ``state``."""
+    fold(state, encoded_chunks(reader, start, stop, sae, chunk=config.batch_tokens,
+                               margin=config.context, device=device))  # fmt: skip
+
+
+def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig, dataset, ranges):
+    """The task: its row ranges (``ranges[id]`` of the input's ``id`` column) of
+    ``dataset`` (a ``torch.SafetensorsDataset``) folded into one state, emitted as
+    candidate rows."""
 
     def run(batches):
         device = pick_device(config)
         sae = load_encoder(plan.sae, device, config.threads)
+        reader = RowReader(dataset, plan.width)
         state = new_state(plan, config)
-        for values, indices, ids in encode_batches(batches, sae, plan.width,
-                                                    config.batch_tokens, device):  # fmt: skip
-            state.update(values, indices, ids)
+        for batch in batches:
+            for task in batch.column("id").to_pylist():
+                scan_range(state, reader, *ranges[task], sae, config, device)
         yield from state_rows(state)
 
     return run
@@ -222,9 +242,12 @@ def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig):
 def state_rows(state: LatentState):
     """A state as ``CANDIDATES_SCHEMA`` batches."""
 
-    def batch(kind, latent, cell=None, value=None, token=None, prio=None, count=None, total=None):
+    def batch(kind, latent, cell=None, value=None, token=None, prio=None, count=None, total=None,
+              ctx=None):  # fmt: skip
         m = len(latent)
         zeros = np.zeros(m, np.int64)
+        ctx = np.zeros((m, 0), np.float32) if ctx is None else np.asarray(ctx, np.float32)
+        offsets = pa.array(np.arange(m + 1, dtype=np.int32) * ctx.shape[1])
         return pa.RecordBatch.from_pydict({
             "kind": pa.array(np.full(m, kind, np.int8)),
             "latent": pa.array(np.asarray(latent, np.int32)),
@@ -234,6 +257,7 @@ def state_rows(state: LatentState):
             "priority": pa.array(zeros if prio is None else np.asarray(prio, np.int64)),
             "count": pa.array(zeros if count is None else np.asarray(count, np.int64)),
             "total": pa.array(np.zeros(m) if total is None else np.asarray(total, np.float64)),
+            "context": pa.ListArray.from_arrays(offsets, pa.array(ctx.reshape(-1))),
         })  # fmt: skip
 
     cells = torch.nonzero(state.counts).flatten()
@@ -242,11 +266,13 @@ def state_rows(state: LatentState):
     fired = torch.nonzero(state.maxima).flatten()
     yield batch(MAXIMUM, fired.numpy(), value=state.maxima[fired].numpy())
     yield batch(TOKENS, [-1], count=[state.tokens])
+    yield batch(OUT_OF_ORDER, [-1], count=[state.out_of_order])
     t, s = state.top, state.samples
-    yield batch(TOP, t["latent"].numpy(), value=t["value"].numpy(), token=t["id"].numpy())
+    yield batch(TOP, t["latent"].numpy(), value=t["value"].numpy(), token=t["id"].numpy(),
+                ctx=t["ctx"].numpy())  # fmt: skip
     prio = priority(s["id"], s["latent"], state.seed)
     yield batch(SAMPLE, s["latent"].numpy(), s["cell"].numpy(), s["value"].numpy(), s["id"].numpy(),
-                prio.numpy())  # fmt: skip
+                prio.numpy(), ctx=s["ctx"].numpy())  # fmt: skip
 
 
 def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
@@ -294,10 +320,11 @@ def display_tokens(text: str, offsets, pieces: list[str]) -> list[str]:
     return out
 
 
-def _tokenize_fn(plan: FeaturesPlan):
+def tokenize_fn(plan: FeaturesPlan, wanted: Mapping[tuple[int, int], list[int]], context: int):
     """Texts -> one row per token of each model input, as the extraction tokenized them
-    (same tokenizer, ``max_length`` and windows); ``token`` is its text as a reader sees
-    it (``display_tokens``)."""
+    (same tokenizer, ``max_length`` and windows), kept only within ``context`` tokens of
+    a ``token_pos`` in ``wanted[(sample_id, window)]``; ``token`` is its text as a reader
+    sees it (``display_tokens``)."""
 
     def run(batches):
         from transformers import AutoTokenizer
@@ -322,13 +349,15 @@ def _tokenize_fn(plan: FeaturesPlan):
                     tokens = display_tokens(texts[mapping[r]], enc["offset_mapping"][r], pieces)
                 else:  # no character spans: each token decoded alone
                     tokens = [tokenizer.convert_tokens_to_string([p]) for p in pieces]
-                cols["sample_id"] += [ids[mapping[r]]] * len(tokens)
-                cols["window"] += [window] * len(tokens)
-                cols["pos"] += list(range(len(tokens)))
-                cols["token"] += tokens
-            types = {"sample_id": pa.int64(), "window": pa.int32(), "pos": pa.int32(),
-                     "token": pa.string()}  # fmt: skip
-            yield pa.RecordBatch.from_pydict({c: pa.array(v, types[c]) for c, v in cols.items()})
+                keep = np.zeros(len(tokens), bool)
+                for pos in wanted.get((ids[mapping[r]], window), ()):
+                    keep[max(pos - context, 0) : pos + context + 1] = True
+                kept = np.flatnonzero(keep).tolist()
+                cols["sample_id"] += [ids[mapping[r]]] * len(kept)
+                cols["window"] += [window] * len(kept)
+                cols["pos"] += kept
+                cols["token"] += [tokens[i] for i in kept]
+            yield pa.RecordBatch.from_pydict(cols, schema=TOKENS_ARROW)
 
     return run
 
@@ -413,10 +442,16 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     None to keep them on the executors' disks."""
     from pyspark import StorageLevel
 
+    from ..spark.compat import default_parallelism
+    from ..torch import open_dataset
     from .page import browser_files
 
-    tokens = tokens_frame(spark, plan)
-    encoded = tokens.mapInArrow(_encode_fn(plan, config), CANDIDATES_SCHEMA)
+    dataset = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
+    tasks = max(default_parallelism(spark), -(-len(dataset) // ROWS_PER_TASK))
+    ranges = row_ranges(len(dataset), tasks)
+    encoded = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
+        _encode_fn(plan, config, dataset, ranges), CANDIDATES_SCHEMA
+    )
     if scratch is not None:
         encoded.write.parquet(str(scratch))
         candidates = spark.read.parquet(str(scratch))
@@ -431,8 +466,11 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
             candidates.unpersist()
     encode_seconds = time.perf_counter() - started
     latents = latents_table(state, config)
-    contexts = contexts_frame(spark, tokens, examples_table(state, config), plan, config)
-    contexts = to_arrow(contexts)
+    examples = examples_table(state, config)
+    if state.out_of_order:  # no windows from the first pass: a second one
+        examples = windows_from_codes(spark, examples, plan, config)
+    contexts = contexts_table(examples, example_tokens(spark, examples, plan, config),
+                              config.context)  # fmt: skip
     files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
     title = f"{plan.hook} · {Path(plan.sae).name}"
     files |= browser_files(latents, contexts, title=title, tokens=state.tokens, config=config)
@@ -516,7 +554,7 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
     from pyspark.sql import functions as F
 
     stats = to_arrow(
-        candidates.filter(F.col("kind").isin(STAT, MAXIMUM, TOKENS))
+        candidates.filter(F.col("kind").isin(STAT, MAXIMUM, TOKENS, OUT_OF_ORDER))
         .groupBy("kind", "latent", "cell")
         .agg(F.sum("count").alias("count"), F.sum("total").alias("total"), F.max("value"))
     )
@@ -525,14 +563,14 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
         candidates.filter(F.col("kind") == TOP)
         .withColumn("r", F.row_number().over(by_value))
         .filter(F.col("r") <= config.top_n)
-        .select("latent", "value", "token")
+        .select("latent", "value", "token", "context")
     )
     by_priority = Window.partitionBy("cell").orderBy("priority", "token")
     samples = to_arrow(
         candidates.filter(F.col("kind") == SAMPLE)
         .withColumn("r", F.row_number().over(by_priority))
         .filter(F.col("r") <= config.samples_per_band)
-        .select("latent", "cell", "value", "token")
+        .select("latent", "cell", "value", "token", "context")
     )
     state = new_state(plan, config)
     kind = stats.column("kind").to_numpy()
@@ -545,62 +583,89 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
         value[maximum].astype(np.float32)
     )
     state.tokens = int(col["count"][kind == TOKENS].sum())
-    state.top = _entries_of(top)
+    state.out_of_order = int(col["count"][kind == OUT_OF_ORDER].sum())
+    state.top = _entries_of(top, state.window)
     cells = samples.column("cell").to_numpy().astype(np.int64)
-    entries = {**_entries_of(samples), "cell": torch.from_numpy(cells)}
+    entries = {**_entries_of(samples, state.window), "cell": torch.from_numpy(cells)}
     state.samples = {**entries, "prio": priority(entries["id"], entries["latent"], state.seed)}
     return state
 
 
-def _entries_of(table: pa.Table) -> dict:
+def _entries_of(table: pa.Table, window: int) -> dict:
+    n = table.num_rows
+    ctx = pa.chunked_array(table.column("context").chunks, pa.list_(pa.float32())).combine_chunks()
     return {
         "latent": torch.from_numpy(table.column("latent").to_numpy().astype(np.int64)),
         "value": torch.from_numpy(table.column("value").to_numpy().astype(np.float32)),
         "id": torch.from_numpy(table.column("token").to_numpy().astype(np.int64)),
+        "row": torch.full((n,), -1, dtype=torch.int64),
+        "ctx": torch.from_numpy(
+            ctx.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, window)
+        ),
     }
 
 
-def contexts_frame(spark, tokens, examples: pa.Table, plan: FeaturesPlan, config: FeaturesConfig):
-    """One row per example: its window of +-``context`` tokens (token text, the latent's
-    activation on each, the example token's index ``center``), assembled by joins over
-    the example samples only."""
+def windows_from_codes(spark, examples: pa.Table, plan: FeaturesPlan, config: FeaturesConfig):
+    """``examples`` with their ``context`` windows recomputed by a second pass: the
+    example samples' tokens read through the ``safetensors`` data source and encoded
+    again, joined to each example's +-``context`` positions (for a dataset whose rows
+    are not in token order, where the first pass could not see the windows)."""
     from pyspark.sql import functions as F
 
-    ex = from_arrow(spark, examples)
+    keys = ["latent", "kind", "rank"]
+    ex = from_arrow(spark, examples.drop(["context"]))
     needed = ex.select("sample_id", "window").distinct()
-    codes = tokens.join(F.broadcast(needed), ["sample_id", "window"], "left_semi").mapInArrow(
-        _codes_fn(plan, config), CODES_SCHEMA
+    codes = (
+        tokens_frame(spark, plan)
+        .join(F.broadcast(needed), ["sample_id", "window"], "left_semi")
+        .mapInArrow(_codes_fn(plan, config), CODES_SCHEMA)
+        .withColumnRenamed("token_pos", "pos")
     )
+    k = config.context
+    positions = ex.select(
+        *keys, "sample_id", "window",
+        F.posexplode(F.sequence(F.col("token_pos") - k, F.col("token_pos") + k)).alias("o", "pos"),
+    )  # fmt: skip
+    act = F.coalesce(
+        F.try_element_at(F.map_from_arrays("latents", "acts"), F.col("latent")), F.lit(0.0)
+    )
+    windows = to_arrow(
+        positions.join(codes, ["sample_id", "window", "pos"], "left")
+        .groupBy(*keys)
+        .agg(F.sort_array(F.collect_list(F.struct("o", act.cast("float").alias("a")))).alias("w"))
+        .select(*keys, F.col("w.a").alias("context"))
+    )
+    order = [(c, "ascending") for c in keys]
+    examples, windows = examples.sort_by(order), windows.sort_by(order)
+    column = examples.schema.get_field_index("context")
+    return examples.set_column(column, "context", windows.column("context").cast(
+        examples.schema.field("context").type))  # fmt: skip
+
+
+def windows_wanted(examples: pa.Table) -> dict[tuple[int, int], list[int]]:
+    """The examples' token positions by ``(sample_id, window)``."""
+    wanted: dict[tuple[int, int], list[int]] = {}
+    columns = (examples.column(c).to_pylist() for c in ("sample_id", "window", "token_pos"))
+    for sample, window, pos in zip(*columns, strict=True):
+        wanted.setdefault((sample, window), []).append(pos)
+    return wanted
+
+
+def example_tokens(spark, examples: pa.Table, plan: FeaturesPlan, config: FeaturesConfig):
+    """The tokens of the examples' windows (``sample_id, window, pos, token``): the
+    example samples' texts tokenized by Spark's tasks, only those tokens kept."""
+    from pyspark.sql import functions as F
+
+    wanted = windows_wanted(examples)
+    samples = sorted({sample for sample, _ in wanted})
     source = plan.extraction_location()
     if source.is_local:  # Spark's own reader, in parallel
         texts = (
             spark.read.schema("sample_id long, key string, source string, text string")
             .json(source.path(TEXTS_TABLE, what="file"))
-            .join(F.broadcast(needed.select("sample_id").distinct()), "sample_id", "left_semi")
-        )
+            .join(F.broadcast(from_arrow(spark, pa.table({"sample_id": pa.array(samples, pa.int64())}))),
+                  "sample_id", "left_semi")
+        )  # fmt: skip
     else:  # Spark's readers cannot reach an object store here: the driver reads them
-        texts = from_arrow(spark, read_texts(source, examples.column("sample_id").to_pylist()))
-    texts = texts.mapInArrow(_tokenize_fn(plan), TOKENS_SCHEMA)
-    k = config.context
-    positions = ex.withColumn(
-        "pos", F.explode(F.sequence(F.col("token_pos") - k, F.col("token_pos") + k))
-    )
-    joined = positions.join(texts, ["sample_id", "window", "pos"]).join(
-        codes.withColumnRenamed("token_pos", "pos"), ["sample_id", "window", "pos"], "left"
-    )
-    act = F.coalesce(
-        F.try_element_at(F.map_from_arrays("latents", "acts"), F.col("latent")), F.lit(0.0)
-    )
-    keys = ["latent", "kind", "rank", "value", "sample_id", "window", "token_pos"]
-    grouped = (
-        joined.withColumn("act", act.cast("float"))
-        .groupBy(*keys)
-        .agg(F.sort_array(F.collect_list(F.struct("pos", "token", "act"))).alias("w"))
-    )
-    return grouped.select(
-        *keys,
-        F.col("w.token").alias("tokens"),
-        F.col("w.act").alias("acts"),
-        # SQL, not F.array_position: Spark 3.5's takes only a literal value
-        F.expr("array_position(w.pos, token_pos) - 1").cast("int").alias("center"),
-    ).orderBy("latent", "kind", "rank")
+        texts = from_arrow(spark, read_texts(source, samples))
+    return to_arrow(texts.mapInArrow(tokenize_fn(plan, wanted, config.context), TOKENS_SCHEMA))

@@ -1,35 +1,49 @@
-"""The single-process reference: the same encoding and the same state, in one loop over
-the dataset's shards with the torch reader (no Spark). The tests and the benchmark compare
-the Spark job with it."""
+"""The single-process reference: the same encoding, the same state and the same tables, in
+one loop over the dataset's shards (no Spark). The tests and the benchmark compare the
+Spark job with it."""
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import pyarrow as pa
 
-from .config import FeaturesConfig
-from .job import FeaturesPlan, load_encoder, new_state, pick_device
-from .state import LatentState, token_ids
+from .config import FeaturesConfig, FeaturesError
+from .job import (
+    TOKENS_ARROW,
+    FeaturesPlan,
+    tokenize_fn,
+    load_encoder,
+    new_state,
+    pick_device,
+    read_texts,
+    scan_range,
+    windows_wanted,
+)
+from .merge import contexts_table, examples_table
+from .scan import RowReader
+from .state import LatentState
 
 
 def reference_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
     """Every token of ``plan.dataset`` folded into one ``LatentState``, ``batch_tokens``
-    at a time."""
+    at a time, each kept entry with its context window."""
     from ..torch import open_dataset
 
     ds = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
     device = pick_device(config)
     sae = load_encoder(plan.sae, device, config.threads)
     state = new_state(plan, config)
-    for shard in range(len(ds.paths)):
-        acts = ds.shard_view(shard, "activation")
-        ids = token_ids(*(np.asarray(ds.shard_view(shard, c)).reshape(-1)
-                          for c in ("sample_id", "window", "token_pos")))  # fmt: skip
-        for start in range(0, len(acts), config.batch_tokens):
-            x = torch.from_numpy(np.asarray(acts[start : start + config.batch_tokens], np.float32))
-            with torch.inference_mode():
-                values, indices = sae.encode(x.to(device))
-            state.update(
-                values, indices, torch.from_numpy(ids[start : start + config.batch_tokens])
-            )
+    scan_range(state, RowReader(ds, plan.width), 0, len(ds), sae, config, device)
     return state
+
+
+def reference_contexts(plan: FeaturesPlan, config: FeaturesConfig, state: LatentState) -> pa.Table:
+    """The contexts table (``merge.contexts_table``) of ``state``'s examples, their
+    samples' texts read and tokenized in this process."""
+    if state.out_of_order:
+        raise FeaturesError(f"{plan.dataset}: rows not in token order; the loop needs them so")
+    examples = examples_table(state, config)
+    wanted = windows_wanted(examples)
+    texts = read_texts(plan.extraction_location(), sorted({s for s, _ in wanted}))
+    batches = list(tokenize_fn(plan, wanted, config.context)(texts.to_batches()))
+    tokens = pa.Table.from_batches(batches, schema=TOKENS_ARROW)
+    return contexts_table(examples, tokens, config.context)

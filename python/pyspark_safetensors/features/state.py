@@ -7,7 +7,9 @@ mergeable: two states of disjoint token sets merge into the state of their union
 - random examples: per (latent, histogram bin) the R entries with the smallest hash
   priority (bottom-k sampling: a uniform sample without replacement, and the bottom-k of a
   union is the bottom-k of the parts' bottom-k, so any band made of whole bins can be
-  sampled exactly after the merge).
+  sampled exactly after the merge);
+- each kept entry's context window (``ctx``): the latent's activation on the tokens
+  around it, taken from the batch when the entry is kept, carried through merges.
 
 Every update is a handful of vectorised torch operations over the batch's sparse code;
 memory is O(latents x (N + bins x R)).
@@ -98,6 +100,8 @@ class LatentState:
     per_bin: int
     edges: torch.Tensor
     seed: int = 0
+    window: int = 1
+    """Tokens of an entry's context window (2 x context + 1)."""
 
     def __post_init__(self):
         n, bins = self.n_latents, len(self.edges) - 1
@@ -106,49 +110,70 @@ class LatentState:
         self.counts = torch.zeros(n * bins, dtype=torch.int64)
         self.sums = torch.zeros(n * bins, dtype=torch.float64)
         self.maxima = torch.zeros(n, dtype=torch.float32)
-        self.top = _entries()
-        self.samples = _entries("cell", "prio")
+        self.top = _entries(self.window)
+        self.samples = _entries(self.window, "cell", "prio")
+        self.out_of_order = 0
+        """Batches whose rows were not in token order: their windows are unknown then."""
 
     def bin_of(self, values: torch.Tensor) -> torch.Tensor:
         inner = self.edges[1:-1].to(values.device, torch.float32)
         return torch.bucketize(values.float(), inner, right=True)
 
-    def update(self, values: torch.Tensor, indices: torch.Tensor, ids: torch.Tensor) -> None:
-        """Add a batch's code: ``values, indices [B, k]`` and the tokens' ``ids [B]``."""
+    def update(
+        self, values: torch.Tensor, indices: torch.Tensor, ids: torch.Tensor, contexts=None
+    ) -> None:
+        """Add a batch's code: ``values, indices [B, k]`` and the tokens' ``ids [B]``.
+        ``contexts(rows, latents)`` gives the context windows ``[n, window]`` of the
+        entries kept, by their row in the batch (``scan.Chunk.contexts``); without it
+        they are zeros."""
         self.tokens += int(ids.numel())
         fired = values > 0
         val = values[fired].float().cpu()
         lat = indices[fired].long().cpu()
-        tid = ids.cpu().unsqueeze(1).expand_as(values)[fired.cpu()]
+        fired = fired.cpu()
+        tid = ids.cpu().unsqueeze(1).expand_as(fired)[fired]
+        row = torch.arange(len(ids)).unsqueeze(1).expand_as(fired)[fired]
         cell = lat * self.bins + self.bin_of(val)
         self.counts += torch.bincount(cell, minlength=self.counts.numel())
         self.sums.index_add_(0, cell, val.double())
         self.maxima.scatter_reduce_(0, lat, val, "amax")
         self.add_candidates(
-            {"latent": lat, "value": val, "id": tid},
-            {"latent": lat, "value": val, "id": tid, "cell": cell},
+            {"latent": lat, "value": val, "id": tid, "row": row},
+            {"latent": lat, "value": val, "id": tid, "cell": cell, "row": row},
+            contexts,
         )
 
-    def add_candidates(self, top: dict, samples: dict) -> None:
+    def add_candidates(self, top: dict, samples: dict, contexts=None) -> None:
         """Fold candidate entries (another state's, or a batch's) into top-N and samples.
         Candidates that cannot enter (below a full top-N's smallest value, above a full
         cell's largest priority) are dropped before the sorts, so once the state fills up
-        a batch costs little more than its encoding."""
+        a batch costs little more than its encoding. A batch's entries carry ``row`` and
+        get their window from ``contexts`` once kept; another state's carry ``ctx``."""
         floor = self._top_floor()
         top = _take(top, torch.nonzero(top["value"] >= floor[top["latent"]]).flatten())
         if top["latent"].numel():
-            top = _cat({name: self.top[name] for name in top}, top)
+            top = _cat(self.top, self._complete(top))
             order = keep_first(top["latent"], descending_key(top["value"]), top["id"], self.top_n)
-            self.top = _take(top, order)
+            self.top = _with_windows(_take(top, order), contexts)
         samples = {**samples, "prio": priority(samples["id"], samples["latent"], self.seed)}
         ceiling = self._sample_ceiling()
         samples = _take(
             samples, torch.nonzero(samples["prio"] <= ceiling[samples["cell"]]).flatten()
         )
         if samples["latent"].numel():
-            samples = _cat(self.samples, samples)
+            samples = _cat(self.samples, self._complete(samples))
             order = keep_first(samples["cell"], samples["prio"], samples["id"], self.per_bin)
-            self.samples = _take(samples, order)
+            self.samples = _with_windows(_take(samples, order), contexts)
+
+    def _complete(self, entries: dict) -> dict:
+        """Candidates with every field of the state's entries: ``row`` -1 (window known)
+        and ``ctx`` zeros unless they carry them."""
+        n = entries["latent"].numel()
+        return {
+            "row": torch.full((n,), -1, dtype=torch.int64),
+            "ctx": torch.zeros(n, self.window, dtype=torch.float32),
+            **entries,
+        }
 
     def _top_floor(self) -> torch.Tensor:
         """Per latent, the value a candidate must reach to enter its top-N (0 until full)."""
@@ -173,16 +198,29 @@ class LatentState:
         self.counts += other.counts
         self.sums += other.sums
         self.maxima = torch.maximum(self.maxima, other.maxima)
+        self.out_of_order += other.out_of_order
         self.add_candidates(other.top, {n: t for n, t in other.samples.items() if n != "prio"})
 
 
-def _entries(*names: str) -> dict:
+def _entries(window: int, *names: str) -> dict:
     return {
         "latent": torch.zeros(0, dtype=torch.int64),
         "value": torch.zeros(0, dtype=torch.float32),
         "id": torch.zeros(0, dtype=torch.int64),
+        "row": torch.zeros(0, dtype=torch.int64),
+        "ctx": torch.zeros(0, window, dtype=torch.float32),
         **{name: torch.zeros(0, dtype=torch.int64) for name in names},
     }
+
+
+def _with_windows(entries: dict, contexts) -> dict:
+    """Kept entries, those of the batch given their windows (and ``row`` -1)."""
+    new = torch.nonzero(entries["row"] >= 0).flatten()
+    if new.numel():
+        if contexts is not None:
+            entries["ctx"][new] = contexts(entries["row"][new], entries["latent"][new])
+        entries["row"][new] = -1
+    return entries
 
 
 def _cat(a: dict, b: dict) -> dict:

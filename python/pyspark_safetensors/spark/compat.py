@@ -87,3 +87,21 @@ def spark_major() -> int:
     import pyspark
 
     return int(pyspark.__version__.split(".")[0])
+
+
+PARALLELISM_PROBE_ROWS = 1 << 16
+"""Rows of the probe job that finds a Connect session's default parallelism."""
+
+
+def default_parallelism(spark) -> int:
+    """The session's default parallelism, on classic and Connect sessions alike: the
+    SparkContext's, else (Connect has no ``sparkContext`` to ask) the partition count
+    Spark gives ``range()``, found by one tiny job (seconds, when it is the session's
+    first)."""
+    from pyspark.sql import functions as F
+
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        return spark.sparkContext.defaultParallelism
+    parts = spark.range(0, PARALLELISM_PROBE_ROWS).select(F.spark_partition_id().alias("p"))
+    (last,) = parts.agg(F.max("p")).first()
+    return int(last) + 1

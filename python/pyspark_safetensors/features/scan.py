@@ -1,0 +1,140 @@
+"""The tokens of an activation dataset read straight from its shards by global row range
+(the dataset is ours: Spark schedules the ranges, the bytes do not cross the JVM) and
+encoded a chunk at a time. Each chunk is encoded with the ``margin`` rows either side,
+so the context window of any of its tokens is at hand while its candidates are chosen
+(``Chunk.contexts``): no second pass re-reads and re-encodes the example samples.
+
+A window's tokens are neighbours in the dataset when its rows are in token order, as an
+extraction writes them: each chunk checks that its rows (margins included, so every
+adjacent pair of rows is checked by some chunk) have strictly increasing token ids, and
+counts itself ``in_order`` or not. Spark's tasks and the single-process loop scan alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .state import POS_BITS, token_ids
+
+ID_COLUMNS = ("sample_id", "window", "token_pos")
+
+
+def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``parts`` contiguous ranges of about equal size covering
+    ``total`` rows (none empty)."""
+    parts = max(1, min(parts, total))
+    bounds = [total * i // parts for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+class RowReader:
+    """Global row ranges of a dataset (``torch.SafetensorsDataset``), across its shards:
+    activations as float32 and token ids. Local shards are memory-mapped; a shard
+    elsewhere is read whole per column once (the last two are kept: a chunk's margin may
+    reach into the previous one)."""
+
+    def __init__(self, ds, width: int):
+        self.ds, self.width = ds, width
+        self.starts = np.asarray([*ds.starts, len(ds)], np.int64)
+        self._cache: dict[int, dict[str, np.ndarray]] = {}
+
+    def _columns(self, shard: int) -> dict[str, np.ndarray]:
+        if shard not in self._cache:
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[shard] = {
+                c: self.ds.shard_view(shard, c) for c in ("activation", *ID_COLUMNS)
+            }
+        return self._cache[shard]
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``[start, stop)``: activations ``[n, width]`` float32 and token ids ``[n]``."""
+        xs, ids = [], []
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        for shard in range(first, len(self.starts) - 1):
+            lo, hi = self.starts[shard], self.starts[shard + 1]
+            if lo >= stop:
+                break
+            a, b = max(start, lo) - lo, min(stop, hi) - lo
+            if a >= b:
+                continue
+            cols = self._columns(shard)
+            xs.append(np.asarray(cols["activation"][a:b], np.float32).reshape(b - a, -1))
+            ids.append(token_ids(*(np.asarray(cols[c][a:b]).reshape(-1) for c in ID_COLUMNS)))
+        if not xs:
+            return np.zeros((0, self.width), np.float32), np.zeros(0, np.int64)
+        return np.concatenate(xs), np.concatenate(ids)
+
+
+@dataclass
+class Chunk:
+    """One chunk's code (its own rows: ``values, indices [B, m]``, ``ids [B]``) with the
+    code of the ``margin`` rows either side (``around_*``; row 0 of the chunk is row
+    ``offset`` there)."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    ids: torch.Tensor
+    around_values: torch.Tensor
+    around_indices: torch.Tensor
+    around_ids: torch.Tensor
+    offset: int
+    margin: int
+
+    @property
+    def in_order(self) -> bool:
+        """Whether the rows, margins included, are in strictly increasing token order."""
+        ids = self.around_ids
+        return bool((ids[1:] > ids[:-1]).all()) if ids.numel() > 1 else True
+
+    def contexts(self, rows: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """``[n, 2 x margin + 1]``: the activation of ``latents[i]`` on each token from
+        ``margin`` before to ``margin`` after the chunk's row ``rows[i]`` in its window
+        (0 where the window has no such token, or the latent does not fire). Valid when
+        the whole dataset is in token order (see the module docstring)."""
+        around = self.around_ids
+        center = rows.to(around.device) + self.offset
+        base = around[center]
+        pos = base & ((1 << POS_BITS) - 1)
+        device = self.around_indices.device
+        latents = latents.to(device).unsqueeze(1)
+        out = torch.zeros(len(rows), 2 * self.margin + 1, dtype=torch.float32)
+        for o in range(-self.margin, self.margin + 1):
+            j = center + o
+            there = (j >= 0) & (j < len(around)) & (pos + o >= 0) & (pos + o < 1 << POS_BITS)
+            j = j.clamp(0, max(len(around) - 1, 0))
+            there = (there & (around[j] == base + o)).to(device).unsqueeze(1)
+            j = j.to(device)
+            hit = (self.around_indices[j] == latents) & there
+            out[:, o + self.margin] = (self.around_values[j].float() * hit).sum(1).cpu()
+        return out
+
+
+def encoded_chunks(
+    reader: RowReader, start: int, stop: int, sae, *, chunk: int, margin: int, device: str
+) -> Iterator[Chunk]:
+    """Rows ``[start, stop)`` of ``reader``'s dataset in chunks of ``chunk`` rows, each
+    encoded by ``sae`` with ``margin`` rows either side (within the dataset)."""
+    total = len(reader.ds)
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
+        a, b = max(lo - margin, 0), min(hi + margin, total)
+        x, ids = reader.read(a, b)
+        with torch.inference_mode():
+            values, indices = sae.encode(torch.from_numpy(x).to(device))
+        ids = torch.from_numpy(ids)
+        core = slice(lo - a, hi - a)
+        yield Chunk(values[core], indices[core], ids[core], values, indices, ids, lo - a, margin)
+
+
+def fold(state, chunks) -> None:
+    """Fold encoded chunks into a ``LatentState``: statistics, candidates and their
+    windows, and the count of chunks out of token order."""
+    for c in chunks:
+        state.update(c.values, c.indices, c.ids, c.contexts)
+        state.out_of_order += not c.in_order
