@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .config import FeaturesConfig
 from .state import histogram_edges
@@ -26,19 +28,40 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def _rounded(x: np.ndarray) -> list[float]:
+    """``_round`` of every value, vectorised: 4 significant digits, each the double
+    nearest its decimal (so JSON writes it short)."""
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    nz = np.flatnonzero(x)
+    v = x[nz]
+    e = 3 - np.floor(np.log10(np.abs(v))).astype(np.int64)
+    up = e >= 0  # divide by an exact power of ten: the result is the nearest double
+    r = np.empty_like(v)
+    r[up] = np.rint(v[up] * 10.0 ** e[up]) / 10.0 ** e[up]
+    r[~up] = np.rint(v[~up] / 10.0 ** -e[~up]) * 10.0 ** -e[~up]
+    out[nz] = r
+    return out.tolist()
+
+
 def browser_files(
     latents: pa.Table, contexts: pa.Table, *, title: str, tokens: int, config: FeaturesConfig
 ) -> dict[str, bytes]:
     """The browser's files by name (``index.html``, ``data/...``) from the two tables, in
     memory: the job writes them wherever its output lives."""
     latents = latents.sort_by("latent").to_pylist()
-    contexts = contexts.to_pylist()
-    contexts.sort(key=lambda r: (r["latent"], r["kind"] != "top", r["kind"], r["rank"]))
+    contexts = contexts.append_column("band", pc.not_equal(contexts.column("kind"), "top"))
+    contexts = contexts.sort_by([(c, "ascending") for c in ("latent", "band", "kind", "rank")])
+    acts = contexts.column("acts").combine_chunks()
+    flat = _rounded(acts.flatten().to_numpy(zero_copy_only=False))
+    bounds = acts.offsets.to_numpy() - acts.offsets[0].as_py()
+    columns = zip(*(contexts.column(c).to_pylist() for c in ("latent", "kind", "rank", "tokens",
+                                                             "center")),
+                  _rounded(contexts.column("value").to_numpy()), strict=True)  # fmt: skip
     by_latent: dict[int, list] = {}
-    for row in contexts:
-        acts = [_round(a) for a in row["acts"]]
-        by_latent.setdefault(row["latent"], []).append(
-            [row["kind"], row["rank"], _round(row["value"]), row["tokens"], acts, row["center"]]
+    for i, (latent, kind, rank, words, center, value) in enumerate(columns):
+        by_latent.setdefault(latent, []).append(
+            [kind, rank, value, words, flat[bounds[i] : bounds[i + 1]], center]
         )
     rows = []
     for r in latents:
