@@ -22,6 +22,8 @@ import torch
 from .state import POS_BITS, token_ids
 
 ID_COLUMNS = ("sample_id", "window", "token_pos")
+CONTEXT_BLOCK = 2048
+"""Entries whose windows are gathered at once (``[block, window, m]`` codes)."""
 
 
 def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
@@ -97,21 +99,21 @@ class Chunk:
         ``margin`` before to ``margin`` after the chunk's row ``rows[i]`` in its window
         (0 where the window has no such token, or the latent does not fire). Valid when
         the whole dataset is in token order (see the module docstring)."""
-        around = self.around_ids
-        center = rows.to(around.device) + self.offset
-        base = around[center]
-        pos = base & ((1 << POS_BITS) - 1)
-        device = self.around_indices.device
-        latents = latents.to(device).unsqueeze(1)
-        out = torch.zeros(len(rows), 2 * self.margin + 1, dtype=torch.float32)
-        for o in range(-self.margin, self.margin + 1):
-            j = center + o
-            there = (j >= 0) & (j < len(around)) & (pos + o >= 0) & (pos + o < 1 << POS_BITS)
+        around, device = self.around_ids, self.around_indices.device
+        offsets = torch.arange(-self.margin, self.margin + 1)
+        out = torch.zeros(len(rows), len(offsets), dtype=torch.float32)
+        for block in range(0, len(rows), CONTEXT_BLOCK):  # bounded [rows, window, m] gathers
+            center = rows[block : block + CONTEXT_BLOCK].to(around.device) + self.offset
+            base = around[center].unsqueeze(1)
+            pos = (base & ((1 << POS_BITS) - 1)) + offsets
+            j = center.unsqueeze(1) + offsets
+            there = (j >= 0) & (j < len(around)) & (pos >= 0) & (pos < 1 << POS_BITS)
             j = j.clamp(0, max(len(around) - 1, 0))
-            there = (there & (around[j] == base + o)).to(device).unsqueeze(1)
+            there = (there & (around[j] == base + offsets)).to(device)
             j = j.to(device)
-            hit = (self.around_indices[j] == latents) & there
-            out[:, o + self.margin] = (self.around_values[j].float() * hit).sum(1).cpu()
+            latents_here = latents[block : block + CONTEXT_BLOCK].to(device)[:, None, None]
+            hit = (self.around_indices[j] == latents_here) & there.unsqueeze(2)
+            out[block : block + CONTEXT_BLOCK] = (self.around_values[j].float() * hit).sum(2).cpu()
         return out
 
 
