@@ -10,12 +10,12 @@ from .config import FeaturesConfig, FeaturesError
 from .job import (
     TOKENS_ARROW,
     FeaturesPlan,
-    tokenize_fn,
     load_encoder,
     new_state,
     pick_device,
     read_texts,
     scan_range,
+    tokenize_fn,
     windows_wanted,
 )
 from .merge import contexts_table, examples_table

@@ -36,38 +36,29 @@ def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
 
 class RowReader:
     """Global row ranges of a dataset (``torch.SafetensorsDataset``), across its shards:
-    activations as float32 and token ids. Local shards are memory-mapped; a shard
-    elsewhere is read whole per column once (the last two are kept: a chunk's margin may
-    reach into the previous one)."""
+    activations as float32 and token ids. Local shards are memory-mapped; elsewhere each
+    read fetches just its rows (one ranged read per column and shard)."""
 
     def __init__(self, ds, width: int):
         self.ds, self.width = ds, width
         self.starts = np.asarray([*ds.starts, len(ds)], np.int64)
-        self._cache: dict[int, dict[str, np.ndarray]] = {}
-
-    def _columns(self, shard: int) -> dict[str, np.ndarray]:
-        if shard not in self._cache:
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[shard] = {
-                c: self.ds.shard_view(shard, c) for c in ("activation", *ID_COLUMNS)
-            }
-        return self._cache[shard]
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``[start, stop)``: activations ``[n, width]`` float32 and token ids ``[n]``."""
         xs, ids = [], []
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
-        for shard in range(first, len(self.starts) - 1):
-            lo, hi = self.starts[shard], self.starts[shard + 1]
+        for shard in range(max(first, 0), len(self.starts) - 1):
+            lo, hi = int(self.starts[shard]), int(self.starts[shard + 1])
             if lo >= stop:
                 break
             a, b = max(start, lo) - lo, min(stop, hi) - lo
             if a >= b:
                 continue
-            cols = self._columns(shard)
-            xs.append(np.asarray(cols["activation"][a:b], np.float32).reshape(b - a, -1))
-            ids.append(token_ids(*(np.asarray(cols[c][a:b]).reshape(-1) for c in ID_COLUMNS)))
+            f = self.ds.shard(shard)
+            xs.append(np.asarray(f.row_range("activation", a, b), np.float32).reshape(b - a, -1))
+            ids.append(
+                token_ids(*(np.asarray(f.row_range(c, a, b)).reshape(-1) for c in ID_COLUMNS))
+            )
         if not xs:
             return np.zeros((0, self.width), np.float32), np.zeros(0, np.int64)
         return np.concatenate(xs), np.concatenate(ids)
