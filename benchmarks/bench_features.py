@@ -167,7 +167,7 @@ def _measure(spark, extraction: Path, sae: Path, out: Path) -> list:
         " / ".join(f"{n / loop[t][0]:,.0f}" for t in (1, 2)),
         " / ".join(f"{n / loop[t][1]:,.0f}" for t in (1, 2)),
         f"{summary.tokens_per_s * state_s / n:.2f}x", f"{whole_s / job_s:.2f}x",
-        f"{rss:,.0f} MB", f"{state_mb:.1f} MB", "identical",
+        f"{rss:,.0f} MB", f"{state_mb:.1f} MB", "equal",
     ]  # fmt: skip
 
 

@@ -122,6 +122,7 @@ def test_a_dataset_out_of_token_order_gives_the_same_contexts(spark, run, extrac
     out = tmp_path / "features"
     again = run_features(spark, dataclasses.replace(config, extraction=str(shuffled), out=str(out)))
     assert again.tokens == summary.tokens
+    assert again.second_pass and not summary.second_pass
     assert_contexts_equal(
         pq.read_table(out / "contexts.parquet").to_pandas(),
         pq.read_table(summary.out / "contexts.parquet").to_pandas(),

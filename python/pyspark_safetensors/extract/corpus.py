@@ -15,8 +15,6 @@ from ..spark.compat import default_parallelism
 from .model import ExtractionError
 
 DEMO_PASSAGE_CHARS = 400
-"""Rows of the ``range()`` whose partition count gives the default parallelism (more
-rows than any session has cores, so every partition is used)."""
 MONOTONIC_ID_PARTITION_SHIFT = 33
 """``monotonically_increasing_id()`` is ``partition << 33 | row within the partition``."""
 

@@ -11,7 +11,7 @@ tokenizer, two parquet tables and the browser published whole.
    executors' disks (``persist``, an output elsewhere);
 2. merge (Spark): sums and maxima per cell, ``row_number`` windows keep the global top-N
    per latent and the bottom-R priorities per (latent, bin); the driver receives
-   O(latents x (N + bins x R)) rows, never activations;
+   O(latents x (N + bins x R)) rows (each with its window), never activations;
 3. contexts: the texts of the example samples are tokenized (Spark) and only the tokens
    of the examples' windows come back; each example's row is assembled on the driver.
    A dataset not in token order (not an extraction's) has no windows from the first
@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -276,8 +277,9 @@ def state_rows(state: LatentState):
 
 
 def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
-    """The task of the contexts pass: each token's sparse code, its firing latents and
-    their activations (the unused slots of a code, zeros, are dropped)."""
+    """The task of the second pass (``windows_from_codes``): each token's sparse code,
+    its firing latents and their activations (the unused slots of a code, zeros, are
+    dropped)."""
 
     def run(batches):
         device = pick_device(config)
@@ -376,10 +378,14 @@ class FeaturesSummary:
     l0: float = 0.0
     """Mean number of latents a token fires (TopK: at most k; JumpReLU: what its
     thresholds give)."""
+    second_pass: bool = False
+    """Whether the windows came from a second pass over the example samples (a dataset
+    whose rows are not in token order)."""
 
     @property
     def tokens_per_s(self) -> float:
-        """Tokens per second of the encode-and-merge pass (the statistics and top-N)."""
+        """Tokens per second of the encode-and-merge pass (the statistics, the examples and
+        their windows)."""
         return self.tokens / max(self.encode_seconds, 1e-9)
 
     def __str__(self) -> str:
@@ -437,7 +443,7 @@ class _Outputs:
 
 
 def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, *, scratch):
-    """The three passes (module docstring) and the output files, in memory. ``scratch``:
+    """The steps (module docstring) and the output files, in memory. ``scratch``:
     a local directory for the tasks' states (a local output's staging directory), or
     None to keep them on the executors' disks."""
     from pyspark import StorageLevel
@@ -480,6 +486,7 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
         "dense": int(np.sum(latents.column("dense").to_numpy(zero_copy_only=False))),
         "encode_seconds": encode_seconds, "seconds": time.perf_counter() - started,
         "l0": float(state.counts.sum()) / max(state.tokens, 1),
+        "second_pass": bool(state.out_of_order),
     }  # fmt: skip
     doc = {
         "config": config.to_dict(), "extraction": plan.extraction, "dataset": plan.dataset,
@@ -637,6 +644,12 @@ def windows_from_codes(spark, examples: pa.Table, plan: FeaturesPlan, config: Fe
     )
     order = [(c, "ascending") for c in keys]
     examples, windows = examples.sort_by(order), windows.sort_by(order)
+    lengths = pc.list_value_length(windows.column("context")).to_numpy()
+    if not examples.select(keys).equals(windows.select(keys)) or (lengths != 2 * k + 1).any():
+        raise FeaturesError(
+            f"{plan.dataset}: a token appears twice (sample_id, window, token_pos); "
+            "the windows cannot be told apart"
+        )
     column = examples.schema.get_field_index("context")
     return examples.set_column(column, "context", windows.column("context").cast(
         examples.schema.field("context").type))  # fmt: skip

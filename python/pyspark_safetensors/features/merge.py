@@ -117,9 +117,10 @@ def contexts_table(examples: pa.Table, tokens: pa.Table, context: int) -> pa.Tab
     acts = ctx.astype(np.float32).reshape(len(pos), len(offsets))[found]
     text = tokens.column("token").take(pa.array(order[at[found]]))
     lengths = found.sum(1)
+    center = np.where(found[:, context], found[:, :context].sum(1), -1)  # -1: no such token
     return (
         examples.drop(["context"])
         .append_column("tokens", _lists(text.combine_chunks(), lengths))
         .append_column("acts", _lists(acts, lengths))
-        .append_column("center", pa.array(found[:, :context].sum(1).astype(np.int32)))
+        .append_column("center", pa.array(center.astype(np.int32)))
     )

@@ -1,6 +1,7 @@
 """The single-process reference: the same encoding, the same state and the same tables, in
 one loop over the dataset's shards (no Spark). The tests and the benchmark compare the
-Spark job with it."""
+Spark job with it. It needs the dataset's rows in token order (as an extraction writes
+them): it has no second pass for the windows."""
 
 from __future__ import annotations
 

@@ -4,10 +4,12 @@ encoded a chunk at a time. Each chunk is encoded with the ``margin`` rows either
 so the context window of any of its tokens is at hand while its candidates are chosen
 (``Chunk.contexts``): no second pass re-reads and re-encodes the example samples.
 
-A window's tokens are neighbours in the dataset when its rows are in token order, as an
-extraction writes them: each chunk checks that its rows (margins included, so every
-adjacent pair of rows is checked by some chunk) have strictly increasing token ids, and
-counts itself ``in_order`` or not. Spark's tasks and the single-process loop scan alike.
+A window's tokens are neighbours in the dataset when its rows are in token order with no
+gap inside a window, as an extraction writes them (it may drop a window's first token,
+never one inside it): each chunk checks its rows, margins included, so that every
+adjacent pair of rows is checked by some chunk, and counts itself ``in_order`` or not.
+With no margin (``context`` 0) a window is its token alone and any order will do. Spark's
+tasks and the single-process loop scan alike.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .config import FeaturesError
 from .state import POS_BITS, token_ids
 
 ID_COLUMNS = ("sample_id", "window", "token_pos")
@@ -28,7 +31,7 @@ CONTEXT_BLOCK = 2048
 
 def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of ``parts`` contiguous ranges of about equal size covering
-    ``total`` rows (none empty)."""
+    ``total`` rows (none empty, but the one range of no rows)."""
     parts = max(1, min(parts, total))
     bounds = [total * i // parts for i in range(parts + 1)]
     return list(itertools.pairwise(bounds))
@@ -55,7 +58,12 @@ class RowReader:
             if a >= b:
                 continue
             f = self.ds.shard(shard)
-            xs.append(np.asarray(f.row_range("activation", a, b), np.float32).reshape(b - a, -1))
+            x = np.asarray(f.row_range("activation", a, b), np.float32).reshape(b - a, -1)
+            if x.shape[1] != self.width:
+                raise FeaturesError(
+                    f"activation rows have width {x.shape[1]}, the SAE {self.width}"
+                )
+            xs.append(x)
             ids.append(
                 token_ids(*(np.asarray(f.row_range(c, a, b)).reshape(-1) for c in ID_COLUMNS))
             )
@@ -81,9 +89,14 @@ class Chunk:
 
     @property
     def in_order(self) -> bool:
-        """Whether the rows, margins included, are in strictly increasing token order."""
+        """Whether the rows, margins included, are in strictly increasing token order with
+        no token missing inside a window (always, with no margin)."""
         ids = self.around_ids
-        return bool((ids[1:] > ids[:-1]).all()) if ids.numel() > 1 else True
+        if not self.margin or ids.numel() < 2:
+            return True
+        step = ids[1:] - ids[:-1]
+        new_window = (ids[1:] >> POS_BITS) != (ids[:-1] >> POS_BITS)
+        return bool(((step == 1) | ((step > 0) & new_window)).all())
 
     def contexts(self, rows: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """``[n, 2 x margin + 1]``: the activation of ``latents[i]`` on each token from

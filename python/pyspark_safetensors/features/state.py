@@ -12,7 +12,7 @@ mergeable: two states of disjoint token sets merge into the state of their union
   around it, taken from the batch when the entry is kept, carried through merges.
 
 Every update is a handful of vectorised torch operations over the batch's sparse code;
-memory is O(latents x (N + bins x R)).
+memory is O(latents x (N + bins x R) x window).
 """
 
 from __future__ import annotations
@@ -112,8 +112,7 @@ class LatentState:
         self.maxima = torch.zeros(n, dtype=torch.float32)
         self.top = _entries(self.window)
         self.samples = _entries(self.window, "cell", "prio")
-        self.out_of_order = 0
-        """Batches whose rows were not in token order: their windows are unknown then."""
+        self.out_of_order = 0  # chunks not in token order (scan.Chunk.in_order): windows unsure
 
     def bin_of(self, values: torch.Tensor) -> torch.Tensor:
         inner = self.edges[1:-1].to(values.device, torch.float32)

@@ -90,7 +90,8 @@ def spark_major() -> int:
 
 
 PARALLELISM_PROBE_ROWS = 1 << 16
-"""Rows of the probe job that finds a Connect session's default parallelism."""
+"""Rows of the ``range()`` whose partition count gives a Connect session's default
+parallelism (more rows than any session has cores, so every partition is used)."""
 
 
 def default_parallelism(spark) -> int:
