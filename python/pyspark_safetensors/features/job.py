@@ -47,7 +47,7 @@ import torch
 
 from .._version import __version__
 from ..dataset import DatasetLocation
-from ..spark.compat import from_arrow, to_arrow
+from ..spark.compat import default_parallelism, from_arrow, to_arrow
 from .config import FeaturesConfig, FeaturesError
 from .merge import contexts_table, examples_table, latents_table
 from .scan import RowReader, encoded_chunks, fold, row_ranges
@@ -322,6 +322,19 @@ def display_tokens(text: str, offsets, pieces: list[str]) -> list[str]:
     return out
 
 
+_TOKENIZERS: dict = {}
+
+
+def load_tokenizer(model_dir: str):
+    """The model's tokenizer, once per Python worker."""
+    if model_dir not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        _TOKENIZERS.clear()
+        _TOKENIZERS[model_dir] = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return _TOKENIZERS[model_dir]
+
+
 def tokenize_fn(plan: FeaturesPlan, wanted: Mapping[tuple[int, int], list[int]], context: int):
     """Texts -> one row per token of each model input, as the extraction tokenized them
     (same tokenizer, ``max_length`` and windows), kept only within ``context`` tokens of
@@ -329,9 +342,7 @@ def tokenize_fn(plan: FeaturesPlan, wanted: Mapping[tuple[int, int], list[int]],
     sees it (``display_tokens``)."""
 
     def run(batches):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(plan.model_dir, local_files_only=True)
+        tokenizer = load_tokenizer(plan.model_dir)
         for batch in batches:
             texts = batch.column("text").to_pylist()
             enc = tokenizer(
@@ -448,7 +459,6 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     None to keep them on the executors' disks."""
     from pyspark import StorageLevel
 
-    from ..spark.compat import default_parallelism
     from ..torch import open_dataset
     from .page import browser_files
 
@@ -666,7 +676,8 @@ def windows_wanted(examples: pa.Table) -> dict[tuple[int, int], list[int]]:
 
 def example_tokens(spark, examples: pa.Table, plan: FeaturesPlan, config: FeaturesConfig):
     """The tokens of the examples' windows (``sample_id, window, pos, token``): the
-    example samples' texts tokenized by Spark's tasks, only those tokens kept."""
+    example samples' texts tokenized by Spark's tasks (one per core: the texts are one
+    file), only those tokens kept."""
     from pyspark.sql import functions as F
 
     wanted = windows_wanted(examples)
@@ -681,4 +692,5 @@ def example_tokens(spark, examples: pa.Table, plan: FeaturesPlan, config: Featur
         )  # fmt: skip
     else:  # Spark's readers cannot reach an object store here: the driver reads them
         texts = from_arrow(spark, read_texts(source, samples))
+    texts = texts.repartition(default_parallelism(spark))
     return to_arrow(texts.mapInArrow(tokenize_fn(plan, wanted, config.context), TOKENS_SCHEMA))
