@@ -49,7 +49,7 @@ from .._version import __version__
 from ..dataset import DatasetLocation
 from ..spark.compat import default_parallelism, from_arrow, to_arrow
 from .config import FeaturesConfig, FeaturesError
-from .merge import contexts_table, examples_table, latents_table
+from .merge import contexts_table, examples_table, latents_table, list_array
 from .scan import RowReader, encoded_chunks, fold, row_ranges
 from .state import LatentState, histogram_edges, priority, split_ids, token_ids
 
@@ -248,7 +248,6 @@ def state_rows(state: LatentState):
         m = len(latent)
         zeros = np.zeros(m, np.int64)
         ctx = np.zeros((m, 0), np.float32) if ctx is None else np.asarray(ctx, np.float32)
-        offsets = pa.array(np.arange(m + 1, dtype=np.int32) * ctx.shape[1])
         return pa.RecordBatch.from_pydict({
             "kind": pa.array(np.full(m, kind, np.int8)),
             "latent": pa.array(np.asarray(latent, np.int32)),
@@ -258,7 +257,7 @@ def state_rows(state: LatentState):
             "priority": pa.array(zeros if prio is None else np.asarray(prio, np.int64)),
             "count": pa.array(zeros if count is None else np.asarray(count, np.int64)),
             "total": pa.array(np.zeros(m) if total is None else np.asarray(total, np.float64)),
-            "context": pa.ListArray.from_arrays(offsets, pa.array(ctx.reshape(-1))),
+            "context": list_array(ctx.reshape(-1), np.full(m, ctx.shape[1])),
         })  # fmt: skip
 
     cells = torch.nonzero(state.counts).flatten()
@@ -289,17 +288,13 @@ def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
                                                        config.batch_tokens, device):  # fmt: skip
                 sample_id, window, pos = split_ids(ids.numpy())
                 fired = (values > 0).cpu()
-                offsets = np.zeros(len(sample_id) + 1, np.int32)
-                np.cumsum(fired.sum(1).numpy(), out=offsets[1:])
-                offsets = pa.array(offsets)
+                lengths = fired.sum(1).numpy()
                 yield pa.RecordBatch.from_pydict({
                     "sample_id": pa.array(sample_id),
                     "window": pa.array(window.astype(np.int32)),
                     "token_pos": pa.array(pos.astype(np.int32)),
-                    "latents": pa.ListArray.from_arrays(offsets, pa.array(
-                        indices.cpu()[fired].numpy().astype(np.int32))),
-                    "acts": pa.ListArray.from_arrays(offsets, pa.array(
-                        values.float().cpu()[fired].numpy())),
+                    "latents": list_array(indices.cpu()[fired].numpy().astype(np.int32), lengths),
+                    "acts": list_array(values.float().cpu()[fired].numpy(), lengths),
                 })  # fmt: skip
 
     return run
@@ -463,7 +458,8 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     from .page import browser_files
 
     dataset = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
-    tasks = max(default_parallelism(spark), -(-len(dataset) // ROWS_PER_TASK))
+    cores = default_parallelism(spark)
+    tasks = max(cores, -(-len(dataset) // ROWS_PER_TASK))
     ranges = row_ranges(len(dataset), tasks)
     encoded = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
         _encode_fn(plan, config, dataset, ranges), CANDIDATES_SCHEMA
@@ -485,8 +481,8 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     examples = examples_table(state, config)
     if state.out_of_order:  # no windows from the first pass: a second one
         examples = windows_from_codes(spark, examples, plan, config)
-    contexts = contexts_table(examples, example_tokens(spark, examples, plan, config),
-                              config.context)  # fmt: skip
+    tokens = example_tokens(spark, examples, plan, config, partitions=cores)
+    contexts = contexts_table(examples, tokens, config.context)
     files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
     title = f"{plan.hook} · {Path(plan.sae).name}"
     files |= browser_files(latents, contexts, title=title, tokens=state.tokens, config=config)
@@ -610,15 +606,13 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
 
 def _entries_of(table: pa.Table, window: int) -> dict:
     n = table.num_rows
-    ctx = pa.chunked_array(table.column("context").chunks, pa.list_(pa.float32())).combine_chunks()
+    ctx = table.column("context").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     return {
         "latent": torch.from_numpy(table.column("latent").to_numpy().astype(np.int64)),
         "value": torch.from_numpy(table.column("value").to_numpy().astype(np.float32)),
         "id": torch.from_numpy(table.column("token").to_numpy().astype(np.int64)),
         "row": torch.full((n,), -1, dtype=torch.int64),
-        "ctx": torch.from_numpy(
-            ctx.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, window)
-        ),
+        "ctx": torch.from_numpy(ctx.astype(np.float32).reshape(n, window)),
     }
 
 
@@ -674,10 +668,11 @@ def windows_wanted(examples: pa.Table) -> dict[tuple[int, int], list[int]]:
     return wanted
 
 
-def example_tokens(spark, examples: pa.Table, plan: FeaturesPlan, config: FeaturesConfig):
+def example_tokens(spark, examples: pa.Table, plan: FeaturesPlan, config: FeaturesConfig, *,
+                   partitions: int):  # fmt: skip
     """The tokens of the examples' windows (``sample_id, window, pos, token``): the
-    example samples' texts tokenized by Spark's tasks (one per core: the texts are one
-    file), only those tokens kept."""
+    example samples' texts tokenized by ``partitions`` Spark tasks (the texts are one
+    file, one task else), only those tokens kept."""
     from pyspark.sql import functions as F
 
     wanted = windows_wanted(examples)
@@ -692,5 +687,5 @@ def example_tokens(spark, examples: pa.Table, plan: FeaturesPlan, config: Featur
         )  # fmt: skip
     else:  # Spark's readers cannot reach an object store here: the driver reads them
         texts = from_arrow(spark, read_texts(source, samples))
-    texts = texts.repartition(default_parallelism(spark))
+    texts = texts.repartition(partitions)
     return to_arrow(texts.mapInArrow(tokenize_fn(plan, wanted, config.context), TOKENS_SCHEMA))

@@ -84,11 +84,12 @@ def _rows(latents, values, ids, kinds, ctx) -> pa.Table:
         "sample_id": pa.array(sample_id),
         "window": pa.array(window.astype(np.int32)),
         "token_pos": pa.array(token_pos.astype(np.int32)),
-        "context": _lists(ctx.astype(np.float32).reshape(-1), np.full(len(ctx), ctx.shape[1])),
+        "context": list_array(ctx.astype(np.float32).reshape(-1), np.full(len(ctx), ctx.shape[1])),
     })  # fmt: skip
 
 
-def _lists(values, lengths) -> pa.ListArray:
+def list_array(values, lengths) -> pa.ListArray:
+    """A list column of ``values`` cut into consecutive lists of ``lengths``."""
     offsets = np.zeros(len(lengths) + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
     return pa.ListArray.from_arrays(pa.array(offsets), values)
@@ -120,7 +121,7 @@ def contexts_table(examples: pa.Table, tokens: pa.Table, context: int) -> pa.Tab
     center = np.where(found[:, context], found[:, :context].sum(1), -1)  # -1: no such token
     return (
         examples.drop(["context"])
-        .append_column("tokens", _lists(text.combine_chunks(), lengths))
-        .append_column("acts", _lists(acts, lengths))
+        .append_column("tokens", list_array(text.combine_chunks(), lengths))
+        .append_column("acts", list_array(acts, lengths))
         .append_column("center", pa.array(center.astype(np.int32)))
     )
