@@ -167,5 +167,21 @@ def run_doc(doc, tmp_path):
     )[-8000:]
 
 
+def _exit(code: int):
+    """End the page's process with ``code`` once its blocks are done, without interpreter
+    finalisation. Why: a native worker thread (Arrow's pools, gloo's) that takes the GIL
+    while the interpreter finalises is unwound inside C++ and aborts the process
+    ("terminate called without an active exception", SIGABRT) after every block passed
+    (apache/arrow#34314); the page's result is already known, so nothing is lost."""
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.getActiveSession()
+    if session is not None:
+        session.stop()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(min(run_file(Path(sys.argv[1])), 100))
+    _exit(min(run_file(Path(sys.argv[1])), 100))
