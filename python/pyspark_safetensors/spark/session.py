@@ -47,9 +47,13 @@ def _shim_classpath() -> dict[str, str]:
 
 def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors", **conf: str):
     """A local SparkSession whose Python workers run this interpreter (with the JVM shim's
-    jar on the classpath when built; pass ``spark.sql.extensions`` to enable its functions).
-    Java options given in ``conf`` come after the shipped logging configuration's."""
+    jar on the classpath when built; pass ``spark.sql.extensions`` to enable its functions),
+    its driver mapping the class archive when one is built (``class_archive``: it starts in
+    about half the time). Java options given in ``conf`` come after the shipped logging
+    configuration's and the archive's."""
     from pyspark.sql import SparkSession
+
+    from .class_archive import with_archive
 
     # Workers must import this package: run them with the interpreter we run in.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -61,6 +65,9 @@ def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors
         for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
             given = settings.get(key, "")
             settings[key] = f"-Dlog4j2.configurationFile=file:{log4j} {given}".strip()
+    driver_options = with_archive(settings.get("spark.driver.extraJavaOptions", ""))
+    if driver_options:
+        settings["spark.driver.extraJavaOptions"] = driver_options
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()

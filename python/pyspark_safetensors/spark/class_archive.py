@@ -1,0 +1,162 @@
+"""A class-data-sharing archive of the classes a local Spark driver loads, so that the
+embedded session starts in about half the time.
+
+A Spark driver parses and verifies some ten thousand classes from its jars while the
+session starts and its first jobs run: most of the seconds before the first task. The JDK
+can instead map those classes, already parsed, from an archive written once
+(``-XX:ArchiveClassesAtExit``, JDK 13 and newer) and read by every later JVM of the same
+runtime and class path (``-XX:SharedArchiveFile``); a JVM that does not match the archive
+ignores it and starts as usual, so a stale archive costs nothing but the speed-up.
+
+:func:`build` writes the archive (a local session running a representative set of jobs,
+about half a minute, once per Spark install and Java runtime); :func:`java_options` gives
+the driver's flags once it exists, and ``local_session()`` passes them. ``./dev`` builds
+it at set-up; elsewhere ``python -m pyspark_safetensors.spark.class_archive`` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CACHE_ENV = "PYSPARK_SAFETENSORS_CACHE"
+"""A directory for the archive instead of ``$XDG_CACHE_HOME/pyspark-safetensors``."""
+
+# The JVM's CDS log lines (one per class it cannot archive, printed to stdout while
+# writing; a warning for an archive it cannot map) say nothing a user acts on.
+_QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
+
+_MODULE = "pyspark_safetensors.spark.class_archive"  # run as a script, __name__ is __main__
+
+_OWN_FLAGS = ("SharedArchiveFile", "ArchiveClassesAtExit", "-Xshare")
+"""Flags of a user's own class-data-sharing set-up, which then wins over ours."""
+
+
+def _java() -> str:
+    """The java Spark's launcher runs: ``$JAVA_HOME/bin/java``, else ``java`` on PATH."""
+    home = os.environ.get("JAVA_HOME")
+    java = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    return os.path.realpath(java) if java else "java"
+
+
+def archive_path() -> Path:
+    """Where the archive of this Spark install and Java runtime lives (it may not exist)."""
+    import pyspark
+
+    java = _java()
+    spark_home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+    stamp = os.stat(java).st_mtime_ns if os.path.exists(java) else 0
+    key = "\0".join([java, str(stamp), os.path.realpath(spark_home), pyspark.__version__])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pyspark-safetensors"
+    )
+    return Path(cache) / "jvm" / f"spark-{pyspark.__version__}-{digest}.jsa"
+
+
+def java_options(path: Path | None = None) -> str:
+    """The driver JVM's flags that map the archive, or ``""`` when it is not built."""
+    path = path or archive_path()
+    return f"-XX:SharedArchiveFile={path} {_QUIET}" if path.is_file() else ""
+
+
+def with_archive(java_options_given: str) -> str:
+    """``java_options_given`` (a session's ``spark.driver.extraJavaOptions``) with the
+    archive's flags first, unless they set up class-data sharing themselves."""
+    if any(flag in java_options_given for flag in _OWN_FLAGS):
+        return java_options_given
+    return f"{java_options()} {java_options_given}".strip()
+
+
+def build(path: Path | None = None, *, timeout: float = 900) -> Path:
+    """Write the archive (replacing one there): a fresh process runs a local session with
+    the jobs of a typical run and the JVM writes the classes it loaded as it exits; the
+    file appears whole or not at all. Returns its path."""
+    path = path or archive_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", _MODULE, "--record", str(partial)],
+            timeout=timeout,
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"building the JVM class archive failed:\n{run.stderr[-4000:]}")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _record(out: str) -> None:
+    """Run the jobs of a typical session in a driver that writes its classes to ``out``
+    when it exits; returns once the JVM has exited (the archive written)."""
+    from pyspark import SparkContext
+
+    from .session import local_session
+
+    options = f"-XX:ArchiveClassesAtExit={out} {_QUIET}"
+    spark = local_session("local[2]", **{"spark.driver.extraJavaOptions": options})
+    with tempfile.TemporaryDirectory(prefix="class-archive-") as work:
+        _typical_jobs(spark, work)
+    process = SparkContext._gateway.proc
+    spark.stop()
+    # The driver exits when its stdin closes, and writes the archive as it does.
+    process.stdin.close()
+    process.wait()
+    if process.returncode != 0 or not os.path.isfile(out):
+        raise RuntimeError(f"the JVM wrote no class archive (exit code {process.returncode})")
+
+
+def _typical_jobs(spark, work: str) -> None:
+    """SQL with a shuffle, Arrow to and from Python workers, parquet, and this package's
+    sources (the Python one, and the JVM one where the shim jar is loaded)."""
+    from .register import register
+
+    spark.range(1000).selectExpr("id % 7 AS k", "id").groupBy("k").count().collect()
+
+    def identity(batches):
+        yield from batches
+
+    frame = spark.range(64).selectExpr("id", "array(cast(id AS float), 1.0f) AS activation")
+    frame.mapInArrow(identity, frame.schema).toArrow()
+    frame.write.mode("overwrite").parquet(f"{work}/parquet")
+    spark.read.parquet(f"{work}/parquet").count()
+    answers = register(spark)
+    implementations = {answers, "python"} if answers == "jvm" else {"python"}
+    for implementation in sorted(implementations):
+        target = f"{work}/{implementation}"
+        (frame.write.format("safetensors").option("implementation", implementation)
+         .option("batch_size", 16).mode("overwrite").save(target))  # fmt: skip
+        spark.read.format("safetensors").option("implementation", implementation).load(
+            target
+        ).collect()
+
+
+def main(argv: list[str]) -> int:
+    """``--record PATH``: the recording session (see ``build``). Otherwise build the archive
+    where it is missing (``--force``: in any case) and print its path (``--quiet``: only
+    when built)."""
+    if argv[:1] == ["--record"]:
+        _record(argv[1])
+        return 0
+    path = archive_path()
+    if "--force" in argv or not path.is_file():
+        started = time.perf_counter()
+        build(path)
+        print(f"JVM class archive built in {time.perf_counter() - started:.0f} s: {path}")
+    elif "--quiet" not in argv:
+        print(f"JVM class archive: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,55 @@
+"""The JVM class archive: a driver started by ``local_session`` maps it, a user's own
+class-data-sharing flags win, and without an archive nothing changes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pyspark_safetensors.spark import class_archive
+from pyspark_safetensors.spark.class_archive import archive_path, java_options, with_archive
+
+
+def test_without_an_archive_the_options_are_the_users(tmp_path, monkeypatch):
+    monkeypatch.setenv(class_archive.CACHE_ENV, str(tmp_path))
+    assert not archive_path().exists()
+    assert java_options() == ""
+    assert with_archive("-Dx=1") == "-Dx=1"
+
+
+def test_an_archive_goes_first_unless_the_user_set_up_sharing(tmp_path, monkeypatch):
+    monkeypatch.setenv(class_archive.CACHE_ENV, str(tmp_path))
+    path = archive_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    assert with_archive("-Dx=1").startswith(f"-XX:SharedArchiveFile={path} ")
+    assert with_archive("-Dx=1").endswith(" -Dx=1")
+    own = "-XX:SharedArchiveFile=/elsewhere.jsa"
+    assert with_archive(own) == own
+    assert with_archive("-Xshare:off") == "-Xshare:off"
+
+
+@pytest.mark.spark
+def test_a_local_session_maps_the_archive_set_up_built(tmp_path):
+    if not archive_path().is_file():
+        pytest.skip("no JVM class archive: ./dev set-up builds it (python -m "
+                    "pyspark_safetensors.spark.class_archive)")  # fmt: skip
+    log = tmp_path / "classes.log"
+    script = textwrap.dedent(f"""
+        from pyspark_safetensors.spark.session import local_session
+        spark = local_session("local[1]", **{{
+            "spark.driver.extraJavaOptions": "-Xlog:class+load=info:file={log}"}})
+        assert spark.range(3).count() == 3
+        spark.stop()
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_SUBMIT_OPTS"}  # local_session's own
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300,
+                   capture_output=True)  # fmt: skip
+    # Spark's own classes (lambdas are generated as the JVM runs, never archived)
+    loaded = [line for line in log.read_text().splitlines()
+              if " org.apache.spark." in line and "$$Lambda" not in line]  # fmt: skip
+    assert loaded
+    shared = [line for line in loaded if "shared objects file (top)" in line]
+    assert len(shared) > 0.95 * len(loaded), (len(shared), len(loaded), loaded[:5])
