@@ -34,8 +34,8 @@ def test_an_archive_goes_first_unless_the_user_set_up_sharing(tmp_path, monkeypa
 @pytest.mark.spark
 def test_a_local_session_maps_the_archive_set_up_built(tmp_path):
     if not archive_path().is_file():
-        pytest.skip("no JVM class archive: ./dev set-up builds it (python -m "
-                    "pyspark_safetensors.spark.class_archive)")  # fmt: skip
+        pytest.skip("no JVM class archive for this Spark install: ./dev set-up builds the "
+                    "default line's (python -m pyspark_safetensors.spark.class_archive)")  # fmt: skip
     log = tmp_path / "classes.log"
     script = textwrap.dedent(f"""
         from pyspark_safetensors.spark.session import local_session
