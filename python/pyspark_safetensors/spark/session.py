@@ -48,9 +48,9 @@ def _shim_classpath() -> dict[str, str]:
 def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors", **conf: str):
     """A local SparkSession whose Python workers run this interpreter (with the JVM shim's
     jar on the classpath when built; pass ``spark.sql.extensions`` to enable its functions),
-    its driver mapping the class archive when one is built (``class_archive``: it starts in
-    about half the time). Java options given in ``conf`` come after the shipped logging
-    configuration's and the archive's."""
+    its driver (and a ``local-cluster`` master's executors) mapping the class archive when
+    one is built (``class_archive``: they start in about half the time). Java options
+    given in ``conf`` come after the archive's and the shipped logging configuration's."""
     from pyspark.sql import SparkSession
 
     from .class_archive import with_archive
@@ -61,13 +61,13 @@ def local_session(master: str = "local[*]", app_name: str = "pyspark-safetensors
     builder = SparkSession.builder.master(master).appName(app_name)
     settings = {**spark_defaults(), **_shim_classpath(), **conf}
     log4j = conf_file("log4j2.properties")
-    if log4j is not None:
-        for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
-            given = settings.get(key, "")
-            settings[key] = f"-Dlog4j2.configurationFile=file:{log4j} {given}".strip()
-    driver_options = with_archive(settings.get("spark.driver.extraJavaOptions", ""))
-    if driver_options:
-        settings["spark.driver.extraJavaOptions"] = driver_options
+    for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+        options = settings.get(key, "")
+        if log4j is not None:
+            options = f"-Dlog4j2.configurationFile=file:{log4j} {options}".strip()
+        options = with_archive(options)
+        if options:
+            settings[key] = options
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
