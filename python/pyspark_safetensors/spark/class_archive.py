@@ -1,5 +1,5 @@
 """A class-data-sharing archive of the classes a local Spark driver loads, so that the
-embedded session starts in about half the time.
+embedded session (and a ``local-cluster`` master's executors) start in about half the time.
 
 A Spark driver parses and verifies some ten thousand classes from its jars while the
 session starts and its first jobs run: most of the seconds before the first task. The JDK
@@ -9,9 +9,11 @@ runtime and class path (``-XX:SharedArchiveFile``); a JVM that does not match th
 ignores it and starts as usual, so a stale archive costs nothing but the speed-up.
 
 :func:`build` writes the archive (a local session running a representative set of jobs,
-about half a minute, once per Spark install and Java runtime); :func:`java_options` gives
-the driver's flags once it exists, and ``local_session()`` passes them. ``./dev`` builds
-it at set-up; elsewhere ``python -m pyspark_safetensors.spark.class_archive`` does.
+about a minute and 190 MB, once per Spark install and Java runtime); :func:`java_options`
+gives the JVM flags once it exists, and ``local_session()`` passes them. ``./dev`` builds
+it at set-up; elsewhere ``python -m pyspark_safetensors.spark.class_archive`` does. The
+cache directory may be deleted at any time (an upgraded Spark or Java leaves its old
+archive there).
 """
 
 from __future__ import annotations
@@ -61,14 +63,15 @@ def archive_path() -> Path:
 
 
 def java_options(path: Path | None = None) -> str:
-    """The driver JVM's flags that map the archive, or ``""`` when it is not built."""
+    """The JVM flags that map the archive, or ``""`` when it is not built."""
     path = path or archive_path()
     return f"-XX:SharedArchiveFile={path} {_QUIET}" if path.is_file() else ""
 
 
 def with_archive(java_options_given: str) -> str:
-    """``java_options_given`` (a session's ``spark.driver.extraJavaOptions``) with the
-    archive's flags first, unless they set up class-data sharing themselves."""
+    """``java_options_given`` (a session's ``spark.driver.extraJavaOptions``, its
+    executors', ``SPARK_SUBMIT_OPTS``) with the archive's flags first, unless they set up
+    class-data sharing themselves (which also makes applying it twice change nothing)."""
     if any(flag in java_options_given for flag in _OWN_FLAGS):
         return java_options_given
     return f"{java_options()} {java_options_given}".strip()
