@@ -128,10 +128,10 @@ def test_keep_previous_generation_lets_an_open_reader_finish(tmp_path):
     reader = open_dataset(root)
     w = writer(root, overwrite=True, generate_index="true")
     commit_dataset(
-        w.location,
-        w.job_id,
+        w.job.location,
+        w.job.job_id,
         [w.write(iter([batch(100, 5)])).result],
-        w._template(),
+        w.job.template(),
         overwrite=True,
         generate_index=True,
         unique_keys=False,

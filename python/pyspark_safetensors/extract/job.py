@@ -20,10 +20,12 @@ A local output is built under a staging name and published whole (one rename). A
 object store has no rename: each dataset is committed in place by its own manifest, and
 ``extraction.json`` is put last.
 
-This module is the driver: it plans the model, runs it over the corpus once (the sample
-rows, persisted), hands those rows to each output format (``outputs.py``), then writes the
-tables and ``extraction.json``. The config is in ``config.py``, what the workers run in
-``workers.py``.
+This module is the driver: it plans the model, then runs it over the corpus once; the
+stage's tasks write the outputs' datasets as they go (``outputs.StageWrite``), committed
+by the driver after the stage. The sample rows are stored only for an output that reads
+them afterwards (the Zarr run, datasets partitioned by hook point). Then the tables and
+``extraction.json``. The config is in ``config.py``, what the workers run in
+``workers.py``, the output formats in ``outputs.py``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,16 @@ from .corpus import (
     numbered_demo,
 )
 from .model import ExtractionError, Hook, ModelSource, resolve_model, weights_hash
-from .outputs import ExtractionOutput, SampleRows, outputs_for, token_dataset_name
-from .workers import MODEL_PLAN_SCHEMA, plan_fn, run_model_fn, samples_schema
+from .outputs import ExtractionOutput, SampleRows, StageWrite, outputs_for, token_dataset_name
+from .workers import (
+    MODEL_PLAN_SCHEMA,
+    SCALAR_COLUMNS,
+    TASK_COMMITS,
+    plan_fn,
+    run_model_fn,
+    samples_schema,
+    task_results,
+)
 
 EXTRACTION_DOC = "extraction.json"
 """Written last: its presence marks a finished extraction."""
@@ -76,10 +86,11 @@ class _ModelPlan:
 
 @dataclass(frozen=True)
 class _ModelRun:
-    """The model's output: one persisted row per model input, and what it adds up to."""
+    """The model's output: one row per model input, and what it adds up to."""
 
     samples: object
-    """The persisted sample rows (a DataFrame; the caller unpersists it)."""
+    """The stored sample rows (a DataFrame; the caller unpersists it), or None when no
+    output reads them."""
     info: pa.Table
     """sample_id, window, key, seq_len, first_pos, text_chars, source of every row."""
     seconds: float
@@ -133,26 +144,21 @@ def run_extraction(
         numbering.add_done_callback(lambda f: f.exception() is None and _unpersist(f.result()[1]))
         raise
     texts, stored = numbering.result()
-    run = None
     try:
-        # the workers' config as planned: their loaded model is keyed by it
-        run = _run_model(texts, plan, config, threads=threads)
-        # max_length 0 (the model's context) is recorded and hashed as the number it means
-        config = dataclasses.replace(config, max_length=plan.max_length)
-        chash = _config_hash(config, plan, texts)
-        write = _OutputWriter(
-            config, plan, run, texts, chash, dict(storage_options or {}) if not local else {},
-            outputs,
+        # max_length 0 (the model's context) is recorded and hashed as the number it means;
+        # the workers keep the config as planned: their loaded model is keyed by it
+        recorded = dataclasses.replace(config, max_length=plan.max_length)
+        extraction = _Extraction(
+            recorded, config, plan, texts, _config_hash(recorded, plan, texts),
+            dict(storage_options or {}) if not local else {}, outputs, threads,
         )  # fmt: skip
         if local:
             with publishing(target.root) as staging:
-                summary = write(DatasetLocation.of(staging))
+                summary = extraction(DatasetLocation.of(staging))
             return dataclasses.replace(summary, out_dir=Path(target.root))
-        return _write_in_place(target, write)
+        return _write_in_place(target, extraction)
     finally:
         _unpersist(stored)
-        if run is not None:
-            run.samples.unpersist()
 
 
 def _unpersist(stored) -> None:
@@ -214,28 +220,39 @@ def _numbered_texts(spark, config: ExtractConfig, corpus, partitions: int):
     return number_texts(texts, partitions)
 
 
-def _run_model(texts, plan: _ModelPlan, config: ExtractConfig, *, threads: int) -> _ModelRun:
+def _run_model(
+    texts, plan: _ModelPlan, config: ExtractConfig, writes: list[StageWrite], *, store: bool,
+    threads: int,
+) -> _ModelRun:  # fmt: skip
     """Run the model over every text (Spark's progress bar shows it), ``threads`` torch
-    threads per worker; the sample rows are persisted on disk: every output reads them."""
+    threads per worker, the tasks writing ``writes`` as they go; each write is committed
+    once every task has run (aborted by the caller otherwise). With ``store`` the sample
+    rows are persisted on disk, for the outputs that read them."""
     from pyspark import StorageLevel
 
     started = time.perf_counter()
     samples = texts.mapInArrow(
-        run_model_fn(plan.source, config, threads), samples_schema(plan.hooks)
-    ).persist(StorageLevel.DISK_ONLY)
+        run_model_fn(plan.source, config, threads, writes, tensors=store),
+        samples_schema(plan.hooks, tensors=store),
+    )
+    if store:
+        samples = samples.persist(StorageLevel.DISK_ONLY)
     try:
         # one pass: collecting the scalar columns stores every column (the first read of
         # a persisted frame computes all of it); a second read would load it all from disk
-        info = to_arrow(
-            samples.select(
-                "sample_id", "window", "key", "seq_len", "first_pos", "text_chars", "source"
-            )
-        )
+        info = to_arrow(samples.select(*SCALAR_COLUMNS, TASK_COMMITS))
         if info.num_rows == 0:
             raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
-        return _ModelRun(samples, info, time.perf_counter() - started)
+        commits = info.column(TASK_COMMITS)
+        for write, results in zip(writes, task_results(commits, len(writes)), strict=True):
+            write.job.commit(results)
+        return _ModelRun(
+            samples if store else None, info.drop_columns([TASK_COMMITS]),
+            time.perf_counter() - started,
+        )  # fmt: skip
     except BaseException:
-        samples.unpersist()
+        if store:
+            samples.unpersist()
         raise
 
 
@@ -247,31 +264,53 @@ def _config_hash(config: ExtractConfig, plan: _ModelPlan, texts) -> str:
 
 
 @dataclass
-class _OutputWriter:
-    """Writes every output of one extraction into a location, ``extraction.json`` last."""
+class _Extraction:
+    """The model stage and every output of one extraction, into a location,
+    ``extraction.json`` last."""
 
     config: ExtractConfig
+    """The config as recorded (``max_length`` the number it means)."""
+    planned: ExtractConfig
+    """The config the workers planned with (their loaded model is keyed by it)."""
     plan: _ModelPlan
-    run: _ModelRun
     texts: object
     """The numbered texts (a DataFrame)."""
     config_hash: str
     storage_options: dict[str, str]
     """Passed to the Spark writer as data-source options (empty for a local output)."""
     outputs: list[ExtractionOutput]
+    threads: int
+    run: _ModelRun | None = None
 
     def __call__(self, out: DatasetLocation) -> ExtractionSummary:
         rows = SampleRows(
-            self.run.samples, self.plan.hooks, dict(self.plan.widths), self.config.dtype,
+            None, self.plan.hooks, dict(self.plan.widths), self.config.dtype,
             self.config.max_length, self.config.rows_per_shard, self._base_metadata(),
             self.storage_options,
         )  # fmt: skip
-        for output in self.outputs:  # each one whole before the extraction is marked finished
-            output.write(out, rows)
-        self._tables(out)
-        summary = self._summary(out)
-        out.put_json(EXTRACTION_DOC, self._extraction_doc(summary))  # last: marks it finished
-        return summary
+        writes = []
+        try:
+            for output in self.outputs:
+                writes += output.stage_writes(out, rows)
+            self.run = _run_model(
+                self.texts, self.plan, self.planned, writes, threads=self.threads,
+                store=any(o.reads_rows for o in self.outputs),
+            )  # fmt: skip
+        except BaseException:
+            for write in writes:  # what a committed write published stays: it is listed
+                write.job.abort()
+            raise
+        try:
+            rows = dataclasses.replace(rows, samples=self.run.samples)
+            for output in self.outputs:  # each one whole before the extraction is finished
+                output.write(out, rows)
+            self._tables(out)
+            summary = self._summary(out)
+            out.put_json(EXTRACTION_DOC, self._extraction_doc(summary))  # last: marks it
+            return summary
+        finally:
+            if self.run.samples is not None:
+                self.run.samples.unpersist()
 
     def _base_metadata(self) -> dict[str, str]:
         """What every dataset's manifest metadata says about the extraction."""
@@ -346,7 +385,7 @@ class _OutputWriter:
         }
 
 
-def _write_in_place(target: DatasetLocation, write: _OutputWriter) -> ExtractionSummary:
+def _write_in_place(target: DatasetLocation, write: _Extraction) -> ExtractionSummary:
     """An extraction straight into an object store (no rename there): the previous one's
     ``extraction.json`` is deleted first, so it stops looking finished, then the rest of
     it; ``write`` puts the new ``extraction.json`` last. A failure deletes what was written."""

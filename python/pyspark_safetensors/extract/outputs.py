@@ -1,21 +1,33 @@
 """The output formats of an extraction: what the job writes from the model's sample rows.
 
 An output format is any object with the ``ExtractionOutput`` methods. The job asks each
-one ``config`` asks for (``outputs_for``) whether it can take the model's hook points, then hands
-it the persisted sample rows (``SampleRows``) and the output location; the tables
-(``samples.parquet``, ``texts.jsonl``) and ``extraction.json`` are the job's own. Two
-formats exist: ``SafetensorsDatasets`` here (always on) and the Zarr sharded run
+one ``config`` asks for (``outputs_for``) whether it can take the model's hook points. An
+output is written in one of two ways, or both:
+
+- by the model stage's own tasks, as they compute (``stage_writes``): each dataset a
+  ``WriteJob`` of the Spark writer carried into the tasks and committed by the driver
+  after the stage, its rows made in the task from each batch of sample rows. The
+  activations go from the model to the shards in the same process: no trip through the
+  JVM, no stored rows read back;
+- after the stage, from the stored sample rows (``reads_rows``, then ``write``).
+
+The tables (``samples.parquet``, ``texts.jsonl``) and ``extraction.json`` are the job's
+own. Two formats exist: ``SafetensorsDatasets`` here (always on) and the Zarr sharded run
 (``interop.zarr.extract_output.ZarrRunOutput``, ``zarr_run=True``). Another format
-(Parquet, a Delta table, ...) is a new module with one class (its
-``for_config`` reads the config field that turns it on) and an entry in ``OUTPUT_FORMATS``.
+(Parquet, a Delta table, ...) is a new module with one class (its ``for_config`` reads
+the config field that turns it on) and an entry in ``OUTPUT_FORMATS``.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
 
 from ..dataset import DatasetLocation, verify_dataset
 from ..dataset.layout import partition_dir
@@ -29,8 +41,10 @@ class SampleRows:
     """What an output format is given: the model's output on every text."""
 
     samples: object
-    """The persisted DataFrame: sample_id, window, key, seq_len, first_pos, text_chars, source and
-    one Tensor Struct ``[seq_len, H]`` per hook point (column ``Hook.column``)."""
+    """The stored DataFrame: sample_id, window, key, seq_len, first_pos, text_chars, source and
+    one Tensor Struct ``[seq_len, H]`` per hook point (column ``Hook.column``); the
+    same columns as each batch a stage write gets. None before the model stage, and when
+    no output ``reads_rows``."""
     hooks: tuple[Hook, ...]
     widths: dict[str, int]
     """Hidden width by hook name."""
@@ -44,11 +58,25 @@ class SampleRows:
     """The Spark writer's storage options for a URI output (empty for a local one)."""
 
 
+@dataclass(frozen=True)
+class StageWrite:
+    """A dataset the model stage's tasks write as they compute."""
+
+    job: object
+    """The dataset's ``spark.writer.WriteJob``: made on the driver (it holds the job's
+    lease), carried into the tasks, committed by the driver after the stage."""
+    rows: Callable[[pa.RecordBatch], pa.RecordBatch]
+    """The dataset's rows from one batch of sample rows (run in the tasks)."""
+
+
 class ExtractionOutput(Protocol):
     """One output format of an extraction."""
 
     name: str
     """The entry it writes under the output directory (a dataset or directory name)."""
+
+    reads_rows: bool
+    """Whether ``write`` reads the stored sample rows (the model stage then stores them)."""
 
     @classmethod
     def for_config(cls, config: ExtractConfig) -> ExtractionOutput | None:
@@ -65,8 +93,13 @@ class ExtractionOutput(Protocol):
         checked on the driver before any task runs."""
         ...
 
+    def stage_writes(self, out: DatasetLocation, rows: SampleRows) -> list[StageWrite]:
+        """The datasets under ``out`` the model stage's tasks write (``rows.samples`` is
+        None here); the job commits them after the stage, or aborts them."""
+        ...
+
     def write(self, out: DatasetLocation, rows: SampleRows) -> None:
-        """Write it under ``out``, whole (each dataset committed, each store published)
+        """Finish it under ``out``, whole (each dataset committed, each store published)
         before returning; ``extraction.json`` comes after every output."""
         ...
 
@@ -81,10 +114,12 @@ def token_dataset_name(hook: Hook, partitioned: bool = False) -> str:
 
 @dataclass(frozen=True)
 class SafetensorsDatasets:
-    """The safetensors datasets, written through the Spark writer (its commit is atomic on
-    any storage): ``activations/{hook}/`` token-level batch datasets (or, with
-    ``partition_by_hook``, ``activations/`` partitioned by hook point), and the ``samples/``
-    KV dataset (key -> one ``[seq_len, H]`` per hook point) when ``kv_dataset`` is on."""
+    """The safetensors datasets, written by the Spark writer's jobs (their commit is
+    atomic on any storage): ``activations/{hook}/`` token-level batch datasets and the
+    ``samples/`` KV dataset (key -> one ``[seq_len, H]`` per hook point, when
+    ``kv_dataset`` is on), both by the model stage's tasks; or, with
+    ``partition_by_hook``, ``activations/`` partitioned by hook point, which only the JVM
+    source writes (``partitionBy``), from the stored rows."""
 
     kv_dataset: bool = True
     partition_by_hook: bool = False
@@ -94,36 +129,62 @@ class SafetensorsDatasets:
     def for_config(cls, config: ExtractConfig) -> SafetensorsDatasets:
         return cls(kv_dataset=config.kv_dataset, partition_by_hook=config.partition_by_hook)
 
+    @property
+    def reads_rows(self) -> bool:
+        return self.partition_by_hook
+
     def target_refusal(self, target: str, local: bool) -> str | None:
         return None
 
     def widths_refusal(self, widths: dict[str, int]) -> str | None:
         return None
 
+    def stage_writes(self, out: DatasetLocation, rows: SampleRows) -> list[StageWrite]:
+        from functools import partial
+
+        from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+
+        from ..spark.tensor_struct import TENSOR_STRUCT_TYPE
+
+        writes = []
+        if not self.partition_by_hook:
+            token_schema = StructType([
+                StructField("activation", TENSOR_STRUCT_TYPE), StructField("sample_id", LongType()),
+                StructField("token_pos", IntegerType()), StructField("window", IntegerType()),
+            ])  # fmt: skip
+            for hook in rows.hooks:
+                job = _write_job(
+                    rows, token_schema, {"batch_size": rows.rows_per_shard},
+                    {"hook_point": hook.name, "d_model": str(rows.widths[hook.name])},
+                    out.display(token_dataset_name(hook)),
+                )  # fmt: skip
+                tokens = partial(token_rows, column=hook.column, width=rows.widths[hook.name],
+                                 dtype=rows.dtype)  # fmt: skip
+                writes.append(StageWrite(job, tokens))
+        if self.kv_dataset:
+            columns = [h.column for h in rows.hooks]
+            kv_schema = StructType(
+                [StructField("key", StringType())]
+                + [StructField(c, TENSOR_STRUCT_TYPE) for c in columns]
+            )
+            job = _write_job(
+                rows, kv_schema, {"name_col": "key"},
+                {"hook_points": json.dumps([h.name for h in rows.hooks])}, out.display("samples"),
+            )  # fmt: skip
+            writes.append(StageWrite(job, partial(_select, columns=["key", *columns])))
+        return writes
+
     def write(self, out: DatasetLocation, rows: SampleRows) -> None:
         if self.partition_by_hook:
             self._partitioned_tokens(out, rows)
-        else:
-            for hook in rows.hooks:
-                self._token_dataset(out, rows, hook)
-        if self.kv_dataset:
-            _save(
-                rows,
-                rows.samples.select("key", *[h.column for h in rows.hooks]).write.option(
-                    "name_col", "key"
-                ),
-                {"hook_points": json.dumps([h.name for h in rows.hooks])},
-                out.display("samples"),
-            )
         for hook in rows.hooks:  # each dataset whole before the extraction is marked finished
             name = out.display(token_dataset_name(hook, self.partition_by_hook))
             verify_dataset(DatasetLocation.of(name, storage_options=rows.storage_options))
 
     @staticmethod
     def _tokens(rows: SampleRows, hook: Hook):
-        """One row per token (``activation`` [H], ``sample_id``, ``token_pos``, ``window``)
-        from the sample rows [seq_len, H], in Spark's own expressions: each token's bytes
-        are a slice of its sample's (no trip through a Python worker)."""
+        """``token_rows`` in Spark's own expressions, over the stored sample rows: each
+        token's bytes are a slice of its sample's."""
         from pyspark.sql import functions as F
 
         width = rows.widths[hook.name]
@@ -141,15 +202,6 @@ class SafetensorsDatasets:
         token_pos = (F.col("i") + F.col("first_pos")).cast("int")
         return tokens.select(
             activation.alias("activation"), "sample_id", token_pos.alias("token_pos"), "window"
-        )
-
-    @classmethod
-    def _token_dataset(cls, out: DatasetLocation, rows: SampleRows, hook: Hook) -> None:
-        _save(
-            rows,
-            cls._tokens(rows, hook).write.option("batch_size", rows.rows_per_shard),
-            {"hook_point": hook.name, "d_model": str(rows.widths[hook.name])},
-            out.display(token_dataset_name(hook)),
         )
 
     @classmethod
@@ -176,6 +228,55 @@ class SafetensorsDatasets:
             {"hook_points": json.dumps([h.name for h in rows.hooks])},
             out.display("activations"),
         )
+
+
+def token_rows(samples: pa.RecordBatch, column: str, width: int, dtype: str) -> pa.RecordBatch:
+    """One row per token (``activation`` [H], ``sample_id``, ``token_pos``, ``window``)
+    from a batch of sample rows (``column``: a hook point's Tensor Structs [seq_len, H]
+    laid end to end, as the model stage builds them): one view of the samples' bytes, no
+    copy per token."""
+    from ..spark.tensor_struct import tensor_structs_of_rows
+
+    seq_len = samples.column("seq_len").to_numpy().astype(np.int64)
+    data = samples.column(column).flatten()[0]
+    offset_type = np.int64 if pa.types.is_large_binary(data.type) else np.int32
+    offsets = np.frombuffer(data.buffers()[1], offset_type)[
+        data.offset : data.offset + len(data) + 1
+    ]
+    raw = np.frombuffer(data.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
+    values = raw.view(get_dtype(dtype).numpy).reshape(-1, width)
+    if len(values) != seq_len.sum():
+        raise ExtractionError(
+            f"{column}: {len(values)} token rows for {seq_len.sum()} tokens; the sample rows' "
+            "activations must be laid end to end"
+        )
+    starts = np.repeat(np.cumsum(seq_len) - seq_len, seq_len)
+    first_pos = np.repeat(samples.column("first_pos").to_numpy().astype(np.int64), seq_len)
+    # the position in the model input: a dropped BOS shifts the stored tokens by one
+    token_pos = np.arange(len(values), dtype=np.int64) - starts + first_pos
+    return pa.RecordBatch.from_pydict({
+        "activation": tensor_structs_of_rows(values, dtype),
+        "sample_id": pa.array(np.repeat(samples.column("sample_id").to_numpy(), seq_len)),
+        "token_pos": pa.array(token_pos.astype(np.int32)),
+        "window": pa.array(np.repeat(samples.column("window").to_numpy(), seq_len)),
+    })  # fmt: skip
+
+
+def _select(samples: pa.RecordBatch, columns: list[str]) -> pa.RecordBatch:
+    return samples.select(columns)
+
+
+def _write_job(rows: SampleRows, schema, options: dict, metadata: dict[str, str], uri: str):
+    """A ``WriteJob`` of one dataset (overwrite), as ``_save`` would write it."""
+    from ..dataset import split_storage_options
+    from ..spark.options import WriterOptions
+    from ..spark.writer import WriteJob
+
+    storage, parsed = split_storage_options({
+        **rows.storage_options, **{k: str(v) for k, v in options.items()}, "path": uri,
+        "metadata": json.dumps({**rows.metadata, **metadata}),
+    })  # fmt: skip
+    return WriteJob(WriterOptions.parse(parsed), schema, True, storage)
 
 
 def _save(rows: SampleRows, writer, metadata: dict[str, str], uri: str) -> None:

@@ -8,12 +8,16 @@ per worker process.
   input, whether a BOS is added (``MODEL_PLAN_SCHEMA``).
 - ``run_model_fn``: texts in, one row per model input out (``samples_schema``): the
   sample's key, ``seq_len``, ``first_pos`` (the model-input position of its first stored
-  token: 1 when BOS is dropped) and one Tensor Struct ``[seq_len, H]`` per hook point.
+  token: 1 when BOS is dropped), one Tensor Struct ``[seq_len, H]`` per hook point when
+  the rows are stored, and ``task_commits``. It writes the outputs' stage writes
+  (``outputs.StageWrite``) as it goes: what each dataset's task wrote comes back, pickled,
+  in the ``task_commits`` of the partition's last row (null in every other row).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 
 import pyarrow as pa
 
@@ -24,13 +28,21 @@ MODEL_BATCHES_PER_OUTPUT_BATCH = 8
 """Texts per ``mapInArrow`` output batch, in model batches: bounds a worker's memory."""
 
 
-def samples_schema(hooks) -> str:
+SCALAR_COLUMNS = ("sample_id", "window", "key", "seq_len", "first_pos", "text_chars", "source")
+"""What every sample row has, beside its activations."""
+
+TASK_COMMITS = "task_commits"
+
+
+def samples_schema(hooks, *, tensors: bool = True) -> str:
+    """The model stage's rows: the scalars, one Tensor Struct per hook point (``tensors``)
+    and ``task_commits``."""
     from ..spark.tensor_struct import TENSOR_STRUCT_DDL
 
-    cols = ", ".join(f"`{h.column}` {TENSOR_STRUCT_DDL}" for h in hooks)
+    cols = "".join(f"`{h.column}` {TENSOR_STRUCT_DDL}, " for h in hooks) if tensors else ""
     return (
         "sample_id long, window int, key string, seq_len int, first_pos int, text_chars int, "
-        f"source string, {cols}"
+        f"source string, {cols}{TASK_COMMITS} binary"
     )
 
 
@@ -63,17 +75,65 @@ def plan_fn(model: ModelSource, config: ExtractConfig, threads: int):
     return plan
 
 
-def run_model_fn(model: ModelSource, config: ExtractConfig, threads: int):
-    """The function ``mapInArrow`` runs: texts in, one row per model input out."""
+def run_model_fn(
+    model: ModelSource, config: ExtractConfig, threads: int, writes=(), *, tensors: bool = True
+):
+    """The function ``mapInArrow`` runs: texts in, one row per model input out, each
+    batch also handed to every stage write (``writes``); the activation columns are kept
+    in the rows only with ``tensors``. The last row is held back until the writes have
+    finished, to carry their ``TaskResult``s."""
 
     def run(batches):
+        from pyspark import TaskContext
+
         extractor = _cached_extractor(str(model.local_dir()), config, threads)
         texts_per_batch = config.batch_size * MODEL_BATCHES_PER_OUTPUT_BATCH
-        for big in batches:
-            for offset in range(0, big.num_rows, texts_per_batch):
-                yield _windows_batch(extractor, big.slice(offset, texts_per_batch), config.dtype)
+        ctx = TaskContext.get()
+        # a partition computed again after the commit (a lost stored block) writes nothing
+        writers = [
+            (w, w.job.partition(ctx.partitionId(), ctx.taskAttemptId()))
+            for w in writes
+            if w.job.live()
+        ]
+        held = None
+        try:
+            for big in batches:
+                for offset in range(0, big.num_rows, texts_per_batch):
+                    rows = _windows_batch(
+                        extractor, big.slice(offset, texts_per_batch), config.dtype
+                    )
+                    if not rows.num_rows:
+                        continue
+                    for write, writer in writers:
+                        writer.add(write.rows(rows))
+                    if held is not None:
+                        yield _with_commits(held, None)
+                    held = rows if tensors else rows.select(list(SCALAR_COLUMNS))
+            results = [writer.finish() for _, writer in writers]
+        except BaseException:
+            for _, writer in writers:
+                writer.discard()
+            raise
+        if held is not None:
+            yield _with_commits(held, pickle.dumps(results) if writers else None)
 
     return run
+
+
+def _with_commits(rows: pa.RecordBatch, commits: bytes | None) -> pa.RecordBatch:
+    """``rows`` with ``task_commits``: ``commits`` in the last row, null in the others."""
+    column = pa.array([None] * (rows.num_rows - 1) + [commits], pa.binary())
+    return rows.append_column(TASK_COMMITS, column)
+
+
+def task_results(commits: pa.ChunkedArray, writes: int) -> list[list]:
+    """The ``TaskResult``s of each of ``writes`` stage writes, from the ``task_commits``
+    column of the whole stage."""
+    results = [[] for _ in range(writes)]
+    for blob in commits.drop_null().to_pylist():
+        for i, result in enumerate(pickle.loads(blob)):
+            results[i].append(result)
+    return results
 
 
 def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> pa.RecordBatch:

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
-from pyspark.sql.types import StringType, StructType
+from pyspark.sql.types import StructType
 
-from ..dataset import (
-    MANIFEST,
-    ColumnSchema,
-    DatasetLocation,
-    Manifest,
-    abort_dataset,
-    begin_job,
-    check_append,
-    check_kv_columns,
-    commit_dataset,
-    load_manifest,
-    split_storage_options,
-)
-from .columns import ColumnError, ColumnPlan, plan_column
+from ..dataset import TaskResult, split_storage_options
 from .options import WriterOptions
-from .writer import TaskCommit, write_partition
+from .writer import WriteJob
 
 
 class SafetensorsDataSource(DataSource):
@@ -150,8 +137,16 @@ class SafetensorsDataSource(DataSource):
         return SafetensorsWriter(WriterOptions.parse(options), schema, overwrite, storage)
 
 
+@dataclass
+class TaskCommit(WriterCommitMessage):
+    """The commit message of one task attempt."""
+
+    result: TaskResult
+
+
 class SafetensorsWriter(DataSourceArrowWriter):
-    """Plans on the driver (options, column types), writes in tasks, commits on the driver."""
+    """The data source's front end of a ``WriteJob``: planned on the driver, written in
+    tasks, committed on the driver."""
 
     def __init__(
         self,
@@ -160,57 +155,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
         overwrite: bool,
         storage_options: dict[str, str] | None = None,
     ):
-        self.options = options
-        self.overwrite = overwrite
-        self.location = DatasetLocation.of(options.path, storage_options=storage_options)
-        self.job_id = uuid.uuid4().hex
-        self.plans = self._plan(schema)
-        if not overwrite:
-            self._check_append()
-        self.created = not self.location.exists()
-        """Whether this job made the dataset's directory (a failed job then removes it)."""
-        begin_job(self.location, self.job_id)
-
-    def _plan(self, schema: StructType):
-        names = [f.name for f in schema.fields]
-        o = self.options
-        unknown = [c for c in [*(o.columns or ()), *o.shapes, *o.column_dtypes] if c not in names]
-        if unknown:
-            raise ColumnError(
-                f"option names column(s) {unknown} that the DataFrame lacks; its columns: {names}"
-            )
-        if o.name_col is not None:
-            if o.name_col not in names:
-                raise ColumnError(f"name_col {o.name_col!r} is not a column; columns: {names}")
-            if not isinstance(schema[o.name_col].dataType, StringType):
-                raise ColumnError(
-                    f"name_col {o.name_col!r} has type {schema[o.name_col].dataType.simpleString()}; the key column must be a string"
-                )
-        wanted = o.columns or tuple(n for n in names if n != o.name_col)
-        if o.name_col in wanted:
-            raise ColumnError(
-                f"columns lists the key column {o.name_col!r}; it is written as part of each tensor name"
-            )
-        if not wanted:
-            raise ColumnError("no tensor columns to write")
-        if o.name_col is not None:
-            try:
-                check_kv_columns(wanted, o.kv_separator)
-            except ValueError as e:
-                raise ColumnError(str(e)) from None
-        return [plan_column(n, schema[n].dataType, o) for n in wanted]
-
-    def _check_append(self) -> None:
-        """Refuse, before any task runs, an append the dataset cannot take: what the
-        DataFrame's types tell (dtypes, ranks, scalar and ``shapes`` sample shapes) is
-        checked with the commit's rule; dimensions of variable-length arrays are known
-        only once written, and the commit checks them."""
-        if not self.location.has(MANIFEST):
-            return
-        previous = load_manifest(self.location)
-        where = f"dataset {self.location.uri!r}"
-        known = {p.name: _known_schema(p, previous.schema.get(p.name)) for p in self.plans}
-        check_append(previous, self._template(), known, where)
+        self.job = WriteJob(options, schema, overwrite, storage_options)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         from pyspark import TaskContext
@@ -218,64 +163,10 @@ class SafetensorsWriter(DataSourceArrowWriter):
         ctx = TaskContext.get()
         task_id = ctx.partitionId() if ctx else 0
         attempt_id = ctx.taskAttemptId() if ctx else 0
-        return write_partition(
-            self.options,
-            self.plans,
-            self.location,
-            iterator,
-            task_id,
-            attempt_id,
-            self.job_id,
-            made_directory=self.created,
-        )
-
-    def _template(self) -> Manifest:
-        o = self.options
-        return Manifest(
-            shards=(),
-            schema={},
-            mode=o.mode,
-            batch_size=o.batch_size,
-            name_col=o.name_col,
-            kv_separator=o.kv_separator if o.mode == "kv" else None,
-            metadata=dict(o.metadata),
-        )
+        return TaskCommit(self.job.write_partition(iterator, task_id, attempt_id))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        results = [m.result for m in messages if isinstance(m, TaskCommit)]
-        try:
-            commit_dataset(
-                self.location,
-                self.job_id,
-                results,
-                self._template(),
-                overwrite=self.overwrite,
-                generate_index=self.options.generate_index,
-                unique_keys=self.options.mode == "kv",
-                keep_previous_generation=self.options.keep_previous_generation,
-            )
-        except BaseException:
-            self.abort(messages)
-            raise
+        self.job.commit([m.result for m in messages if isinstance(m, TaskCommit)])
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        abort_dataset(self.location, self.job_id)
-        if self.created:
-            self.location.remove_if_empty()
-
-
-def _known_schema(plan: ColumnPlan, previous: ColumnSchema | None) -> ColumnSchema:
-    """What the DataFrame's type tells of a column's dtype and sample shape; what it
-    leaves open (a struct's dtype, an array's dimensions) is taken from ``previous``
-    (the dataset's column), so that only what is known can disagree. Open dimensions of
-    a rank the dataset does not have show as -1."""
-    dtype = plan.target or (previous.dtype if previous else "")
-    if plan.shape is not None or plan.kind == "scalar":
-        sample = tuple(plan.shape or ())
-    elif previous is not None and (
-        plan.kind == "struct" or len(previous.sample_shape) == plan.depth
-    ):
-        sample = tuple(previous.sample_shape)
-    else:
-        sample = (-1,) * plan.depth
-    return ColumnSchema(dtype, sample, sample)
+        self.job.abort()

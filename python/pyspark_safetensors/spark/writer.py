@@ -1,10 +1,15 @@
-"""The tasks' side of a write: Arrow batches in, shards out (at the dataset root under
-names of this attempt's own, trusted by no reader until the driver's commit lists them),
-one ``TaskCommit`` back to the driver."""
+"""A write job: ``WriteJob`` plans it on the driver (column plans, the append check, the
+job's lease), each task writes its partition with a ``PartitionWriter`` (Arrow batches in,
+shards out at the dataset root under names of this attempt's own, trusted by no reader
+until the commit lists them, one ``TaskResult`` back), and ``WriteJob.commit`` publishes
+them. The data source's writer (``source.py``) is one front end; a stage that writes
+datasets as it computes them (the extraction's model stage) is another: it carries the
+``WriteJob`` into its own tasks. Nothing here needs Spark's Python Data Source API."""
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,33 +19,34 @@ from functools import cached_property
 import crc32c
 import numpy as np
 import pyarrow as pa
-from pyspark.sql.datasource import WriterCommitMessage
+from pyspark.sql.types import StringType, StructType
 
 from .._version import __version__
 from ..dataset import (
     FORMAT_VERSION,
+    MANIFEST,
     ColumnSchema,
     DatasetLocation,
+    Manifest,
     StagedShard,
     TaskResult,
+    abort_dataset,
     attempt_uuid,
+    begin_job,
+    check_append,
+    check_kv_columns,
+    commit_dataset,
     index_rows,
     index_table,
     kv_tensor_name,
     lease_name,
+    load_manifest,
     merge_schemas,
     shard_name,
 )
 from ..format import ChunkedTensor, PackedTensors, dtype_of, write_packed, write_shard
-from .columns import ColumnError, ColumnPlan, decode_batch_column, decode_kv_column
+from .columns import ColumnError, ColumnPlan, decode_batch_column, decode_kv_column, plan_column
 from .options import WriterOptions
-
-
-@dataclass
-class TaskCommit(WriterCommitMessage):
-    """The commit message of one task attempt."""
-
-    result: TaskResult
 
 
 class JobEndedError(RuntimeError):
@@ -367,34 +373,176 @@ class KVModeWriter:
             self._seal()
 
 
-def write_partition(
-    options: WriterOptions,
-    plans: list[ColumnPlan],
-    location: DatasetLocation,
-    batches: Iterator[pa.RecordBatch],
-    task_id: int,
-    attempt_id: int,
-    job_id: str,
-    *,
-    made_directory: bool = False,
-) -> TaskCommit:
-    """Write one partition of job ``job_id``; on any error this attempt's files are deleted
-    and it re-raises. ``made_directory``: the job created the dataset's directory, so an
-    attempt that outlived a failed job removes it again when it is left empty (while the
-    job lives its lease keeps the directory non-empty)."""
-    sink = _ShardSink(
-        options, location, task_id, attempt_id, attempt_uuid(job_id), lease_name(job_id)
-    )
-    mode = KVModeWriter if options.mode == "kv" else BatchModeWriter
-    writer = mode(options, plans, sink)
-    try:
-        for batch in batches:
-            writer.add(batch)
-        writer.finish()
-        return TaskCommit(sink.result())
-    except BaseException:
-        sink.discard()
-        if made_directory:
+class PartitionWriter:
+    """One task attempt's part of a write job: ``add`` its Arrow batches, then ``finish``
+    (the attempt's ``TaskResult``, for the driver's commit); on an error ``discard``
+    deletes what it wrote."""
+
+    def __init__(self, job: WriteJob, task_id: int, attempt_id: int):
+        self.job = job
+        self.sink = _ShardSink(
+            job.options, job.location, task_id, attempt_id, attempt_uuid(job.job_id),
+            lease_name(job.job_id),
+        )  # fmt: skip
+        mode = KVModeWriter if job.options.mode == "kv" else BatchModeWriter
+        self.writer = mode(job.options, job.plans, self.sink)
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        self.writer.add(batch)
+
+    def finish(self) -> TaskResult:
+        self.writer.finish()
+        return self.sink.result()
+
+    def discard(self) -> None:
+        self.sink.discard()
+        if self.job.created:  # an attempt that outlived a failed job removes its directory
             with contextlib.suppress(OSError):  # best effort, as the discard above
-                location.remove_if_empty()
-        raise
+                self.job.location.remove_if_empty()
+
+
+class WriteJob:
+    """One dataset write, planned on the driver and pickled into its tasks.
+
+    ``schema``: the rows' Spark schema; the columns written and their plans follow the
+    options (``WriterOptions``). An append is checked against the dataset's manifest
+    before any task runs (what the types tell: columns, dtypes, ranks, batch size, key
+    settings) and again at commit. Making the job takes its lease, so the job must end in
+    ``commit`` or ``abort``; a failed job leaves nothing, not even the directory when it
+    made it."""
+
+    def __init__(
+        self,
+        options: WriterOptions,
+        schema: StructType,
+        overwrite: bool,
+        storage_options: dict[str, str] | None = None,
+    ):
+        self.options = options
+        self.overwrite = overwrite
+        self.location = DatasetLocation.of(options.path, storage_options=storage_options)
+        self.job_id = uuid.uuid4().hex
+        self.plans = self._plan(schema)
+        if not overwrite:
+            self._check_append()
+        self.created = not self.location.exists()
+        """Whether this job made the dataset's directory (a failed job then removes it)."""
+        begin_job(self.location, self.job_id)
+
+    def partition(self, task_id: int, attempt_id: int) -> PartitionWriter:
+        """The writer of one task attempt (in the task's process)."""
+        return PartitionWriter(self, task_id, attempt_id)
+
+    def live(self) -> bool:
+        """Whether the job still takes shards (not committed nor aborted): a task that
+        runs again after the commit (a lost partition computed anew) writes none."""
+        return self.location.has(lease_name(self.job_id))
+
+    def write_partition(
+        self, batches: Iterator[pa.RecordBatch], task_id: int, attempt_id: int
+    ) -> TaskResult:
+        """Write one partition; on any error this attempt's files are deleted and it
+        re-raises."""
+        writer = self.partition(task_id, attempt_id)
+        try:
+            for batch in batches:
+                writer.add(batch)
+            return writer.finish()
+        except BaseException:
+            writer.discard()
+            raise
+
+    def commit(self, results: list[TaskResult]):
+        """Publish what the tasks wrote (the manifest last); on failure the job is
+        aborted. Returns the manifest."""
+        try:
+            return commit_dataset(
+                self.location,
+                self.job_id,
+                results,
+                self.template(),
+                overwrite=self.overwrite,
+                generate_index=self.options.generate_index,
+                unique_keys=self.options.mode == "kv",
+                keep_previous_generation=self.options.keep_previous_generation,
+            )
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Delete every file of the job; the dataset stays as it was."""
+        abort_dataset(self.location, self.job_id)
+        if self.created:
+            self.location.remove_if_empty()
+
+    def _plan(self, schema: StructType):
+        names = [f.name for f in schema.fields]
+        o = self.options
+        unknown = [c for c in [*(o.columns or ()), *o.shapes, *o.column_dtypes] if c not in names]
+        if unknown:
+            raise ColumnError(
+                f"option names column(s) {unknown} that the DataFrame lacks; its columns: {names}"
+            )
+        if o.name_col is not None:
+            if o.name_col not in names:
+                raise ColumnError(f"name_col {o.name_col!r} is not a column; columns: {names}")
+            if not isinstance(schema[o.name_col].dataType, StringType):
+                raise ColumnError(
+                    f"name_col {o.name_col!r} has type {schema[o.name_col].dataType.simpleString()}; the key column must be a string"
+                )
+        wanted = o.columns or tuple(n for n in names if n != o.name_col)
+        if o.name_col in wanted:
+            raise ColumnError(
+                f"columns lists the key column {o.name_col!r}; it is written as part of each tensor name"
+            )
+        if not wanted:
+            raise ColumnError("no tensor columns to write")
+        if o.name_col is not None:
+            try:
+                check_kv_columns(wanted, o.kv_separator)
+            except ValueError as e:
+                raise ColumnError(str(e)) from None
+        return [plan_column(n, schema[n].dataType, o) for n in wanted]
+
+    def _check_append(self) -> None:
+        """Refuse, before any task runs, an append the dataset cannot take: what the
+        DataFrame's types tell (dtypes, ranks, scalar and ``shapes`` sample shapes) is
+        checked with the commit's rule; dimensions of variable-length arrays are known
+        only once written, and the commit checks them."""
+        if not self.location.has(MANIFEST):
+            return
+        previous = load_manifest(self.location)
+        where = f"dataset {self.location.uri!r}"
+        known = {p.name: _known_schema(p, previous.schema.get(p.name)) for p in self.plans}
+        check_append(previous, self.template(), known, where)
+
+    def template(self) -> Manifest:
+        """The manifest's settings (mode, batch size, key settings, metadata)."""
+        o = self.options
+        return Manifest(
+            shards=(),
+            schema={},
+            mode=o.mode,
+            batch_size=o.batch_size,
+            name_col=o.name_col,
+            kv_separator=o.kv_separator if o.mode == "kv" else None,
+            metadata=dict(o.metadata),
+        )
+
+
+def _known_schema(plan: ColumnPlan, previous: ColumnSchema | None) -> ColumnSchema:
+    """What the DataFrame's type tells of a column's dtype and sample shape; what it
+    leaves open (a struct's dtype, an array's dimensions) is taken from ``previous``
+    (the dataset's column), so that only what is known can disagree. Open dimensions of
+    a rank the dataset does not have show as -1."""
+    dtype = plan.target or (previous.dtype if previous else "")
+    if plan.shape is not None or plan.kind == "scalar":
+        sample = tuple(plan.shape or ())
+    elif previous is not None and (
+        plan.kind == "struct" or len(previous.sample_shape) == plan.depth
+    ):
+        sample = tuple(previous.sample_shape)
+    else:
+        sample = (-1,) * plan.depth
+    return ColumnSchema(dtype, sample, sample)

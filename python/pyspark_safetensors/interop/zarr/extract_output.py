@@ -112,6 +112,7 @@ class ZarrRunOutput:
     ``T_max`` = the extraction's ``max_length``. Chosen by ``ExtractConfig.zarr_run``."""
 
     name: str = "samples_zarr"
+    reads_rows: bool = True
 
     @classmethod
     def for_config(cls, config) -> ZarrRunOutput | None:
@@ -131,6 +132,9 @@ class ZarrRunOutput:
         if len(set(widths.values())) != 1:
             return f"zarr_run needs hook points of one width (a store is (N, L, T_max, H)); got {widths}"
         return None
+
+    def stage_writes(self, out, rows) -> list:
+        return []
 
     def write(self, out, rows) -> None:
         """``out``: the extraction's ``DatasetLocation`` (local); ``rows``: its
