@@ -15,8 +15,8 @@ from pyspark_safetensors.extract.outputs import (
     outputs_for,
     token_rows,
 )
-from pyspark_safetensors.spark.tensor_struct import tensor_structs_of_arrays
 from pyspark_safetensors.interop.zarr.extract_output import ZarrRunOutput
+from pyspark_safetensors.spark.tensor_struct import tensor_structs_of_arrays
 
 pytestmark = pytest.mark.unit
 
