@@ -280,7 +280,6 @@ class _Extraction:
     """Passed to the Spark writer as data-source options (empty for a local output)."""
     outputs: list[ExtractionOutput]
     threads: int
-    run: _ModelRun | None = None
 
     def __call__(self, out: DatasetLocation) -> ExtractionSummary:
         rows = SampleRows(
@@ -292,7 +291,7 @@ class _Extraction:
         try:
             for output in self.outputs:
                 writes += output.stage_writes(out, rows)
-            self.run = _run_model(
+            run = _run_model(
                 self.texts, self.plan, self.planned, writes, threads=self.threads,
                 store=any(o.reads_rows for o in self.outputs),
             )  # fmt: skip
@@ -301,16 +300,16 @@ class _Extraction:
                 write.job.abort()
             raise
         try:
-            rows = dataclasses.replace(rows, samples=self.run.samples)
+            rows = dataclasses.replace(rows, samples=run.samples)
             for output in self.outputs:  # each one whole before the extraction is finished
                 output.write(out, rows)
-            self._tables(out)
-            summary = self._summary(out)
+            self._tables(out, run)
+            summary = self._summary(out, run)
             out.put_json(EXTRACTION_DOC, self._extraction_doc(summary))  # last: marks it
             return summary
         finally:
-            if self.run.samples is not None:
-                self.run.samples.unpersist()
+            if run.samples is not None:
+                run.samples.unpersist()
 
     def _base_metadata(self) -> dict[str, str]:
         """What every dataset's manifest metadata says about the extraction."""
@@ -328,13 +327,13 @@ class _Extraction:
             "corpus": config.corpus,
         }
 
-    def _tables(self, out: DatasetLocation) -> None:
+    def _tables(self, out: DatasetLocation, run: _ModelRun) -> None:
         """samples.parquet and texts.jsonl, each written to a local file first (locally the
         output's own; elsewhere a spool file uploaded in one stream: the texts may not fit
         in memory)."""
         import pyarrow.parquet as pq
 
-        info = self.run.info.sort_by("sample_id")
+        info = run.info.sort_by("sample_id")
         out.write_shard("samples.parquet", lambda path: pq.write_table(info, path))
         out.write_shard("texts.jsonl", self._write_texts)
 
@@ -344,15 +343,15 @@ class _Extraction:
             for row in rows.toLocalIterator():
                 f.write(json.dumps(row.asDict(), ensure_ascii=False) + "\n")
 
-    def _summary(self, out: DatasetLocation) -> ExtractionSummary:
+    def _summary(self, out: DatasetLocation, run: _ModelRun) -> ExtractionSummary:
         files = out.list(recursive=True).values()
         return ExtractionSummary(
             Path(out.root) if out.local_file(EXTRACTION_DOC) else out.uri,
-            texts=len(self.run.info.column("sample_id").unique()),
-            samples=self.run.info.num_rows,
-            tokens=self.run.tokens,
+            texts=len(run.info.column("sample_id").unique()),
+            samples=run.info.num_rows,
+            tokens=run.tokens,
             bytes=sum(i.size for i in files if i.type == pafs.FileType.File),
-            seconds=self.run.seconds,
+            seconds=run.seconds,
             config_hash=self.config_hash,
             hooks=dict(self.plan.widths),
         )

@@ -145,18 +145,29 @@ def _typical_jobs(spark, work: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``--record PATH``: the recording session (see ``build``). Otherwise build the archive
-    where it is missing (``--force``: in any case) and print its path (``--quiet``: only
-    when built)."""
-    if argv[:1] == ["--record"]:
-        _record(argv[1])
+    """Build the archive where it is missing (``--force``: in any case) and print its path
+    (``--quiet``: only when built). ``--record PATH`` is the recording session ``build``
+    starts."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {_MODULE}",
+        description="Archive the classes a Spark driver loads, for every embedded session "
+        "after it to start sooner (once per Spark install and Java runtime).",
+    )
+    parser.add_argument("--force", action="store_true", help="build it even where it exists")
+    parser.add_argument("--quiet", action="store_true", help="print its path only when built")
+    parser.add_argument("--record", metavar="PATH", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.record:
+        _record(args.record)
         return 0
     path = archive_path()
-    if "--force" in argv or not path.is_file():
+    if args.force or not path.is_file():
         started = time.perf_counter()
         build(path)
         print(f"JVM class archive built in {time.perf_counter() - started:.0f} s: {path}")
-    elif "--quiet" not in argv:
+    elif not args.quiet:
         print(f"JVM class archive: {path}")
     return 0
 

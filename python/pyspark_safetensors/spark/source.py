@@ -134,7 +134,7 @@ class SafetensorsDataSource(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
         storage, options = split_storage_options(self.options)
-        return SafetensorsWriter(WriterOptions.parse(options), schema, overwrite, storage)
+        return SafetensorsWriter(WriteJob(WriterOptions.parse(options), schema, overwrite, storage))
 
 
 @dataclass
@@ -148,14 +148,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
     """The data source's front end of a ``WriteJob``: planned on the driver, written in
     tasks, committed on the driver."""
 
-    def __init__(
-        self,
-        options: WriterOptions,
-        schema: StructType,
-        overwrite: bool,
-        storage_options: dict[str, str] | None = None,
-    ):
-        self.job = WriteJob(options, schema, overwrite, storage_options)
+    def __init__(self, job: WriteJob):
+        self.job = job
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         from pyspark import TaskContext
