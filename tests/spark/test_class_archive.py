@@ -24,6 +24,8 @@ def test_an_archive_goes_first_unless_the_user_set_up_sharing(tmp_path, monkeypa
     path = archive_path()
     path.parent.mkdir(parents=True)
     path.write_bytes(b"")
+    (path.parent / f"{path.name}.jars").write_text(class_archive._jars_stamp())
+    assert class_archive.is_current()
     assert with_archive("-Dx=1").startswith(f"-XX:SharedArchiveFile={path} ")
     assert with_archive("-Dx=1").endswith(" -Dx=1")
     own = "-XX:SharedArchiveFile=/elsewhere.jsa"
@@ -31,11 +33,27 @@ def test_an_archive_goes_first_unless_the_user_set_up_sharing(tmp_path, monkeypa
     assert with_archive("-Xshare:off") == "-Xshare:off"
 
 
+def test_an_archive_of_other_jars_is_stale(tmp_path, monkeypatch):
+    """A reinstalled Spark at the same path and version: the JVM would map nothing of it."""
+    monkeypatch.setenv(class_archive.CACHE_ENV, str(tmp_path))
+    path = archive_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    assert not class_archive.is_current()  # built by no set-up here: no stamp
+    (path.parent / f"{path.name}.jars").write_text(class_archive._jars_stamp())
+    jars = tmp_path / "spark" / "jars"
+    jars.mkdir(parents=True)
+    (jars / "spark-core.jar").write_bytes(b"x")
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "spark"))
+    assert not class_archive.is_current(path)
+    assert java_options(path) == ""
+
+
 @pytest.mark.spark
 def test_a_local_session_maps_the_archive_set_up_built(tmp_path):
     """The driver, and the executors of a local-cluster master, each a JVM of its own."""
-    if not archive_path().is_file():
-        pytest.skip("no JVM class archive for this Spark install: ./dev set-up builds the "
+    if not class_archive.is_current():
+        pytest.skip("no current JVM class archive for this Spark install: ./dev set-up builds the "
                     "default line's (python -m pyspark_safetensors.spark.class_archive)")  # fmt: skip
     logging = f"-Xlog:class+load=info:file={tmp_path}/classes-%p.log"
     script = textwrap.dedent(f"""

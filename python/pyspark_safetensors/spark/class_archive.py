@@ -5,8 +5,10 @@ A Spark driver parses and verifies some ten thousand classes from its jars while
 session starts and its first jobs run: most of the seconds before the first task. The JDK
 can instead map those classes, already parsed, from an archive written once
 (``-XX:ArchiveClassesAtExit``, JDK 13 and newer) and read by every later JVM of the same
-runtime and class path (``-XX:SharedArchiveFile``); a JVM that does not match the archive
-ignores it and starts as usual, so a stale archive costs nothing but the speed-up.
+runtime and class path (``-XX:SharedArchiveFile``). The JVM checks each jar on the class
+path against the one recorded (size and modification time) and maps nothing where one
+differs, so a Spark reinstalled at the same path makes an archive stale: a stamp of the
+jars written beside it tells, and a stale archive is not passed (set-up builds it again).
 
 :func:`build` writes the archive (a local session running a representative set of jobs,
 about a minute and 190 MB, once per Spark install and Java runtime); :func:`java_options`
@@ -62,10 +64,33 @@ def archive_path() -> Path:
     return Path(cache) / "jvm" / f"spark-{pyspark.__version__}-{digest}.jsa"
 
 
-def java_options(path: Path | None = None) -> str:
-    """The JVM flags that map the archive, or ``""`` when it is not built."""
+def _jars_stamp() -> str:
+    """What the JVM checks of the driver's class path: every Spark jar's name, size and
+    modification time (a reinstall keeps the names and changes the times)."""
+    import pyspark
+
+    spark_home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+    jars = Path(spark_home) / "jars"
+    entries = sorted(jars.iterdir()) if jars.is_dir() else []
+    listing = "\n".join(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in entries)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.jars")
+
+
+def is_current(path: Path | None = None) -> bool:
+    """Whether the archive is built for the Spark jars installed now."""
     path = path or archive_path()
-    return f"-XX:SharedArchiveFile={path} {_QUIET}" if path.is_file() else ""
+    stamp = _stamp_path(path)
+    return path.is_file() and stamp.is_file() and stamp.read_text() == _jars_stamp()
+
+
+def java_options(path: Path | None = None) -> str:
+    """The JVM flags that map the archive, or ``""`` when it is not built or stale."""
+    path = path or archive_path()
+    return f"-XX:SharedArchiveFile={path} {_QUIET}" if is_current(path) else ""
 
 
 def with_archive(java_options_given: str) -> str:
@@ -94,6 +119,7 @@ def build(path: Path | None = None, *, timeout: float = 900) -> Path:
         if run.returncode != 0:
             raise RuntimeError(f"building the JVM class archive failed:\n{run.stderr[-4000:]}")
         os.replace(partial, path)
+        _stamp_path(path).write_text(_jars_stamp())
     finally:
         partial.unlink(missing_ok=True)
     return path
@@ -145,7 +171,7 @@ def _typical_jobs(spark, work: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Build the archive where it is missing (``--force``: in any case) and print its path
+    """Build the archive where it is missing or stale (``--force``: in any case) and print its path
     (``--quiet``: only when built). ``--record PATH`` is the recording session ``build``
     starts."""
     import argparse
@@ -163,7 +189,7 @@ def main(argv: list[str]) -> int:
         _record(args.record)
         return 0
     path = archive_path()
-    if args.force or not path.is_file():
+    if args.force or not is_current(path):
         started = time.perf_counter()
         build(path)
         print(f"JVM class archive built in {time.perf_counter() - started:.0f} s: {path}")
