@@ -28,6 +28,22 @@ def test_every_command_has_help(command):
     assert "Traceback" not in result.stderr
 
 
+def test_help_answers_without_loading_torch():
+    """--help (and any mistake on the command line) is answered before torch loads."""
+    script = (
+        "import sys\n"
+        "from pyspark_safetensors.cli import COMMANDS, main\n"
+        "for command in COMMANDS:\n"
+        "    if command != 'bench':  # runs the benchmarks' own --help in a process\n"
+        "        main([command, '--help'])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'pyspark') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
 def test_train_help_lists_every_config_field_with_its_default():
     import dataclasses
 

@@ -184,8 +184,7 @@ def features(argv: list[str]) -> int:
     """Encode every token of an extraction's hook point with an SAE inside Spark and
     write each latent's statistics, top-activating contexts and a static feature browser
     (--out/index.html; see docs/features.md)."""
-    from .features import FeaturesConfig, plan_features, run_features
-    from .spark.session import local_session
+    from .features import FeaturesConfig
 
     omit = _tyro().conf.OmitArgPrefixes
     args_type = dataclasses.make_dataclass(
@@ -195,6 +194,9 @@ def features(argv: list[str]) -> int:
         frozen=True,
     )  # fmt: skip
     args = _parse(args_type, argv, "features", features.__doc__)
+    from .features import plan_features, run_features  # torch: after --help
+    from .spark.session import local_session
+
     storage_options = _storage_options(args.job.storage_option)
     plan_features(args.config, storage_options)  # bad inputs stop here, before Spark starts
     spark = local_session(args.job.master)
@@ -213,7 +215,6 @@ def train(argv: list[str]) -> int:
     a TOML file (e.g. conf/sae.toml); options override it; --nproc N launches torchrun with
     N processes (set --data-parallel-size / --model-parallel-size to match)."""
     from .sae import SAEConfig
-    from .sae.train import launch
 
     path, rest = _split_config(argv)
     nproc = 1
@@ -227,6 +228,8 @@ def train(argv: list[str]) -> int:
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {nproc}")
     config = _parse(SAEConfig, rest, "train", train.__doc__, default=SAEConfig.load(path))
+    from .sae.train import launch  # torch: after --help
+
     return launch(config, nproc)
 
 
@@ -248,8 +251,6 @@ class LutCommand:
 def lut(argv: list[str]) -> int:
     """Precompute lookup tables (docs/lut.md) for linear layers from SAE checkpoints:
     pyspark-safetensors lut MODEL_DIR --sae LAYER[,LAYER...]=SAE_FILE [--sae ...]."""
-    from .lut import precompute_lut
-
     positional = [a for a in argv[:1] if not a.startswith("-")]
     args = _parse(LutCommand, argv[len(positional) :], "lut", lut.__doc__, positionals="MODEL_DIR")
     if not positional:
@@ -264,6 +265,8 @@ def lut(argv: list[str]) -> int:
         if not sep or not layers:
             raise UsageError(f"--sae {item!r} must be LAYER[,LAYER...]=SAE_FILE")
         saes.update(dict.fromkeys(layers.split(","), path))
+    from .lut import precompute_lut  # torch: after the command line is checked
+
     meta = precompute_lut(
         positional[0], saes, out_dir=args.out or None, dtype=args.dtype, overwrite=args.overwrite
     )
@@ -296,12 +299,12 @@ def evaluate(argv: list[str]) -> int:
     error and cosine against the exact layer for several k and m, and the model's
     sentence embeddings with all LUT layers patched in:
     pyspark-safetensors evaluate LUT_DIR [options]."""
-    from .lut import evaluate_on_passages
-
     positional = [a for a in argv[:1] if not a.startswith("-")]
     args = _parse(EvaluateCommand, argv[len(positional) :], "evaluate", evaluate.__doc__)
     if not positional:
         raise UsageError("evaluate needs LUT_DIR first: pyspark-safetensors evaluate LUT_DIR")
+    from .lut import evaluate_on_passages  # torch: after the command line is checked
+
     result = evaluate_on_passages(
         positional[0], args.model_dir or None, texts=args.texts, skip=args.skip,
         max_length=args.max_length, ks=list(args.ks) or None, ms=args.ms,

@@ -3,15 +3,22 @@ top-activating contexts and random examples per quantile band, computed by a Spa
 (``run_features``), checked against a single-process loop (``reference_state``), and shown
 by a static browser (``index.html`` beside the two parquet tables)."""
 
-from .config import FeaturesConfig, FeaturesError
-from .job import FeaturesSummary, plan_features, run_features
-from .reference import reference_state
+import importlib
 
-__all__ = [
-    "FeaturesConfig",
-    "FeaturesError",
-    "FeaturesSummary",
-    "plan_features",
-    "reference_state",
-    "run_features",
-]
+from .config import FeaturesConfig, FeaturesError
+
+# The job and the reference loop import torch: loaded on first use, so that a command
+# line's configuration and its --help come without it.
+_SUBMODULE = {
+    **dict.fromkeys(("FeaturesSummary", "plan_features", "run_features"), "job"),
+    "reference_state": "reference",
+}
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULE:
+        return getattr(importlib.import_module(f".{_SUBMODULE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["FeaturesConfig", "FeaturesError", *sorted(_SUBMODULE)]

@@ -1,29 +1,29 @@
 """Sparse autoencoders (TopK, BatchTopK, JumpReLU: ``architectures/``) trained on
-activation datasets, on one process or a ("data", "model") DeviceMesh. Imports torch."""
+activation datasets, on one process or a ("data", "model") DeviceMesh. Imports torch on
+first use of any name but ``SAEConfig``."""
 
-from .architectures import ARCHITECTURES, BatchTopKSAE, JumpReLUSAE, SparseAutoencoder, TopKSAE
-from .checkpoint import CheckpointError, load_sae, save_sae
+import importlib
+
 from .config import SAEConfig
-from .ecosystem import export_sae, load_sae_model, read_sae
-from .mesh import DimMap, make_mesh, mesh_dim_size, mesh_rank
-from .model import dense_reference
 
-__all__ = [
-    "ARCHITECTURES",
-    "BatchTopKSAE",
-    "CheckpointError",
-    "DimMap",
-    "JumpReLUSAE",
-    "SAEConfig",
-    "SparseAutoencoder",
-    "TopKSAE",
-    "dense_reference",
-    "export_sae",
-    "load_sae",
-    "load_sae_model",
-    "make_mesh",
-    "mesh_dim_size",
-    "mesh_rank",
-    "read_sae",
-    "save_sae",
-]
+# The rest imports torch: loaded on first use, so that a command line's configuration
+# (``SAEConfig``) and its --help come without it.
+_SUBMODULE = {
+    **dict.fromkeys(
+        ("ARCHITECTURES", "BatchTopKSAE", "JumpReLUSAE", "SparseAutoencoder", "TopKSAE"),
+        "architectures",
+    ),
+    **dict.fromkeys(("CheckpointError", "load_sae", "save_sae"), "checkpoint"),
+    **dict.fromkeys(("export_sae", "load_sae_model", "read_sae"), "ecosystem"),
+    **dict.fromkeys(("DimMap", "make_mesh", "mesh_dim_size", "mesh_rank"), "mesh"),
+    "dense_reference": "model",
+}
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULE:
+        return getattr(importlib.import_module(f".{_SUBMODULE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["SAEConfig", *sorted(_SUBMODULE)]
