@@ -36,6 +36,7 @@ def test_help_answers_without_loading_torch():
         "for command in COMMANDS:\n"
         "    if command != 'bench':  # runs the benchmarks' own --help in a process\n"
         "        main([command, '--help'])\n"
+        "main(['lut']); main(['evaluate']); main(['train', '--k', 'many'])  # mistakes\n"
         "print(sorted(m for m in ('torch', 'transformers', 'pyspark') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

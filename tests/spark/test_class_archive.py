@@ -24,7 +24,7 @@ def test_an_archive_goes_first_unless_the_user_set_up_sharing(tmp_path, monkeypa
     path = archive_path()
     path.parent.mkdir(parents=True)
     path.write_bytes(b"")
-    (path.parent / f"{path.name}.jars").write_text(class_archive._jars_stamp())
+    class_archive._stamp_path(path).write_text(class_archive._jars_stamp())
     assert class_archive.is_current()
     assert with_archive("-Dx=1").startswith(f"-XX:SharedArchiveFile={path} ")
     assert with_archive("-Dx=1").endswith(" -Dx=1")
@@ -40,7 +40,7 @@ def test_an_archive_of_other_jars_is_stale(tmp_path, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"")
     assert not class_archive.is_current()  # built by no set-up here: no stamp
-    (path.parent / f"{path.name}.jars").write_text(class_archive._jars_stamp())
+    class_archive._stamp_path(path).write_text(class_archive._jars_stamp())
     jars = tmp_path / "spark" / "jars"
     jars.mkdir(parents=True)
     (jars / "spark-core.jar").write_bytes(b"x")

@@ -49,12 +49,19 @@ def _java() -> str:
     return os.path.realpath(java) if java else "java"
 
 
+def _spark_home() -> str:
+    """The Spark install a local session runs: ``$SPARK_HOME``, else pip's pyspark."""
+    import pyspark
+
+    return os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+
+
 def archive_path() -> Path:
     """Where the archive of this Spark install and Java runtime lives (it may not exist)."""
     import pyspark
 
     java = _java()
-    spark_home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+    spark_home = _spark_home()
     stamp = os.stat(java).st_mtime_ns if os.path.exists(java) else 0
     key = "\0".join([java, str(stamp), os.path.realpath(spark_home), pyspark.__version__])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -67,12 +74,9 @@ def archive_path() -> Path:
 def _jars_stamp() -> str:
     """What the JVM checks of the driver's class path: every Spark jar's name, size and
     modification time (a reinstall keeps the names and changes the times)."""
-    import pyspark
-
-    spark_home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
-    jars = Path(spark_home) / "jars"
-    entries = sorted(jars.iterdir()) if jars.is_dir() else []
-    listing = "\n".join(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in entries)
+    jars = Path(_spark_home()) / "jars"
+    stats = [(p.name, p.stat()) for p in sorted(jars.iterdir())] if jars.is_dir() else []
+    listing = "\n".join(f"{name} {st.st_size} {st.st_mtime_ns}" for name, st in stats)
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
@@ -171,8 +175,8 @@ def _typical_jobs(spark, work: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Build the archive where it is missing or stale (``--force``: in any case) and print its path
-    (``--quiet``: only when built). ``--record PATH`` is the recording session ``build``
+    """Build the archive where it is missing or stale (``--force``: in any case) and print
+    its path (``--quiet``: only when built). ``--record PATH`` is the recording session ``build``
     starts."""
     import argparse
 
