@@ -156,7 +156,7 @@ def extract(argv: list[str]) -> int:
     )
     args = _parse(args_type, argv, "extract", extract.__doc__)
     storage_options = _storage_options(args.job.storage_option)
-    spark = local_session(args.job.master)
+    spark = local_session(args.job.master, quick_jit=True)  # the model runs in Python
     try:
         summary = run_extraction(
             spark, args.config, args.job.out, overwrite=args.job.overwrite,

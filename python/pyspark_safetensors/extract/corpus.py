@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..spark.compat import default_parallelism
+from ..spark.compat import from_arrow
 from .model import ExtractionError
 
 DEMO_PASSAGE_CHARS = 400
@@ -154,16 +154,22 @@ def number_texts(texts, partitions: int):
 
 def numbered_demo(spark, config, partitions: int):
     """The demo corpus as ``number_texts`` gives it, numbered on the driver, which holds
-    it anyway (no Spark job: a session's first jobs take seconds): ``key, text, source,
+    it anyway (no numbering jobs: a session's first jobs take seconds): ``key, text, source,
     sample_id`` in ``partitions`` key ranges, each in key order; ``config.max_texts``
     keeps the first by key. Returns the DataFrame."""
+    import pyarrow as pa
+    from pyspark.sql import functions as F
+
     texts = demo_by_key(config.passage_chars)[: config.max_texts or None]
-    rows = [(key, text, source, i) for i, (key, text, source) in enumerate(texts)]
-    # contiguous slices, one per core, in order
-    df = spark.createDataFrame(rows, "key string, text string, source string, sample_id long")
-    if partitions != default_parallelism(spark):
-        df = df.repartitionByRange(partitions, "sample_id").sortWithinPartitions("sample_id")
-    return df
+    columns = [pa.array([t[i] for t in texts], pa.string()) for i in range(3)]
+    table = pa.table([*columns, pa.array(range(len(texts)), pa.int64())],
+                     names=["key", "text", "source", "sample_id"])  # fmt: skip
+    # The ids' contiguous ranges, one per partition, joined to the texts broadcast as Arrow
+    # (the join keeps each range's order). Not Python rows: Spark has Python workers of
+    # their own (a daemon, a worker per core, beside the model's) re-serialize them.
+    ids = spark.range(0, len(texts), 1, partitions).withColumnRenamed("id", "sample_id")
+    texts_df = F.broadcast(from_arrow(spark, table))
+    return ids.join(texts_df, "sample_id").select("key", "text", "source", "sample_id")
 
 
 def corpus_sha256(keys) -> str:

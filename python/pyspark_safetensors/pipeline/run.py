@@ -319,7 +319,7 @@ class Pipeline:
         )
 
         def build(tmp: Path) -> None:
-            spark = local_session(c.master)
+            spark = local_session(c.master, quick_jit=True)  # the model runs in Python
             try:
                 run_extraction(spark, self.extract_config, tmp / "data", overwrite=True)
             finally:
