@@ -83,8 +83,11 @@ def load_corpus(spark, config, corpus=None):
             F.col(config.text_column).cast("string").alias("text"), source.alias("source")
         )
     elif config.corpus == "demo":
-        rows = list(demo_passages(config.passage_chars))
-        df = spark.createDataFrame(rows, "source string, text string")
+        import pyarrow as pa
+
+        sources, texts = zip(*demo_passages(config.passage_chars), strict=True)
+        # Arrow, not Python rows, which Spark re-serializes in Python workers of their own
+        df = from_arrow(spark, pa.table({"source": list(sources), "text": list(texts)}))
     else:
         df = _corpus_at(spark, Path(config.corpus), config.text_column)
     blank = F.length(F.regexp_replace("text", r"\s+", "")) == 0  # trim() keeps newlines
