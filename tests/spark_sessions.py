@@ -22,8 +22,16 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, str]]] = {
     "local": ("local[2]", {}),
     # the JVM shim's SQL functions enabled
     "shim": ("local[2]", {"spark.sql.extensions": SHIM_EXTENSIONS}),
-    # executors in separate JVMs, each with its own Python workers
-    "cluster": ("local-cluster[2,1,1024]", {"spark.task.maxFailures": "2"}),
+    # executors in separate JVMs, each with its own Python workers, started with the
+    # drivers' Java options (conftest's SPARK_SUBMIT_OPTS: the JIT's first tier, the serial
+    # collector, the class archive), which reach no executor by themselves: 4-5 s less
+    "cluster": (
+        "local-cluster[2,1,1024]",
+        {
+            "spark.task.maxFailures": "2",
+            "spark.executor.extraJavaOptions": os.environ.get("SPARK_SUBMIT_OPTS", ""),
+        },
+    ),
     # catalog tables in a Hive metastore (embedded Derby) with the shim's functions
     "hive": (
         "local[2]",
