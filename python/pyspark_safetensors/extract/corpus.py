@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pyarrow as pa
+
 from ..spark.compat import from_arrow
 from .model import ExtractionError
 
@@ -83,11 +85,8 @@ def load_corpus(spark, config, corpus=None):
             F.col(config.text_column).cast("string").alias("text"), source.alias("source")
         )
     elif config.corpus == "demo":
-        import pyarrow as pa
-
-        sources, texts = zip(*demo_passages(config.passage_chars), strict=True)
-        # Arrow, not Python rows, which Spark re-serializes in Python workers of their own
-        df = from_arrow(spark, pa.table({"source": list(sources), "text": list(texts)}))
+        rows = list(demo_passages(config.passage_chars))
+        df = _arrow_frame(spark, rows, pa.schema([("source", pa.string()), ("text", pa.string())]))
     else:
         df = _corpus_at(spark, Path(config.corpus), config.text_column)
     blank = F.length(F.regexp_replace("text", r"\s+", "")) == 0  # trim() keeps newlines
@@ -160,19 +159,26 @@ def numbered_demo(spark, config, partitions: int):
     it anyway (no numbering jobs: a session's first jobs take seconds): ``key, text, source,
     sample_id`` in ``partitions`` key ranges, each in key order; ``config.max_texts``
     keeps the first by key. Returns the DataFrame."""
-    import pyarrow as pa
     from pyspark.sql import functions as F
 
     texts = demo_by_key(config.passage_chars)[: config.max_texts or None]
-    columns = [pa.array([t[i] for t in texts], pa.string()) for i in range(3)]
-    table = pa.table([*columns, pa.array(range(len(texts)), pa.int64())],
-                     names=["key", "text", "source", "sample_id"])  # fmt: skip
-    # The ids' contiguous ranges, one per partition, joined to the texts broadcast as Arrow
-    # (the join keeps each range's order). Not Python rows: Spark has Python workers of
-    # their own (a daemon, a worker per core, beside the model's) re-serialize them.
+    rows = [(i, key, text, source) for i, (key, text, source) in enumerate(texts)]
+    schema = pa.schema(
+        [("sample_id", pa.int64())] + [(c, pa.string()) for c in ("key", "text", "source")]
+    )
+    # the ids' contiguous ranges, one per partition, joined to the texts broadcast (the
+    # join keeps each range's order)
     ids = spark.range(0, len(texts), 1, partitions).withColumnRenamed("id", "sample_id")
-    texts_df = F.broadcast(from_arrow(spark, table))
-    return ids.join(texts_df, "sample_id").select("key", "text", "source", "sample_id")
+    numbered = ids.join(F.broadcast(_arrow_frame(spark, rows, schema)), "sample_id")
+    return numbered.select("key", "text", "source", "sample_id")
+
+
+def _arrow_frame(spark, rows: list[tuple], schema: pa.Schema):
+    """A DataFrame of the tuples ``rows``, handed to Spark as Arrow. Not as Python rows:
+    Spark re-serializes those, whenever the DataFrame is read, in Python workers of their
+    own (a daemon and a worker per core, beside the model's)."""
+    columns = [pa.array([row[i] for row in rows], field.type) for i, field in enumerate(schema)]
+    return from_arrow(spark, pa.Table.from_arrays(columns, schema=schema))
 
 
 def corpus_sha256(keys) -> str:
