@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .session import spark_home
+
 CACHE_ENV = "PYSPARK_SAFETENSORS_CACHE"
 """A directory for the archive instead of ``$XDG_CACHE_HOME/pyspark-safetensors``."""
 
@@ -49,21 +51,14 @@ def _java() -> str:
     return os.path.realpath(java) if java else "java"
 
 
-def _spark_home() -> str:
-    """The Spark install a local session runs: ``$SPARK_HOME``, else pip's pyspark."""
-    import pyspark
-
-    return os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
-
-
 def archive_path() -> Path:
     """Where the archive of this Spark install and Java runtime lives (it may not exist)."""
     import pyspark
 
     java = _java()
-    spark_home = _spark_home()
+    home = spark_home()
     stamp = os.stat(java).st_mtime_ns if os.path.exists(java) else 0
-    key = "\0".join([java, str(stamp), os.path.realpath(spark_home), pyspark.__version__])
+    key = "\0".join([java, str(stamp), os.path.realpath(home), pyspark.__version__])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     cache = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pyspark-safetensors"
@@ -74,7 +69,7 @@ def archive_path() -> Path:
 def _jars_stamp() -> str:
     """What the JVM checks of the driver's class path: every Spark jar's name, size and
     modification time (a reinstall keeps the names and changes the times)."""
-    jars = Path(_spark_home()) / "jars"
+    jars = Path(spark_home()) / "jars"
     stats = [(p.name, p.stat()) for p in sorted(jars.iterdir())] if jars.is_dir() else []
     listing = "\n".join(f"{name} {st.st_size} {st.st_mtime_ns}" for name, st in stats)
     return hashlib.sha256(listing.encode()).hexdigest()

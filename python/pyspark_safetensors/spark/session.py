@@ -12,6 +12,13 @@ CONF_DIR_ENV = "PYSPARK_SAFETENSORS_CONF_DIR"
 """A directory whose ``spark-defaults.conf`` / ``log4j2.properties`` replace the shipped ones."""
 
 
+def spark_home() -> str:
+    """The Spark install a local session runs: ``$SPARK_HOME``, else pip's pyspark."""
+    import pyspark
+
+    return os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+
+
 def conf_file(name: str) -> Path | None:
     """``$PYSPARK_SAFETENSORS_CONF_DIR/name`` when set, else the shipped ``conf/name``."""
     if os.environ.get(CONF_DIR_ENV):
