@@ -1,6 +1,8 @@
 """Where the model comes from (local directory, Hugging Face cache by model id, the
-packaged default), the corpus helpers, and the import rule (no torch at import)."""
+packaged default), the corpus helpers, the import rule (no torch at import), and the collector paused
+while a model loads."""
 
+import gc
 import hashlib
 import json
 import subprocess
@@ -101,3 +103,20 @@ def test_importing_extract_imports_neither_torch_nor_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_loading_a_model_pauses_the_garbage_collector_and_restores_its_state():
+    from pyspark_safetensors.extract.model import _collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a failed load")
+    assert gc.isenabled()
+    gc.disable()  # a caller's own choice is kept
+    try:
+        with _collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -11,10 +11,12 @@ stays cheap (Spark imports the package in every Python worker).
 from __future__ import annotations
 
 import fnmatch
+import gc
 import hashlib
 import inspect
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -201,17 +203,34 @@ def load_model(model_dir: str | os.PathLike):
     model loads with its head (``AutoModelForCausalLM``: module names as in its weights,
     ``model.layers.{i}...``, ``transformer.h.{i}...``, and logits for the evaluations);
     any other model as its base ``AutoModel`` (``encoder.layer.{i}...``)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per Python worker would drown Spark's
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ExtractionError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    auto = AutoModelForCausalLM if is_causal_lm(model_dir) else AutoModel
-    model = auto.from_pretrained(model_dir, local_files_only=True).eval()
+    with _collector_paused():
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per Python worker would drown Spark's
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        auto = AutoModelForCausalLM if is_causal_lm(model_dir) else AutoModel
+        model = auto.from_pretrained(model_dir, local_files_only=True).eval()
     return tokenizer, model
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while torch and transformers import and a
+    model loads. They create some hundred thousand long-lived objects, and every
+    collection their allocations trigger scans them all again: a quarter of the CPU a
+    Spark worker spends loading MiniLM (3.3 s -> 2.4 s). Reference counting still frees
+    everything else; the collector's previous state comes back after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def is_causal_model(model) -> bool:
@@ -287,11 +306,11 @@ class Extractor:
             raise ExtractionError(f"dtype must be F16, BF16 or F32, got {dtype!r}")
         if long_texts not in ("window", "truncate"):
             raise ExtractionError(f"long_texts must be 'window' or 'truncate', got {long_texts!r}")
-        import torch
+        self.tokenizer, self.model = load_model(model_dir)
+        import torch  # loaded with the model
 
         if threads:
             torch.set_num_threads(threads)
-        self.tokenizer, self.model = load_model(model_dir)
         limit = model_context(self.model) or max(max_length, 3)
         max_length = max_length or limit
         if not 2 < max_length <= limit:
