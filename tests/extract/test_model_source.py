@@ -1,6 +1,6 @@
 """Where the model comes from (local directory, Hugging Face cache by model id, the
-packaged default), the corpus helpers, the import rule (no torch at import), and the collector paused
-while a model loads."""
+packaged default), the corpus helpers, the import rule (no torch at import), and the
+collector paused while a model loads."""
 
 import gc
 import hashlib
