@@ -4,6 +4,8 @@ Trainer, SAELens' jumprelu layout both ways, resume, and the config file workers
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -166,3 +168,19 @@ def test_a_zarr_store_is_refused_as_training_data(tmp_path):
     (tmp_path / "store" / ".zgroup").write_text('{"zarr_format": 2}')
     with pytest.raises(ValueError, match="a zarr store holds per-sample arrays"):
         open_activation_source(tmp_path / "store")
+
+
+def test_encoding_without_a_mesh_leaves_dtensor_unimported():
+    """The features job's workers and the LUTs encode with an SAE on no mesh: they need
+    not pay for torch.distributed.tensor (half a second of imports per process)."""
+    code = (
+        "import sys, torch\n"
+        "from pyspark_safetensors.sae.architectures import ARCHITECTURES\n"
+        "for name, cls in ARCHITECTURES.items():\n"
+        "    sae = cls(8, 16, 2, seed=0)\n"
+        "    sae.encode(torch.randn(3, 8))\n"
+        "    sae.load_full_state(sae.full_state())\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["False"]

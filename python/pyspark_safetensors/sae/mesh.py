@@ -14,14 +14,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from ..format.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+# torch.distributed.tensor (DTensor: half a second of imports) loads where a mesh is used,
+# not in the processes that only encode with an SAE (the features job's workers, the LUTs).
 
 DATA, MODEL = "data", "model"
 
@@ -58,6 +63,8 @@ class DimMap:
     def placements(self, mesh: DeviceMesh, ndim: int | None = None) -> tuple[Placement, ...]:
         """The placement tuple for ``mesh``, in its dimension order. Names the mesh lacks
         are ignored: a map written for ("data", "model") works on ("model",) or ("data",)."""
+        from torch.distributed.tensor import Replicate, Shard
+
         names = mesh.mesh_dim_names or ()
         return tuple(
             Shard(self._dim(name, ndim)) if name in self.dims else Replicate() for name in names
@@ -80,6 +87,8 @@ class DimMap:
         """This rank's local shard of ``full`` (which every rank holds identically)."""
         if mesh is None:
             return full
+        from torch.distributed.tensor import distribute_tensor
+
         self.local_shape(tuple(full.shape), mesh)
         return distribute_tensor(full, mesh, self.placements(mesh, full.ndim)).to_local()
 
@@ -87,6 +96,8 @@ class DimMap:
         """The full tensor from every rank's local shard (a collective on every rank)."""
         if mesh is None:
             return local
+        from torch.distributed.tensor import DTensor, Replicate
+
         placements = self.placements(mesh, local.ndim)
         if all(isinstance(p, Replicate) for p in placements):
             return local
