@@ -64,20 +64,30 @@ def frame(spark, rows: list[np.ndarray], element: str):
 SIDES = (True, False) if hasattr(F, "arrow_udf") else (True,)
 
 
+def collect_each(df, columns: dict) -> dict[str, list]:
+    """Each of ``columns`` (name -> ``column(jvm)``) collected with the JVM shim and with
+    the fallback (where this Spark has one), all columns in one job per side; the two
+    sides must agree. Returns the JVM side's values by name."""
+    sides = {}
+    for jvm in SIDES:
+        rows = df.select(*[column(jvm).alias(name) for name, column in columns.items()]).collect()
+        sides[jvm] = {name: [r[name] for r in rows] for name in columns}
+    for name in columns if False in sides else ():
+        jvm, fallback = sides[True][name], sides[False][name]
+        assert len(jvm) == len(fallback), name
+        for a, b in zip(jvm, fallback, strict=True):
+            if isinstance(a, list):
+                np.testing.assert_array_equal(
+                    np.asarray(a, dtype=float), np.asarray(b, dtype=float), err_msg=name
+                )
+            else:
+                assert a == b, name
+    return sides[True]
+
+
 def collect_both(df, column):
-    """``column(jvm)`` collected with the JVM shim and with the fallback (where this Spark
-    has one); they must agree."""
-    jvm = [r[0] for r in df.select(column(True)).collect()]
-    if False not in SIDES:
-        return jvm
-    fallback = [r[0] for r in df.select(column(False)).collect()]
-    assert len(jvm) == len(fallback)
-    for a, b in zip(jvm, fallback, strict=True):
-        if isinstance(a, list):
-            np.testing.assert_array_equal(np.asarray(a, dtype=float), np.asarray(b, dtype=float))
-        else:
-            assert a == b
-    return jvm
+    """``column(jvm)`` collected with the JVM shim and with the fallback (``collect_each``)."""
+    return collect_each(df, {"value": column})["value"]
 
 
 def expected_bytes(row: np.ndarray, dtype: str) -> bytes:
@@ -115,8 +125,8 @@ def test_float_sources_every_dtype(spark, element):
     ]
     rows = [r.astype(np.float32 if element == "float" else np.float64) for r in rows]
     df = frame(spark, rows, element)
-    for dtype in FLOAT:
-        got = collect_both(df, lambda jvm, d=dtype: arr_to_st("x", None, d, jvm=jvm))
+    columns = {d: lambda jvm, d=d: arr_to_st("x", None, d, jvm=jvm) for d in FLOAT}
+    for dtype, got in collect_each(df, columns).items():
         for row, t in zip(rows, got, strict=True):
             assert t.dtype == dtype and t.shape == [len(row)]
             assert bytes(t.data) == expected_bytes(row, dtype), dtype
@@ -130,8 +140,8 @@ def test_integral_values_every_dtype(spark, element):
     rows = [np.arange(0, 128, 3), np.array([127, 0, 1, 64]), np.array([5])]
     rows = [r.astype(ARROW[element].to_pandas_dtype()) for r in rows]
     df = frame(spark, rows, element)
-    for dtype in WRITABLE:
-        got = collect_both(df, lambda jvm, d=dtype: arr_to_st("x", None, d, jvm=jvm))
+    columns = {d: lambda jvm, d=d: arr_to_st("x", None, d, jvm=jvm) for d in WRITABLE}
+    for dtype, got in collect_each(df, columns).items():
         assert [bytes(t.data) for t in got] == [expected_bytes(r, dtype) for r in rows], dtype
 
 
@@ -188,9 +198,10 @@ def test_float_to_integer_errors(spark):
 def test_shapes(spark):
     rows = [np.arange(6, dtype=np.float32), np.arange(6, 12, dtype=np.float32)]
     df = frame(spark, rows, "float").withColumn("s", F.array(F.lit(3), F.lit(2)))
-    for shape in ([2, 3], "s", F.col("s").cast("array<long>")):
-        got = collect_both(df, lambda jvm, s=shape: arr_to_st("x", s, "F32", jvm=jvm))
-        assert {tuple(t.shape) for t in got} == ({(2, 3)} if isinstance(shape, list) else {(3, 2)})
+    shapes = {"literal": [2, 3], "column": "s", "long_column": F.col("s").cast("array<long>")}
+    columns = {k: lambda jvm, s=s: arr_to_st("x", s, "F32", jvm=jvm) for k, s in shapes.items()}
+    for name, got in collect_each(df, columns).items():
+        assert {tuple(t.shape) for t in got} == ({(2, 3)} if name == "literal" else {(3, 2)})
     scalar = collect_both(
         df.selectExpr("slice(x, 1, 1) AS x"), lambda jvm: arr_to_st("x", [], "F64", jvm=jvm)
     )
@@ -242,16 +253,20 @@ def test_decode_every_dtype(spark, dtype):
         rows.append(np.concatenate([SPECIAL, [0.1, 1e5]]))
     structs = frame(spark, rows, "double").select(arr_to_st("x", None, dtype).alias("t"))
     stored = [np.frombuffer(bytes(r.t.data), get_dtype(dtype).numpy) for r in structs.collect()]
-    for element, target in [("float", "F32"), ("double", "F64")]:
-        got = collect_both(structs, lambda jvm, e=element: st_to_array("t", e, jvm=jvm))
+    targets = {"float": "F32", "double": "F64"}
+    columns = {e: lambda jvm, e=e: st_to_array("t", e, jvm=jvm) for e in targets}
+    for element, got in collect_each(structs, columns).items():
         for values, s in zip(got, stored, strict=True):
+            target = targets[element]
             np.testing.assert_array_equal(
                 np.asarray(values, get_dtype(target).numpy), cast_array(s, target)
             )
     ints = structs.limit(2)
-    for element in ("byte", "short", "int", "long"):
-        got = collect_both(ints, lambda jvm, e=element: st_to_array("t", e, jvm=jvm))
-        assert got == [r.tolist() for r in rows[:2]]
+    columns = {
+        e: lambda jvm, e=e: st_to_array("t", e, jvm=jvm) for e in ("byte", "short", "int", "long")
+    }
+    for element, got in collect_each(ints, columns).items():
+        assert got == [r.tolist() for r in rows[:2]], element
 
 
 def test_decode_errors(spark):
