@@ -60,15 +60,36 @@ def update(name: str, body: str) -> None:
     DOC.write_text(text)
 
 
-def main(argv: list[str]) -> None:
+def available() -> list[str]:
+    """Every benchmark's name: ``ALL`` and those run by name only."""
+    found = sorted(p.stem[len("bench_") :] for p in Path(__file__).parent.glob("bench_*.py"))
+    return ALL + [name for name in found if name not in ALL]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        by_name = [name for name in available() if name not in ALL]
+        print(
+            f"{__doc__.strip()}\n\nwithout a name: {' '.join(ALL)}\nby name only: {' '.join(by_name)}"
+        )
+        return 0
     names = argv or ALL
+    unknown = [name for name in names if name not in available()]
+    if unknown:  # before anything runs: a typo must not cost the benchmarks before it
+        print(
+            f"error: unknown benchmark {', '.join(map(repr, unknown))} "
+            f"(benchmarks: {', '.join(available())})",
+            file=sys.stderr,
+        )
+        return 2
     for name in names:
         module = importlib.import_module(f"benchmarks.bench_{name}")
         print(f"== {name}", flush=True)
         body = module.run()
         print(body, flush=True)
         update(block_name(name), body + f"\n\n_Measured on {machine()}._")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

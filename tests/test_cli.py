@@ -74,6 +74,10 @@ def test_unknown_command_suggests_the_close_one():
     assert_user_error(cli("pipline"), "did you mean 'pipeline'")
 
 
+def test_unknown_benchmark_is_refused_before_any_runs():
+    assert_user_error(cli("bench", "casts", "extrct"), "unknown benchmark 'extrct'", "extract")
+
+
 def test_unknown_option_suggests_the_close_one():
     assert_user_error(cli("train", "--kk", "64"), "--kk", "--k")
 
