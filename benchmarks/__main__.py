@@ -67,22 +67,22 @@ def available() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    names = available()
     if argv[:1] in (["-h"], ["--help"]):
-        by_name = [name for name in available() if name not in ALL]
+        by_name = [name for name in names if name not in ALL]
         print(
             f"{__doc__.strip()}\n\nwithout a name: {' '.join(ALL)}\nby name only: {' '.join(by_name)}"
         )
         return 0
-    names = argv or ALL
-    unknown = [name for name in names if name not in available()]
+    unknown = [name for name in argv if name not in names]
     if unknown:  # before anything runs: a typo must not cost the benchmarks before it
         print(
             f"error: unknown benchmark {', '.join(map(repr, unknown))} "
-            f"(benchmarks: {', '.join(available())})",
+            f"(benchmarks: {', '.join(names)})",
             file=sys.stderr,
         )
         return 2
-    for name in names:
+    for name in argv or ALL:
         module = importlib.import_module(f"benchmarks.bench_{name}")
         print(f"== {name}", flush=True)
         body = module.run()

@@ -221,8 +221,8 @@ def load_model(model_dir: str | os.PathLike):
 def _collector_paused():
     """Python's cyclic garbage collector off while torch and transformers import and a
     model loads. They create some hundred thousand long-lived objects, and every
-    collection their allocations trigger scans them all again: a quarter of the CPU a
-    Spark worker spends loading MiniLM (3.3 s -> 2.4 s). Reference counting still frees
+    collection their allocations trigger scans them all again (a Spark worker's load of
+    MiniLM: 3.3 -> 2.8 s of CPU). Reference counting still frees
     everything else; the collector's previous state comes back after."""
     was_enabled = gc.isenabled()
     gc.disable()

@@ -22,11 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..format.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import Placement
-
 # torch.distributed.tensor (DTensor: half a second of imports) loads where a mesh is used,
 # not in the processes that only encode with an SAE (the features job's workers, the LUTs).
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 DATA, MODEL = "data", "model"
 

@@ -1,5 +1,5 @@
 """Bytecode in the archives Spark's Python processes import pyspark from, so that each of
-them starts in about a third of the CPU time.
+them imports it on 0.19 s of CPU instead of 0.48 s.
 
 Every Python process Spark starts (a data source's planners: lookup, schema, partitions,
 write, commit; the daemons of UDF and task workers) puts
