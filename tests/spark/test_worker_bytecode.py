@@ -1,5 +1,6 @@
 """Bytecode added to Spark's Python zips: the same modules, imported without compiling,
-checked against their sources, and replaced where another Python wrote them."""
+checked against their sources, replaced where another Python wrote them, and none for
+tests."""
 
 import subprocess
 import sys
@@ -20,6 +21,8 @@ SOURCES = {
     "pkg/__init__.py": "from .mod import answer\n",
     "pkg/mod.py": "def answer():\n    return 42\n",
     "pkg/data.txt": "not a module\n",
+    "pkg/tests/__init__.py": "",
+    "pkg/tests/test_mod.py": "def test_answer():\n    pass\n",
 }
 
 
@@ -84,6 +87,22 @@ def test_another_pythons_bytecode_is_replaced(tmp_path):
     assert add_bytecode(path) == 2
     assert has_bytecode(path)
     assert _import_from(path) == ("42", 0)
+
+
+def test_tests_have_no_bytecode_and_an_earlier_runs_is_removed(tmp_path):
+    path = _zip(tmp_path / "lib.zip", SOURCES)
+    add_bytecode(path)
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    assert not any(name.startswith("pkg/tests/") and name.endswith(".pyc") for name in entries)
+    # bytecode of a test, as an earlier version of add_bytecode wrote it
+    entries["pkg/tests/test_mod.pyc"] = entries["pkg/mod.pyc"]
+    _zip(path, entries)
+    assert not has_bytecode(path)
+    add_bytecode(path)
+    assert has_bytecode(path)
+    with zipfile.ZipFile(path) as archive:
+        assert "pkg/tests/test_mod.pyc" not in archive.namelist()
 
 
 def test_main_adds_once_to_every_zip_of_the_spark_install(tmp_path, monkeypatch, capsys):
