@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
-import crc32c
 import numpy as np
 import pyarrow as pa
 from pyspark.sql.types import StringType, StructType
@@ -58,10 +57,17 @@ class _Checksum:
 
     def __init__(self, kind: str):
         self.value = 0 if kind == "crc32c" else None
+        if self.value is not None:
+            # imported by the tasks that write, not by each Spark planner process that
+            # imports this module: crc32c's import looks up its own version among every
+            # distribution on the path (25 to 50 ms)
+            from crc32c import crc32c
+
+            self._crc32c = crc32c
 
     def update(self, data) -> None:
         if self.value is not None:
-            self.value = crc32c.crc32c(data, self.value)
+            self.value = self._crc32c(data, self.value)
 
     def hex(self) -> str | None:
         return None if self.value is None else f"{self.value:08x}"
