@@ -10,7 +10,10 @@ import textwrap
 
 import pytest
 
+from pyspark_safetensors.spark import daemon
+
 pytestmark = pytest.mark.spark
+OURS = daemon.__name__
 
 
 def test_register_checks_the_workers_and_registers(spark, tmp_path):
@@ -33,9 +36,10 @@ def test_wrong_worker_python_gets_a_message_naming_it(tmp_path, python_without_p
         import pyspark_safetensors
         from pyspark_safetensors.spark.register import WorkerPythonError
 
-        for python in sys.argv[1:]:
+        for python, daemon in zip(sys.argv[1::2], sys.argv[2::2]):
             os.environ["PYSPARK_PYTHON"] = python
-            spark = SparkSession.builder.master("local[1]").getOrCreate()
+            spark = (SparkSession.builder.master("local[1]")
+                     .config("spark.python.daemon.module", daemon).getOrCreate())
             try:
                 pyspark_safetensors.register(spark)
                 print("registered")
@@ -47,7 +51,19 @@ def test_wrong_worker_python_gets_a_message_naming_it(tmp_path, python_without_p
     missing = str(tmp_path / "no-such-python")
     env = {k: v for k, v in os.environ.items() if k != "PYSPARK_DRIVER_PYTHON"}
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(wrong), missing],
+        # Spark's daemon, the package's (local_session's default: it fails to start where the
+        # package is missing), and no python at all
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(wrong),
+            "pyspark.daemon",
+            str(wrong),
+            OURS,
+            missing,
+            "pyspark.daemon",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -55,15 +71,17 @@ def test_wrong_worker_python_gets_a_message_naming_it(tmp_path, python_without_p
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2, proc.stdout
+    assert len(lines) == 3, proc.stdout
     # Spark 4.0's worker fails on its own import of the package, before the probe runs
-    assert re.match(
-        re.escape(f"Spark's workers run {wrong}, which cannot import pyspark_safetensors: ")
-        + r"(its Python worker failed \()?ModuleNotFoundError: No module named 'pyspark_safetensors'",
-        lines[0],
-    ), lines[0]
-    assert lines[1].startswith(
+    for line in lines[:2]:
+        assert re.match(
+            re.escape(f"Spark's workers run {wrong}, which cannot import pyspark_safetensors: ")
+            + r"(its Python worker failed \()?ModuleNotFoundError: No module named "
+            + r"'pyspark_safetensors'",
+            line,
+        ), line
+    assert lines[2].startswith(
         f"Spark's workers run {missing}, which cannot import pyspark_safetensors: its Python "
         f'worker failed (Cannot run program "{missing}"'
-    ), lines[1]
-    assert "PYSPARK_PYTHON" in lines[0] and "PYSPARK_PYTHON" in lines[1]
+    ), lines[2]
+    assert all("PYSPARK_PYTHON" in line for line in lines)

@@ -82,7 +82,14 @@ def _configured_python(spark) -> str:
 
 def _worker_failure(text: str) -> str:
     """The line of a failed job's error that says why its Python worker failed."""
-    for pattern in (r'Cannot run program "[^"]*": [^\n]*', r"^\s*\w*(?:Error|Exception): [^\n]*"):
+    patterns = (
+        r'Cannot run program "[^"]*": [^\n]*',
+        # a daemon module the worker's Python cannot import ("Error while finding module
+        # specification for '...' (ModuleNotFoundError: No module named '...')")
+        r"ModuleNotFoundError: No module named '[^']*'",
+        r"^\s*\w*(?:Error|Exception): [^\n]*",
+    )
+    for pattern in patterns:
         if found := re.findall(pattern, text, flags=re.M):
             return found[-1].strip()
     return text.strip().splitlines()[0] if text.strip() else ""
