@@ -3,17 +3,17 @@ forks a worker for each task.
 
 Spark runs one daemon per executor (``python -m pyspark.daemon``) and forks it for every
 new Python worker. Its own daemon imports nothing before the fork, so each worker imports
-pandas, pyarrow, numpy and this package's data source again: about 0.3 s of CPU per
+pandas, pyarrow, numpy and this package's data source again: about 0.25 s of CPU per
 worker, which is most of what a short task costs (2 cores, Python 3.11: 220 writer and
-reader tasks, each in a fresh worker, took 131 s of CPU with Spark's daemon, 62 s with
+reader tasks, each in a fresh worker, took 116 s of CPU with Spark's daemon, 64 s with
 this one). Set it with ``spark.python.daemon.module=pyspark_safetensors.spark.daemon``;
 :func:`~pyspark_safetensors.spark.session.local_session` does (``conf/spark-defaults.conf``).
 
 Spark's daemon waits because an arbitrary module may start threads at import, and a
 thread's locks do not survive a fork. These modules start no Python thread; the native
 ones they start (OpenBLAS's pool, jemalloc's background thread) have fork handlers that
-leave the child in a clean state, as every PyTorch ``DataLoader`` worker forked beside
-them relies on. torch and transformers, which the extraction's workers load, are left to
+leave the child in a clean state, as PyTorch's ``DataLoader`` workers, forked from
+processes that hold them, rely on. torch and transformers, which the extraction's workers load, are left to
 the workers: a session that never runs a model should not pay for them. Spark's planner
 processes (a data source's schema, partitions, write and commit) always start from
 ``pyspark.daemon``; only task workers come from this one.
