@@ -33,6 +33,14 @@ def _zip(path, entries):
     return path
 
 
+def _with_bytecode(tmp_path):
+    """A zip of ``SOURCES`` given bytecode, and its entries by name."""
+    path = _zip(tmp_path / "lib.zip", SOURCES)
+    add_bytecode(path)
+    with zipfile.ZipFile(path) as archive:
+        return path, {name: archive.read(name) for name in archive.namelist()}
+
+
 def _import_from(path, expression="pkg.answer()"):
     """Evaluate ``expression`` after importing ``pkg`` from the zip in a fresh Python;
     returns the value and how many of its sources zipimport compiled."""
@@ -66,20 +74,14 @@ def test_modules_import_from_their_bytecode_and_the_rest_is_kept(tmp_path):
 
 
 def test_bytecode_of_a_changed_source_is_not_used(tmp_path):
-    path = _zip(tmp_path / "lib.zip", SOURCES)
-    add_bytecode(path)
-    with zipfile.ZipFile(path) as archive:  # the same bytecode, a source edited since
-        entries = {name: archive.read(name) for name in archive.namelist()}
+    path, entries = _with_bytecode(tmp_path)  # the same bytecode, a source edited since
     entries["pkg/mod.py"] = b"def answer():\n    return 7\n"
     _zip(path, entries)
     assert _import_from(path) == ("7", 1)
 
 
 def test_another_pythons_bytecode_is_replaced(tmp_path):
-    path = _zip(tmp_path / "lib.zip", SOURCES)
-    add_bytecode(path)
-    with zipfile.ZipFile(path) as archive:
-        entries = {name: archive.read(name) for name in archive.namelist()}
+    path, entries = _with_bytecode(tmp_path)
     for name in ("pkg/__init__.pyc", "pkg/mod.pyc"):
         entries[name] = b"\x00\x00\r\n" + entries[name][4:]  # another magic number
     _zip(path, entries)
@@ -90,10 +92,7 @@ def test_another_pythons_bytecode_is_replaced(tmp_path):
 
 
 def test_tests_have_no_bytecode_and_an_earlier_runs_is_removed(tmp_path):
-    path = _zip(tmp_path / "lib.zip", SOURCES)
-    add_bytecode(path)
-    with zipfile.ZipFile(path) as archive:
-        entries = {name: archive.read(name) for name in archive.namelist()}
+    path, entries = _with_bytecode(tmp_path)
     assert not any(name.startswith("pkg/tests/") and name.endswith(".pyc") for name in entries)
     # bytecode of a test, as an earlier version of add_bytecode wrote it
     entries["pkg/tests/test_mod.pyc"] = entries["pkg/mod.pyc"]

@@ -13,10 +13,10 @@ Spark's daemon waits because an arbitrary module may start threads at import, an
 thread's locks do not survive a fork. These modules start no Python thread; the native
 ones they start (OpenBLAS's pool, jemalloc's background thread) have fork handlers that
 leave the child in a clean state, as PyTorch's ``DataLoader`` workers, forked from
-processes that hold them, rely on. torch and transformers, which the extraction's workers load, are left to
-the workers: a session that never runs a model should not pay for them. Spark's planner
-processes (a data source's schema, partitions, write and commit) always start from
-``pyspark.daemon``; only task workers come from this one.
+processes that hold them, rely on. torch and transformers, which the extraction's
+workers load, are left to the workers: a session that never runs a model should not pay
+for them. Spark's planner processes (a data source's schema, partitions, write and
+commit) always start from ``pyspark.daemon``; only task workers come from this one.
 """
 
 import importlib

@@ -73,10 +73,9 @@ def has_bytecode(path: str | os.PathLike) -> bool:
 def add_bytecode(path: str | os.PathLike) -> int:
     """Rewrite the zip with a ``.pyc`` of the running Python beside each ``.py`` but the
     tests' (another Python's, and any test's, removed); the sources and every other entry
-    are kept. The new zip replaces
-    the old one whole, so a failure leaves the old one. Run it while no Spark job runs: a
-    Python process reads modules at the offsets of the zip it opened. Returns the number
-    of modules compiled."""
+    are kept. The new zip replaces the old one whole, so a failure leaves the old one. Run
+    it while no Spark job runs: a Python process reads modules at the offsets of the zip it
+    opened. Returns the number of modules compiled."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     compiled = 0
