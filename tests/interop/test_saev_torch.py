@@ -86,7 +86,7 @@ def test_sae_trainer_trains_from_a_saev_view(tmp_path, saev_real):
     root = saev_real.write(tmp_path, saev_real.metadata([-2], 8, True, 16, 64, 9 * 20), acts)
     config = SAEConfig(dataset=str(root), saev_layer="-2", n_latents=32, k=4, batch_size=64, tokens=64 * 100,
                        warmup_steps=2, lr=3e-3, out_dir=str(tmp_path / "sae"), log_every=5,
-                       checkpoints=1, progress=False)  # fmt: skip
+                       checkpoints=1, progress=False, plots=False)  # fmt: skip
     trainer = train_module.Trainer(config)
     assert trainer.config.d == 16 and len(trainer.dataset) == 64 * 8
     trainer.fit()

@@ -39,7 +39,7 @@ def test_lut_selects_the_trainers_latents_with_its_values(tmp_path, real_activat
     write_batch_dataset(tmp_path / "acts", {"activation": train}, rows_per_shard=4096)
     config = SAEConfig(dataset=str(tmp_path / "acts"), n_latents=768, k=K, batch_size=256,
                        tokens=256 * 30, lr=3e-3, out_dir=str(tmp_path / "run"), checkpoints=0,
-                       progress=False)  # fmt: skip
+                       progress=False, plots=False)  # fmt: skip
     Trainer(config).fit()
     sae_file = tmp_path / "run" / "sae.safetensors"
     tensors, _ = load_sae(sae_file)

@@ -52,7 +52,8 @@ def toy(tmp_path_factory):
         write_batch_dataset(work / f"acts-{name}", {"activation": acts}, rows_per_shard=4096)
         config = SAEConfig(dataset=str(work / f"acts-{name}"), n_latents=N_LATENTS, k=K,
                            batch_size=256, tokens=256 * 60, lr=3e-3, checkpoints=0,
-                           out_dir=str(work / f"sae-{name}"), progress=False)  # fmt: skip
+                           out_dir=str(work / f"sae-{name}"), progress=False,
+                           plots=False)  # fmt: skip
         Trainer(config).fit()
         saes[hook] = work / f"sae-{name}" / "sae.safetensors"
     layers = {**dict.fromkeys(ATTN, saes[ATTN_IN]), **dict.fromkeys(MLP, saes[MLP_IN])}

@@ -83,7 +83,7 @@ def test_jumprelu_threshold_gets_the_rectangle_kernel_pseudo_derivatives():
 def _config(activations, out_dir, **kw):
     base = dict(dataset=str(activations), n_latents=64, k=4, batch_size=256, tokens=256 * 100,
                 architecture="jumprelu", out_dir=str(out_dir), log_every=10, checkpoints=0,
-                progress=False)  # fmt: skip
+                progress=False, plots=False)  # fmt: skip
     return SAEConfig(**{**base, **kw})
 
 

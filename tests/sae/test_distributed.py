@@ -122,7 +122,7 @@ def _dp_worker(rank, tmp, config_json, x_path):
 def test_data_parallel_equals_one_process_with_the_double_batch(tmp_path, activations):
     config = SAEConfig(dataset=str(activations), n_latents=N * 2, k=K, batch_size=64,
                        tokens=64 * 10, warmup_steps=1, lr=1e-3, out_dir=str(tmp_path / "run"),
-                       dead_tokens=64, progress=False)  # fmt: skip
+                       dead_tokens=64, progress=False, plots=False)  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(3, 64, 32, generator=gen) + 1
     torch.save(x, tmp_path / "x.pt")
@@ -143,7 +143,8 @@ def test_data_parallel_equals_one_process_with_the_double_batch(tmp_path, activa
 def test_data_parallel_jumprelu_equals_one_process_with_the_double_batch(tmp_path, activations):
     config = SAEConfig(dataset=str(activations), architecture="jumprelu", n_latents=N, k=K,
                        batch_size=64, tokens=64 * 10, warmup_steps=1, lr=1e-2,
-                       jumprelu_bandwidth=0.5, out_dir=str(tmp_path / "run"), progress=False)  # fmt: skip
+                       jumprelu_bandwidth=0.5, out_dir=str(tmp_path / "run"), progress=False,
+                       plots=False)  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 64, 32, generator=gen) + 1
     torch.save(x, tmp_path / "x.pt")
@@ -163,7 +164,7 @@ def test_data_parallel_jumprelu_equals_one_process_with_the_double_batch(tmp_pat
 
 def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activations):
     common = [f"dataset={activations}", "n_latents=128", "k=6", "batch_size=256",
-              "tokens=5120", "warmup_steps=2", "lr=0.002", "log_every=1", "progress=false",
+              "tokens=5120", "warmup_steps=2", "lr=0.002", "log_every=1", "progress=false", "plots=false",
               "checkpoints=1"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
@@ -202,7 +203,7 @@ def test_torchrun_jumprelu_tensor_parallel_matches_one_process_and_rank_0_report
 
     common = dict(dataset=str(activations), architecture="jumprelu", n_latents=64, k=4,
                   batch_size=256, tokens=256 * 12, warmup_steps=2, log_every=1, checkpoints=0,
-                  progress=True)  # fmt: skip
+                  progress=True, plots=False)  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = SAEConfig(**common, model_parallel_size=2, out_dir=str(tmp_path / "tp"))
     assert launch(config, nproc_per_node=2) == 0

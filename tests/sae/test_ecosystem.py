@@ -211,7 +211,7 @@ def test_a_saelens_relu_sae_fine_tunes_as_jumprelu_from_the_initial_threshold(
     src = saelens_relu_dir(tmp_path / "sl", w)
     config = SAEConfig(dataset=str(activations), init_from=str(src), architecture="jumprelu",
                        n_latents=64, k=4, batch_size=256, tokens=256 * 8,
-                       out_dir=str(tmp_path / "run"), checkpoints=0, progress=False)  # fmt: skip
+                       out_dir=str(tmp_path / "run"), checkpoints=0, progress=False, plots=False)  # fmt: skip
     trainer = Trainer(config)
     start = torch.full((64,), config.jumprelu_init_threshold)
     torch.testing.assert_close(trainer.sae.threshold.detach(), start)  # 0 cannot move
@@ -230,7 +230,7 @@ def test_a_sparsify_sae_fine_tunes_and_builds_a_lut(tmp_path, activations):
     src = sparsify_dir(tmp_path / "sp", w)
     config = SAEConfig(dataset=str(activations), init_from=str(src), n_latents=64, k=4,
                        batch_size=256, tokens=256 * 8, out_dir=str(tmp_path / "run"),
-                       checkpoints=0, progress=False)  # fmt: skip
+                       checkpoints=0, progress=False, plots=False)  # fmt: skip
     trainer = Trainer(config)
     assert torch.equal(trainer.sae.decoder_weight.detach(), w["W_dec"])  # starts from it
     first = trainer.train_step(trainer.loader.batches.read_batch(np.arange(256))["activation"])

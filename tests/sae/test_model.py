@@ -82,11 +82,13 @@ def test_initialisation_and_decoder_constraints():
     torch.testing.assert_close(sae.decoder_weight.norm(dim=1), torch.ones(64))
     again = TopKSAE(16, 64, 4, seed=5)
     assert torch.equal(again.decoder_weight, sae.decoder_weight)
-    out = sae(torch.randn(8, 16))
+    out = sae(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))
     out.x_hat.pow(2).sum().backward()
     sae.remove_parallel_gradient()
-    along_rows = (sae.decoder_weight.grad * sae.decoder_weight).sum(dim=1)
-    assert along_rows.abs().max() < 1e-5
+    grad = sae.decoder_weight.grad
+    along_rows = (grad * sae.decoder_weight).sum(dim=1)
+    # float32 rounding, relative to the gradient's size (1e-5 absolute failed on some inputs)
+    assert along_rows.abs().max() < 1e-6 * grad.norm(dim=1).max()
     with torch.no_grad():
         sae.decoder_weight.mul_(3)
     sae.normalize_decoder()

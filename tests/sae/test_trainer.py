@@ -19,7 +19,7 @@ from pyspark_safetensors.sae.train import NonFiniteLoss, Trainer, main
 def _config(dataset, out, **kw):
     base = dict(dataset=str(dataset), n_latents=192, k=6, batch_size=256, tokens=256 * 24,
                 warmup_steps=3, lr=2e-3, dead_tokens=2048, out_dir=str(out), log_every=4,
-                checkpoints=2, progress=False)  # fmt: skip
+                checkpoints=2, progress=False, plots=False)  # fmt: skip
     return SAEConfig(**{**base, **kw})
 
 
@@ -62,7 +62,7 @@ def test_config_hash_names_the_training_not_the_outputs():
 
 
 def test_short_run_learns_the_dictionary(tmp_path, activations):
-    trainer = Trainer(_config(activations, tmp_path / "run", tokens=256 * 120, lr=5e-3))
+    trainer = Trainer(_config(activations, tmp_path / "run", tokens=256 * 120, lr=5e-3, plots=True))
     assert trainer.config.d == 32 and trainer.config.hook_point == "synthetic.layer"
     metrics = trainer.fit()
     assert metrics["fvu"] < 0.35
@@ -94,6 +94,7 @@ def test_short_run_learns_the_dictionary(tmp_path, activations):
 def test_resume_continues_exactly(tmp_path, activations):
     full = Trainer(_config(activations, tmp_path / "a"))
     full.fit()
+    assert not list((tmp_path / "a").glob("*.png"))  # plots=False
     want = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     # stop early with a checkpoint, then resume in a fresh trainer
     part = Trainer(_config(activations, tmp_path / "b"))

@@ -123,6 +123,10 @@ class SAEConfig:
     checkpoints: int = 6
     """Log-spaced intermediate checkpoints (the final one is always written)."""
     progress: bool = True
+    plots: bool = True
+    """Write ``training.png`` and ``latent_frequency.png`` at the end (rank 0). Off for
+    runs that need only the SAE and its metrics (sweeps, tests): the plots take more CPU
+    than a small run's training."""
     log_to: tuple[str, ...] = ()
     """Extra metric sinks beside metrics.jsonl: "tensorboard" (out_dir/tensorboard) and/or
     "wandb"; each needs its package installed."""
@@ -208,6 +212,7 @@ class SAEConfig:
             "log_every",
             "checkpoints",
             "progress",
+            "plots",
             "num_workers",
             "device",
             "resume",

@@ -576,6 +576,7 @@ class Trainer:
                 tensors,
                 {"config": c.to_dict(), **self.sae_metadata(metrics)},
             )
+        if main and c.plots:
             from .plots import plot_training
 
             plot_training(self.history, counts, self.tokens_seen, self.out_dir, self.val_frequency)
