@@ -120,7 +120,7 @@ def test_resume_continues_exactly(tmp_path, activations):
 
 def test_cli_entry_point_trains_and_resumes(tmp_path, activations, capsys):
     args = [f"dataset={activations}", "n_latents=64", "k=4", "batch_size=512", "tokens=4096",
-            f"out_dir={tmp_path}", "progress=false", "checkpoints=1"]  # fmt: skip
+            f"out_dir={tmp_path}", "progress=false", "plots=false", "checkpoints=1"]  # fmt: skip
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 8
     assert latest_checkpoint(tmp_path).name == "step-00000008"
@@ -187,9 +187,9 @@ def test_command_line_train_sae(tmp_path, activations, repo_root):
 
     args = ["train", "--config", str(repo_root / "conf" / "sae.toml"), "--dataset", str(activations),
             "--expansion-factor", "2", "--batch-size", "1024", "--tokens", "4096",
-            "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+            "--out-dir", str(tmp_path), "--no-progress", "--no-plots"]  # fmt: skip
     assert cli(args) == 0
-    assert (tmp_path / "sae.safetensors").is_file()
+    assert (tmp_path / "sae.safetensors").is_file() and not list(tmp_path.glob("*.png"))
     assert cli([*args, "--k", "0"]) == 2  # a bad value is a clean error, not a traceback
     assert cli(args) == 2  # a second run into the same directory is refused ...
     assert cli([*args, "--overwrite"]) == 0  # ... unless asked to start over
