@@ -39,7 +39,11 @@ def plot_training(
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.3))
         for ax, (key, title, log, scale) in zip(np.atleast_1d(axes), panels, strict=True):
             values = [h[key] * scale for h in history if key in h]
-            ax.plot([h["tokens"] for h in history if key in h], values, label="train")
+            # a line alone draws nothing for a single logged point (a run shorter than
+            # log_every): few points are marked
+            style = "o-" if len(values) <= 30 else "-"
+            ax.plot([h["tokens"] for h in history if key in h], values, style, markersize=3,
+                    label="train")  # fmt: skip
             held = [(h["tokens"], h["val_" + key] * scale) for h in history if "val_" + key in h]
             if held:
                 ax.plot(*zip(*held, strict=True), "o-", markersize=3, label="held-out")

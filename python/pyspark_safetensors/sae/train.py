@@ -569,17 +569,20 @@ class Trainer:
                 sinks.close()
         self.save(metrics)
         tensors = self.sae.full_state()
-        counts = LATENTS.gather(self.fire_count, self.mesh).cpu()
         if main:
             save_sae(
                 self.out_dir / "sae.safetensors",
                 tensors,
                 {"config": c.to_dict(), **self.sae_metadata(metrics)},
             )
-        if main and c.plots:
-            from .plots import plot_training
+        if c.plots:  # on every rank: the firing counts' gather is a collective
+            counts = LATENTS.gather(self.fire_count, self.mesh).cpu()
+            if main:
+                from .plots import plot_training
 
-            plot_training(self.history, counts, self.tokens_seen, self.out_dir, self.val_frequency)
+                plot_training(
+                    self.history, counts, self.tokens_seen, self.out_dir, self.val_frequency
+                )
         barrier()
         return metrics
 
