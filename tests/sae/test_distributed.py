@@ -1,6 +1,6 @@
 """Two gloo processes on CPU: tensor parallelism and data parallelism give what one
-process gives. Processes rendezvous through a file in tmp_path (no port to collide on);
-the torchrun test lets torchrun pick a free port (--standalone)."""
+process gives. Spawned processes rendezvous through files in a temporary directory (no
+port to collide on); the torchrun tests let torchrun pick a free port (--standalone)."""
 
 import json
 import os
@@ -16,6 +16,7 @@ from pyspark_safetensors.sae import DimMap, SAEConfig, TopKSAE
 from pyspark_safetensors.sae.mesh import mesh_dim_size
 from pyspark_safetensors.sae.model import PLACEMENT
 from pyspark_safetensors.sae.train import Trainer
+from pyspark_safetensors.sae.train import main as train_main
 
 pytestmark = pytest.mark.distributed
 
@@ -36,20 +37,53 @@ def _inputs():
     return torch.randn(B, D, generator=gen) + 0.5, torch.randn(B, D, generator=gen)
 
 
-def _run(fn, tmp_path, *args):
-    spawn_two(fn, str(tmp_path), *args)
+# The data-parallel runs: each SAE and schedule, and the seed of its three steps' inputs
+DP_SETTINGS = {
+    "topk": dict(n_latents=N * 2, k=K, lr=1e-3, dead_tokens=64),
+    "jumprelu": dict(architecture="jumprelu", n_latents=N, k=K, lr=1e-2, jumprelu_bandwidth=0.5),
+}
+DP_INPUT_SEEDS = {"topk": 3, "jumprelu": 5}
 
 
-def _init(rank, tmp, shape):
+def _dp_config(name, activations, out_dir) -> SAEConfig:
+    return SAEConfig(dataset=str(activations), batch_size=64, tokens=64 * 10, warmup_steps=1,
+                     out_dir=str(out_dir), progress=False, plots=False, **DP_SETTINGS[name])  # fmt: skip
+
+
+def _dp_inputs(name) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(DP_INPUT_SEEDS[name])
+    return torch.randn(3, 64, 32, generator=gen) + 1
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory, activations):
+    """The tensor-parallel pass and the data-parallel runs, each rank's results saved in
+    the returned directory; one pair of spawned processes runs them all, one process group
+    after another (a pair costs more to start than what each runs)."""
+    tmp = tmp_path_factory.mktemp("gloo")
+    configs = {name: _dp_config(name, activations, tmp / name).to_dict() for name in DP_SETTINGS}
+    spawn_two(_gloo_worker, str(tmp), json.dumps(configs))
+    return tmp
+
+
+def _gloo_worker(rank, tmp, configs_json):
+    _tp_worker(rank, tmp)
+    for name, config in json.loads(configs_json).items():
+        _dp_worker(rank, tmp, name, config)
+
+
+def _init(rank, tmp, shape, name):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous-{name}", rank=rank, world_size=2
+    )
     torch.set_num_threads(1)
     return init_device_mesh("cpu", shape, mesh_dim_names=("data", "model"))
 
 
 def _tp_worker(rank, tmp):
-    mesh = _init(rank, tmp, (1, 2))
+    mesh = _init(rank, tmp, (1, 2), "tp")
     try:
         sae = TopKSAE(D, N, K, mesh=mesh)
         sae.load_full_state(_full_state())
@@ -81,8 +115,7 @@ def _tp_worker(rank, tmp):
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_equals_one_process(tmp_path):
-    _run(_tp_worker, tmp_path)
+def test_tensor_parallel_equals_one_process(gloo_runs):
     sae = TopKSAE(D, N, K)
     sae.load_full_state(_full_state())
     x, target = _inputs()
@@ -91,7 +124,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     loss.backward()
     selected = torch.zeros(B, N).scatter_(1, out.indices, (out.values > 0).float())
     for rank in range(2):
-        got = torch.load(tmp_path / f"tp{rank}.pt")
+        got = torch.load(gloo_runs / f"tp{rank}.pt")
         assert got["n_local"] == N // 2
         torch.testing.assert_close(got["x_hat"], out.x_hat.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-4)
@@ -103,36 +136,37 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         assert got["placements"]["data0"] == ["Shard(dim=0)", "Shard(dim=1)"]
 
 
-def _dp_worker(rank, tmp, config_json, x_path):
-    mesh = _init(rank, tmp, (2, 1))
+def _dp_worker(rank, tmp, name, config):
+    mesh = _init(rank, tmp, (2, 1), name)
     try:
-        config = SAEConfig.from_dict({**json.loads(config_json), "data_parallel_size": 2})
-        trainer = Trainer(config, mesh)
+        trainer = Trainer(SAEConfig.from_dict({**config, "data_parallel_size": 2}), mesh)
         assert mesh_dim_size(mesh, "data") == 2
-        x = torch.load(x_path)
+        x = _dp_inputs(name)
         half = x.shape[1] // 2
         trainer.init_decoder_bias(x[0][rank * half : (rank + 1) * half])
         metrics = [trainer.train_step(xs[rank * half : (rank + 1) * half]) for xs in x]
-        torch.save({"state": trainer.sae.full_state(), "metrics": metrics}, f"{tmp}/dp{rank}.pt")
+        torch.save(
+            {"state": trainer.sae.full_state(), "metrics": metrics}, f"{tmp}/{name}{rank}.pt"
+        )
         dist.barrier()  # both ranks done before teardown: gloo aborts on a racing exit
     finally:
         dist.destroy_process_group()
 
 
-def test_data_parallel_equals_one_process_with_the_double_batch(tmp_path, activations):
-    config = SAEConfig(dataset=str(activations), n_latents=N * 2, k=K, batch_size=64,
-                       tokens=64 * 10, warmup_steps=1, lr=1e-3, out_dir=str(tmp_path / "run"),
-                       dead_tokens=64, progress=False, plots=False)  # fmt: skip
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 64, 32, generator=gen) + 1
-    torch.save(x, tmp_path / "x.pt")
-    _run(_dp_worker, tmp_path, json.dumps(config.to_dict()), str(tmp_path / "x.pt"))
-    single = Trainer(config)
+def _one_process_steps(name, activations, tmp_path):
+    """The data-parallel run's three steps on one process, each with both ranks' halves:
+    (the trainer, each step's metrics)."""
+    single = Trainer(_dp_config(name, activations, tmp_path / "run"))
+    x = _dp_inputs(name)
     single.init_decoder_bias(x[0])
-    want = [single.train_step(xs) for xs in x]
+    return single, [single.train_step(xs) for xs in x]
+
+
+def test_data_parallel_equals_one_process_with_the_double_batch(gloo_runs, activations, tmp_path):
+    single, want = _one_process_steps("topk", activations, tmp_path)
     assert want[-1]["aux_loss"] > 0  # the aux path (dead_tokens=64) is exercised too
     for rank in range(2):
-        got = torch.load(tmp_path / f"dp{rank}.pt")
+        got = torch.load(gloo_runs / f"topk{rank}.pt")
         for a, b in zip(got["metrics"], want, strict=True):
             assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
             assert a["l0"] == b["l0"] and a["dead_fraction"] == b["dead_fraction"]
@@ -140,21 +174,13 @@ def test_data_parallel_equals_one_process_with_the_double_batch(tmp_path, activa
             torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_data_parallel_jumprelu_equals_one_process_with_the_double_batch(tmp_path, activations):
-    config = SAEConfig(dataset=str(activations), architecture="jumprelu", n_latents=N, k=K,
-                       batch_size=64, tokens=64 * 10, warmup_steps=1, lr=1e-2,
-                       jumprelu_bandwidth=0.5, out_dir=str(tmp_path / "run"), progress=False,
-                       plots=False)  # fmt: skip
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(3, 64, 32, generator=gen) + 1
-    torch.save(x, tmp_path / "x.pt")
-    _run(_dp_worker, tmp_path, json.dumps(config.to_dict()), str(tmp_path / "x.pt"))
-    single = Trainer(config)
-    single.init_decoder_bias(x[0])
-    want = [single.train_step(xs) for xs in x]
+def test_data_parallel_jumprelu_equals_one_process_with_the_double_batch(
+    gloo_runs, activations, tmp_path
+):
+    single, want = _one_process_steps("jumprelu", activations, tmp_path)
     assert want[-1]["l0_penalty"] > 0  # the L0 penalty's gradient is exercised
     for rank in range(2):
-        got = torch.load(tmp_path / f"dp{rank}.pt")
+        got = torch.load(gloo_runs / f"jumprelu{rank}.pt")
         for a, b in zip(got["metrics"], want, strict=True):
             assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
             assert a["l0"] == b["l0"] and a["l0_penalty"] == pytest.approx(b["l0_penalty"])
@@ -174,11 +200,8 @@ def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activat
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    one = subprocess.run(
-        [sys.executable, "-m", "pyspark_safetensors.sae.train", *common, f"out_dir={tmp_path / 'one'}"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
+    # the reference in this process, through the same entry point
+    assert train_main([*common, f"out_dir={tmp_path / 'one'}"]) == 0
 
     def fvus(run_dir):
         return [
