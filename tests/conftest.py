@@ -38,6 +38,11 @@ def repo_root() -> Path:
 # the end. (xdist's own `loadgroup` cannot be used: it renames tests in a way pytest 9 no
 # longer reads.)
 _SPLIT_BY_TEST = {"tests/test_docs.py"}
+# Modules handed out together, to one worker: they share a session fixture
+_SHARED_SCOPES = {  # one Spark Connect server (`connect_server_url`)
+    "tests/spark/test_connect.py": "spark-connect",
+    "tests/extract/test_extract_connect.py": "spark-connect",
+}
 _LONGEST_FIRST = {"tests/test_docs.py", "tests/test_pipeline.py"}
 
 
@@ -111,11 +116,12 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByModule(LoadScopeScheduling):
         """xdist's scope scheduling with a module as the scope (a page of the docs for
-        the docs test), scopes handed out in collection order."""
+        the docs test; modules that share a fixture together), scopes handed out in
+        collection order."""
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
-            return nodeid if module in _SPLIT_BY_TEST else module
+            return nodeid if module in _SPLIT_BY_TEST else _SHARED_SCOPES.get(module, module)
 
     config.option.loadscopereorder = False  # keep the longest-first order
     return ByModule(config, log)
@@ -165,6 +171,19 @@ def s3_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def connect_server_url(tmp_path_factory):
+    """``(url, hub cache)``: a Spark Connect server as it is deployed (its own process,
+    ``spark_sessions.connect_server``), shared by the Connect tests; the workers it starts
+    load Hugging Face models offline from the hub cache directory (empty until a test
+    fills it)."""
+    from spark_sessions import connect_server
+
+    hub = tmp_path_factory.mktemp("connect-hub")
+    with connect_server(env={"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}) as url:
+        yield url, hub
 
 
 @pytest.fixture

