@@ -13,7 +13,7 @@ import torch
 from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.sae import CheckpointError, SAEConfig, load_sae
 from pyspark_safetensors.sae.checkpoint import SAE_TENSORS, file_sha256, latest_checkpoint
-from pyspark_safetensors.sae.train import NonFiniteLoss, Trainer, main
+from pyspark_safetensors.sae.train import NonFiniteLoss, Trainer, launch, main
 
 
 def _config(dataset, out, **kw):
@@ -126,6 +126,36 @@ def test_cli_entry_point_trains_and_resumes(tmp_path, activations, capsys):
     assert latest_checkpoint(tmp_path).name == "step-00000008"
     assert main([*args, "resume=auto"]) == 0  # already complete: nothing left to do
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 8
+
+
+def test_several_runs_in_one_launch_equal_each_run_alone(tmp_path, activations, capsys):
+    # one after another in the same process (what the pipeline launches once for all its
+    # hook points): nothing of a run leaks into the next
+    small = dict(n_latents=64, tokens=256 * 12, warmup_steps=1, checkpoints=0)
+    a = _config(activations, tmp_path / "a", **small, k=4)
+    b = _config(activations, tmp_path / "b", **small, k=8, architecture="batchtopk", seed=3)
+    assert launch([a, b]) == 0
+    summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["step"], round(r["l0"])) for r in summaries] == [(12, 4), (12, 8)]
+    assert launch(replace(b, out_dir=str(tmp_path / "b-alone"))) == 0
+    together, alone = (
+        load_sae(tmp_path / "b" / "sae.safetensors")[0],
+        load_sae(tmp_path / "b-alone" / "sae.safetensors")[0],
+    )
+    assert together.keys() == alone.keys()
+    for name in together:
+        torch.testing.assert_close(together[name], alone[name], rtol=0, atol=0, msg=name)
+    assert (tmp_path / "a" / "sae.safetensors").is_file()
+
+    # refused before the first run starts: one out_dir for two runs, two meshes
+    for runs, message in [
+        ([a, replace(b, out_dir=a.out_dir)], "need an out_dir each"),
+        ([replace(a, out_dir=str(tmp_path / "c")), replace(b, model_parallel_size=2)],
+         "share one mesh"),
+    ]:  # fmt: skip
+        assert launch(runs) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 # --- bad input ------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 1. extract: the corpus through the transformer inside Spark, the activations of every
    hook point written as token-level datasets (one Spark job for all hook points);
 2. train: one TopK SAE per hook point, on ``nproc`` processes launched with torchrun
-   (data or tensor parallel, set in the config);
+   once for all of them (data or tensor parallel, set in the config);
 3. lut: lookup tables for every linear layer each hook point feeds;
 4. evaluate: on texts no stage has seen, each SAE (FVU, L0, dead latents), each LUT layer
    against the exact layer (relative L2 and cosine against k and m, latency against the
@@ -25,12 +25,11 @@ pipeline did not create is never written into.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -222,16 +221,25 @@ class Pipeline:
     def stage(self, name: str, key: str, build) -> Path:
         """``out/{name}-{key}``: reused when complete (unless ``force``), else built by
         ``build(tmp_dir)`` under a staging name and published whole."""
-        path = self.out / f"{name}-{key}"
-        reused = path.is_dir() and not self.force
-        if reused:
-            self.log(f"      reusing {path}")
-        else:
-            with publishing(path) as tmp:
-                build(tmp)
-        self.summary["stages"][name] = {"dir": path.name, "hash": key, "reused": reused}
-        link_latest(self.out / name, path.name)
-        return path
+        return self.stages({name: key}, lambda tmp: build(tmp[name]))[name]
+
+    def stages(self, keys: dict[str, str], build) -> dict[str, Path]:
+        """``stage`` for stages built together: ``build({name: tmp_dir})`` builds those
+        not reused at once, each under its staging name; each is published whole, none if
+        ``build`` fails."""
+        paths = {name: self.out / f"{name}-{key}" for name, key in keys.items()}
+        missing = [name for name, path in paths.items() if self.force or not path.is_dir()]
+        for name, path in paths.items():
+            if name not in missing:
+                self.log(f"      reusing {path}")
+        if missing:
+            with contextlib.ExitStack() as staged:
+                build({name: staged.enter_context(publishing(paths[name])) for name in missing})
+        for name, path in paths.items():
+            reused = name not in missing
+            self.summary["stages"][name] = {"dir": path.name, "hash": keys[name], "reused": reused}
+            link_latest(self.out / name, path.name)
+        return paths
 
     # -- the stages ---------------------------------------------------------------------
 
@@ -260,7 +268,7 @@ class Pipeline:
             )
         self.model_hash = weights_hash(self.model_dir)
         extract_dir = self.extract()
-        sae_files = {hook: self.train(hook, extract_dir) for hook in c.hooks}
+        sae_files = self.train(extract_dir)
         lut_dir = self.lut(sae_files)
         self.evaluate(sae_files, lut_dir)
         if c.features:
@@ -344,40 +352,39 @@ class Pipeline:
         }
         return settings
 
-    def train(self, hook: str, extract_dir: Path) -> Path:
+    def train(self, extract_dir: Path) -> dict[str, Path]:
+        """One SAE per hook point, a stage each; those not reused train in one launch, one
+        after another (torchrun starts its processes, and they import torch, once).
+        Returns each hook point's SAE file."""
         from ..sae import SAEConfig
+        from ..sae.train import launch
 
         c = self.config
-        settings = self.sae_settings(hook, extract_dir)
-        probe = SAEConfig.from_dict({**settings, "out_dir": "."})
-        key = digest(self.summary["stages"]["extract"]["hash"], hook, probe.config_hash())
-        self.announce(f"train: TopK SAE on {hook} ({c.nproc} process(es), {c.parallel} parallel)")
+        names = {hook: f"sae-{hook_slug(hook)}" for hook in c.hooks}
+        configs = {
+            hook: SAEConfig.from_dict({**self.sae_settings(hook, extract_dir), "out_dir": "."})
+            for hook in c.hooks
+        }
+        extract_key = self.summary["stages"]["extract"]["hash"]
+        keys = {names[h]: digest(extract_key, h, configs[h].config_hash()) for h in c.hooks}
+        self.announce(
+            f"train: one TopK SAE per hook point ({len(c.hooks)}), on {c.nproc} process(es) "
+            f"launched once ({c.parallel} parallel)"
+        )
 
-        def build(tmp: Path) -> None:
-            overrides = [
-                f"{k}={json.dumps(v)}" for k, v in {**settings, "out_dir": str(tmp)}.items()
-            ]
-            if c.nproc == 1:
-                from ..sae.train import main as train_main
+        def build(tmp: dict[str, Path]) -> None:
+            runs = {
+                h: replace(configs[h], out_dir=str(tmp[n])) for h, n in names.items() if n in tmp
+            }
+            if launch(list(runs.values()), c.nproc) != 0:
+                raise PipelineError(f"training the SAEs of {', '.join(runs)} failed; see above")
 
-                rc = train_main(overrides)
-            else:
-                cmd = [
-                    sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={c.nproc}", "-m", "pyspark_safetensors.sae.train", *overrides,
-                ]  # fmt: skip
-                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-                rc = subprocess.run(cmd, env=env).returncode
-            if rc != 0:
-                raise PipelineError(
-                    f"training the SAE for {hook} failed (exit code {rc}); see above"
-                )
-
-        path = self.stage(f"sae-{hook_slug(hook)}", key, build)
-        self.summary["stages"][f"sae-{hook_slug(hook)}"]["hook"] = hook
-        lines = (path / "metrics.jsonl").read_text().splitlines()
-        self.summary.setdefault("training", {})[hook] = json.loads(lines[-1])
-        return path / "sae.safetensors"
+        paths = self.stages(keys, build)
+        for hook, name in names.items():
+            self.summary["stages"][name]["hook"] = hook
+            lines = (paths[name] / "metrics.jsonl").read_text().splitlines()
+            self.summary.setdefault("training", {})[hook] = json.loads(lines[-1])
+        return {hook: paths[name] / "sae.safetensors" for hook, name in names.items()}
 
     def lut(self, sae_files: dict[str, Path]) -> Path:
         from ..lut import precompute_lut
@@ -429,7 +436,7 @@ class Pipeline:
     @property
     def steps(self) -> int:
         c = self.config
-        return 2 + len(c.hooks) + c.features + (c.model == TOY_LLAMA) + 1
+        return 3 + c.features + (c.model == TOY_LLAMA) + 1
 
     def features(self, sae_files: dict[str, Path], extract_dir: Path) -> None:
         """One feature browser per SAE (``features-{hook}/features/index.html``), computed

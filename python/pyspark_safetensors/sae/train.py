@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -595,27 +596,49 @@ def _progress(total: int, initial: int, *, enabled: bool):
     return tqdm(total=total, initial=initial, desc="SAE", unit="step", dynamic_ncols=True)
 
 
-def run(config: SAEConfig) -> int:
-    """This process's share of a training run (torchrun's environment gives the world):
-    the mesh, the trainer, a resume, ``fit``; rank 0 prints the summary line. A mistake in
-    the config or paths is one line on stderr (rank 0) and exit code 2."""
+def run(*configs: SAEConfig) -> int:
+    """This process's share of one or more training runs, one after another on one mesh
+    (torchrun's environment gives the world): per run the trainer, a resume, ``fit``, and
+    rank 0's summary line. A mistake in a config or its paths is one line on stderr (rank
+    0) and exit code 2, found before the first run starts where it can be (every run's
+    output directory and dataset are checked first)."""
     try:
-        mesh = make_mesh(config.data_parallel_size, config.model_parallel_size)
-        trainer = Trainer(config, mesh)
-        if config.resume:
-            found = (
-                latest_checkpoint(config.out_dir)
-                if config.resume == "auto"
-                else Path(config.resume)
+        meshes = {(c.data_parallel_size, c.model_parallel_size) for c in configs}
+        if len(meshes) != 1:
+            raise InvalidArgumentError(
+                "runs launched together share one mesh; their data_parallel_size x "
+                f"model_parallel_size differ: {sorted(meshes)}"
             )
-            if found is None:
-                raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
-            trainer.load(found)
+        if len(configs) > 1:
+            out_dirs = [os.path.realpath(c.out_dir) for c in configs]
+            if len(set(out_dirs)) != len(out_dirs):
+                raise InvalidArgumentError(
+                    f"runs launched together need an out_dir each; given {out_dirs}"
+                )
+            for config in configs:
+                check_run_dir(config)
+                open_training_source(config)
+        mesh = make_mesh(*meshes.pop())
     except USER_ERRORS as e:  # a mistake in the config or paths: one line, exit 2
         return _user_error(e)
-    metrics = trainer.fit()
-    if is_main_process():
-        print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+    for config in configs:
+        try:
+            trainer = Trainer(config, mesh)
+            if config.resume:
+                found = (
+                    latest_checkpoint(config.out_dir)
+                    if config.resume == "auto"
+                    else Path(config.resume)
+                )
+                if found is None:
+                    raise CheckpointError(f"resume=auto but {config.out_dir} has no checkpoint")
+                trainer.load(found)
+        except USER_ERRORS as e:
+            return _user_error(e)
+        metrics = trainer.fit()
+        if is_main_process():
+            print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+        del trainer
     if torch.distributed.is_initialized():
         barrier()  # no rank tears gloo down while another still talks
         torch.distributed.destroy_process_group()
@@ -630,56 +653,70 @@ def _user_error(e: Exception) -> int:
     return 2
 
 
-def launch(config: SAEConfig, nproc_per_node: int = 1) -> int:
-    """Train with ``config`` on ``nproc_per_node`` processes: in this process for one,
-    else through torchrun, the config serialised once to a JSON file every worker loads
-    (``--config``). With several processes and a 1 x 1 mesh in the config, the processes
-    are data-parallel. Mistakes are caught here before torchrun starts. Returns the exit
-    code."""
+def launch(configs: SAEConfig | Sequence[SAEConfig], nproc_per_node: int = 1) -> int:
+    """Train with ``configs`` (one, or several trained one after another by the same
+    processes: a launch's start-up, torch's imports and the process group, is paid once)
+    on ``nproc_per_node`` processes: in this process for one, else through torchrun, each
+    config serialised once to a JSON file every worker loads (``--config``). With several
+    processes and a 1 x 1 mesh in a config, the processes are data-parallel. Mistakes are
+    caught here before torchrun starts. Returns the exit code."""
     if nproc_per_node < 1:
         raise InvalidArgumentError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
-    if nproc_per_node > 1 and config.data_parallel_size * config.model_parallel_size == 1:
-        config = dataclasses.replace(config, data_parallel_size=nproc_per_node)
+    configs = [configs] if isinstance(configs, SAEConfig) else list(configs)
+    if nproc_per_node > 1:
+        configs = [
+            dataclasses.replace(c, data_parallel_size=nproc_per_node)
+            if c.data_parallel_size * c.model_parallel_size == 1
+            else c
+            for c in configs
+        ]
     if nproc_per_node == 1:
-        return run(config)
+        return run(*configs)
     try:
-        check_run_dir(config)
-        open_training_source(config)
-        world = config.data_parallel_size * config.model_parallel_size
-        if world != nproc_per_node:
-            raise InvalidArgumentError(
-                f"data_parallel_size {config.data_parallel_size} x model_parallel_size "
-                f"{config.model_parallel_size} = {world}, but {nproc_per_node} "
-                "processes are launched"
-            )
+        for config in configs:
+            check_run_dir(config)
+            open_training_source(config)
+            world = config.data_parallel_size * config.model_parallel_size
+            if world != nproc_per_node:
+                raise InvalidArgumentError(
+                    f"data_parallel_size {config.data_parallel_size} x model_parallel_size "
+                    f"{config.model_parallel_size} = {world}, but {nproc_per_node} "
+                    "processes are launched"
+                )
     except USER_ERRORS as e:
         return _user_error(e)
     with tempfile.TemporaryDirectory(prefix="sae-config-") as tmp:
-        path = config.save(Path(tmp) / "config.json")
+        files = [str(c.save(Path(tmp) / f"config-{i}.json")) for i, c in enumerate(configs)]
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc_per_node}", "-m", "pyspark_safetensors.sae.train",
-            "--config", str(path),
+            *(arg for file in files for arg in ("--config", file)),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         return subprocess.run(cmd, env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pyspark_safetensors.sae.train [--config FILE] [key=value ...]``: one
-    rank of a run (torchrun starts one per process)."""
+    """``python -m pyspark_safetensors.sae.train [--config FILE ...] [key=value ...]``:
+    one rank of a run (torchrun starts one per process); several ``--config`` files are
+    trained one after another, the overrides applied to each."""
     parser = argparse.ArgumentParser(
         prog="python -m pyspark_safetensors.sae.train",
         description="Train an SAE on an activation dataset (launch with torchrun for DP x TP).",
     )
-    parser.add_argument("--config", help="TOML config (e.g. conf/sae.toml) or a saved JSON one")
+    parser.add_argument(
+        "--config",
+        action="append",
+        help="TOML config (e.g. conf/sae.toml) or a saved JSON one; repeat it to train "
+        "several runs one after another in the same processes",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
     args = parser.parse_args(argv)
     try:
-        config = SAEConfig.load(args.config, args.overrides)
+        configs = [SAEConfig.load(path, args.overrides) for path in args.config or [None]]
     except USER_ERRORS as e:
         return _user_error(e)
-    return run(config)
+    return run(*configs)
 
 
 if __name__ == "__main__":
