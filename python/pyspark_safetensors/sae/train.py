@@ -663,6 +663,8 @@ def launch(configs: SAEConfig | Sequence[SAEConfig], nproc_per_node: int = 1) ->
     if nproc_per_node < 1:
         raise InvalidArgumentError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
     configs = [configs] if isinstance(configs, SAEConfig) else list(configs)
+    if not configs:
+        raise InvalidArgumentError("launch needs at least one config")
     if nproc_per_node > 1:
         configs = [
             dataclasses.replace(c, data_parallel_size=nproc_per_node)
