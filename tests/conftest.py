@@ -178,7 +178,7 @@ def connect_server_url(tmp_path_factory):
     """``(url, hub cache)``: a Spark Connect server as it is deployed (its own process,
     ``spark_sessions.connect_server``), shared by the Connect tests; the workers it starts
     load Hugging Face models offline from the hub cache directory (empty until a test
-    fills it)."""
+    fills it). It runs until the worker's session ends: idle, it holds memory, not CPU."""
     from spark_sessions import connect_server
 
     hub = tmp_path_factory.mktemp("connect-hub")

@@ -130,3 +130,30 @@ def test_foreign_output_directory_is_refused_and_untouched(tmp_path):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_stages_built_together_keep_the_finished_ones_when_one_fails(tmp_path):
+    # the train stage's way: one launch builds every SAE, a failure keeps those before it
+    from pyspark_safetensors.pipeline.run import Pipeline, PipelineConfig
+
+    pipeline = Pipeline(PipelineConfig(out=str(tmp_path / "out")), log=lambda *_: None)
+    keys = {"sae-a": "1", "sae-b": "2"}
+
+    def finished(directory):
+        return (directory / "sae.safetensors").is_file()
+
+    def fails_on_the_second(tmp):
+        (tmp["sae-a"] / "sae.safetensors").write_bytes(b"a finished run")
+        (tmp["sae-b"] / "metrics.jsonl").write_text("{}\n")
+        raise RuntimeError("the second run failed")
+
+    with pytest.raises(RuntimeError, match="the second run failed"):
+        pipeline.stages(keys, fails_on_the_second, finished=finished)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["sae-a-1"]  # no staging
+
+    built = []
+    paths = pipeline.stages(keys, lambda tmp: built.extend(tmp), finished=finished)
+    assert built == ["sae-b"]  # the kept one is reused
+    assert (paths["sae-a"] / "sae.safetensors").read_bytes() == b"a finished run"
+    assert paths["sae-b"].is_dir() and (tmp_path / "out" / "sae-b").resolve() == paths["sae-b"]
+    assert [pipeline.summary["stages"][n]["reused"] for n in keys] == [True, False]

@@ -134,10 +134,11 @@ def test_several_runs_in_one_launch_equal_each_run_alone(tmp_path, activations, 
     small = dict(n_latents=64, tokens=256 * 12, warmup_steps=1, checkpoints=0)
     a = _config(activations, tmp_path / "a", **small, k=4)
     b = _config(activations, tmp_path / "b", **small, k=8, architecture="batchtopk", seed=3)
+    assert launch(replace(b, out_dir=str(tmp_path / "b-alone"))) == 0  # before any other run
+    capsys.readouterr()
     assert launch([a, b]) == 0
     summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["step"], round(r["l0"])) for r in summaries] == [(12, 4), (12, 8)]
-    assert launch(replace(b, out_dir=str(tmp_path / "b-alone"))) == 0
     together, alone = (
         load_sae(tmp_path / "b" / "sae.safetensors")[0],
         load_sae(tmp_path / "b-alone" / "sae.safetensors")[0],
@@ -156,6 +157,13 @@ def test_several_runs_in_one_launch_equal_each_run_alone(tmp_path, activations, 
         assert launch(runs) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+    # a mistake only a run's start finds (its width): the runs before it are finished
+    wrong = replace(b, out_dir=str(tmp_path / "e"), d=16)
+    assert launch([replace(a, out_dir=str(tmp_path / "d")), wrong]) == 2
+    assert "d=16 but the dataset's 'activation' has width 32" in capsys.readouterr().err
+    assert (tmp_path / "d" / "sae.safetensors").is_file()
+    assert not (tmp_path / "e" / "sae.safetensors").exists()
 
 
 # --- bad input ------------------------------------------------------------------------

@@ -25,7 +25,6 @@ pipeline did not create is never written into.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -223,18 +222,31 @@ class Pipeline:
         ``build(tmp_dir)`` under a staging name and published whole."""
         return self.stages({name: key}, lambda tmp: build(tmp[name]))[name]
 
-    def stages(self, keys: dict[str, str], build) -> dict[str, Path]:
+    def stages(self, keys: dict[str, str], build, finished=None) -> dict[str, Path]:
         """``stage`` for stages built together: ``build({name: tmp_dir})`` builds those
-        not reused at once, each under its staging name; each is published whole, none if
-        ``build`` fails."""
+        not reused at once, each under its staging name, and each is published whole. If
+        ``build`` fails, those whose directory ``finished(tmp_dir)`` says is whole are
+        published all the same (a rerun reuses them), the others discarded."""
         paths = {name: self.out / f"{name}-{key}" for name, key in keys.items()}
         missing = [name for name, path in paths.items() if self.force or not path.is_dir()]
         for name, path in paths.items():
             if name not in missing:
                 self.log(f"      reusing {path}")
-        if missing:
-            with contextlib.ExitStack() as staged:
-                build({name: staged.enter_context(publishing(paths[name])) for name in missing})
+        contexts = {name: publishing(paths[name]) for name in missing}
+        tmp: dict[str, Path] = {}
+        try:
+            for name, context in contexts.items():
+                tmp[name] = context.__enter__()
+            if tmp:
+                build(tmp)
+        except BaseException as error:
+            for name, directory in tmp.items():
+                whole = finished is not None and finished(directory)
+                failure = (None, None, None) if whole else (type(error), error, error.__traceback__)
+                contexts[name].__exit__(*failure)
+            raise
+        for name in tmp:
+            contexts[name].__exit__(None, None, None)
         for name, path in paths.items():
             reused = name not in missing
             self.summary["stages"][name] = {"dir": path.name, "hash": keys[name], "reused": reused}
@@ -354,8 +366,8 @@ class Pipeline:
 
     def train(self, extract_dir: Path) -> dict[str, Path]:
         """One SAE per hook point, a stage each; those not reused train in one launch, one
-        after another (torchrun starts its processes, and they import torch, once).
-        Returns each hook point's SAE file."""
+        after another (torchrun starts its processes, and they import torch, once), and
+        a failure keeps the SAEs finished before it. Returns each hook point's SAE file."""
         from ..sae import SAEConfig
         from ..sae.train import launch
 
@@ -376,10 +388,15 @@ class Pipeline:
             runs = {
                 h: replace(configs[h], out_dir=str(tmp[n])) for h, n in names.items() if n in tmp
             }
-            if launch(list(runs.values()), c.nproc) != 0:
-                raise PipelineError(f"training the SAEs of {', '.join(runs)} failed; see above")
+            code = launch(list(runs.values()), c.nproc)
+            if code != 0:
+                raise PipelineError(
+                    f"training the SAEs of {', '.join(runs)} failed (exit code {code}; those "
+                    "finished before are kept); see above"
+                )
 
-        paths = self.stages(keys, build)
+        # a run's sae.safetensors is written last: the runs before a failure are kept
+        paths = self.stages(keys, build, finished=lambda tmp: (tmp / "sae.safetensors").is_file())
         for hook, name in names.items():
             self.summary["stages"][name]["hook"] = hook
             lines = (paths[name] / "metrics.jsonl").read_text().splitlines()

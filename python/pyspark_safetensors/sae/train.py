@@ -219,7 +219,8 @@ class Trainer:
         full = self.total_steps - self.warmup_steps - decay
         if (self.total_steps < 50 or full < 0.5 * self.total_steps) and is_main_process():
             warnings.warn(
-                f"the schedule leaves little room to train: {self.total_steps} steps, of which "
+                f"{self.config.out_dir}: the schedule leaves little room to train: {self.total_steps} "
+                "steps, of which "
                 f"{self.warmup_steps} warm up and {decay} decay, {max(full, 0)} at the full "
                 "learning rate; raise tokens or lower batch_size, warmup_steps or decay_fraction",
                 stacklevel=3,
@@ -569,13 +570,6 @@ class Trainer:
             if sinks is not None:
                 sinks.close()
         self.save(metrics)
-        tensors = self.sae.full_state()
-        if main:
-            save_sae(
-                self.out_dir / "sae.safetensors",
-                tensors,
-                {"config": c.to_dict(), **self.sae_metadata(metrics)},
-            )
         if c.plots:  # on every rank: the firing counts' gather is a collective
             counts = LATENTS.gather(self.fire_count, self.mesh).cpu()
             if main:
@@ -584,6 +578,13 @@ class Trainer:
                 plot_training(
                     self.history, counts, self.tokens_seen, self.out_dir, self.val_frequency
                 )
+        tensors = self.sae.full_state()
+        if main:  # last: a run directory holding sae.safetensors holds the finished run
+            save_sae(
+                self.out_dir / "sae.safetensors",
+                tensors,
+                {"config": c.to_dict(), **self.sae_metadata(metrics)},
+            )
         barrier()
         return metrics
 
@@ -600,25 +601,14 @@ def run(*configs: SAEConfig) -> int:
     """This process's share of one or more training runs, one after another on one mesh
     (torchrun's environment gives the world): per run the trainer, a resume, ``fit``, and
     rank 0's summary line. A mistake in a config or its paths is one line on stderr (rank
-    0) and exit code 2, found before the first run starts where it can be (every run's
-    output directory and dataset are checked first)."""
+    0) and exit code 2, found before the first run starts where it can be
+    (``check_runs``)."""
     try:
-        meshes = {(c.data_parallel_size, c.model_parallel_size) for c in configs}
-        if len(meshes) != 1:
-            raise InvalidArgumentError(
-                "runs launched together share one mesh; their data_parallel_size x "
-                f"model_parallel_size differ: {sorted(meshes)}"
-            )
         if len(configs) > 1:
-            out_dirs = [os.path.realpath(c.out_dir) for c in configs]
-            if len(set(out_dirs)) != len(out_dirs):
-                raise InvalidArgumentError(
-                    f"runs launched together need an out_dir each; given {out_dirs}"
-                )
-            for config in configs:
-                check_run_dir(config)
-                open_training_source(config)
-        mesh = make_mesh(*meshes.pop())
+            check_runs(configs)
+        if not configs:
+            raise InvalidArgumentError("no config to train")
+        mesh = make_mesh(configs[0].data_parallel_size, configs[0].model_parallel_size)
     except USER_ERRORS as e:  # a mistake in the config or paths: one line, exit 2
         return _user_error(e)
     for config in configs:
@@ -643,6 +633,28 @@ def run(*configs: SAEConfig) -> int:
         barrier()  # no rank tears gloo down while another still talks
         torch.distributed.destroy_process_group()
     return 0
+
+
+def check_runs(configs: Sequence[SAEConfig]) -> None:
+    """What runs trained together need before the first starts: one mesh, an out_dir
+    each, every out_dir free (or resumable) and every dataset readable. What needs the
+    data's width or the mesh is checked as each run starts; the runs before a failing
+    one are finished and kept."""
+    meshes = {(c.data_parallel_size, c.model_parallel_size) for c in configs}
+    if len(meshes) > 1:
+        raise InvalidArgumentError(
+            "runs launched together share one mesh; their data_parallel_size x "
+            f"model_parallel_size differ: {sorted(meshes)}"
+        )
+    out_dirs = [os.path.realpath(c.out_dir) for c in configs]
+    if len(set(out_dirs)) != len(out_dirs):
+        raise InvalidArgumentError(
+            f"runs launched together need an out_dir each (an override applies to every "
+            f"--config); given {out_dirs}"
+        )
+    for config in configs:
+        check_run_dir(config)
+        open_training_source(config)
 
 
 def _user_error(e: Exception) -> int:
@@ -675,9 +687,8 @@ def launch(configs: SAEConfig | Sequence[SAEConfig], nproc_per_node: int = 1) ->
     if nproc_per_node == 1:
         return run(*configs)
     try:
+        check_runs(configs)
         for config in configs:
-            check_run_dir(config)
-            open_training_source(config)
             world = config.data_parallel_size * config.model_parallel_size
             if world != nproc_per_node:
                 raise InvalidArgumentError(
