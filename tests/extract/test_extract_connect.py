@@ -33,14 +33,13 @@ TEXTS = [f"passage {i}: " + "words follow words " * (i * 3 + 1) for i in range(7
 def test_extraction_through_spark_connect(tmp_path, connect_server_with_model):
     # The server as deployed, its own process (the hub settings in its environment, for
     # the Spark workers it starts); the client another process.
-    url, cache, commit = connect_server_with_model
+    url, hub, commit = connect_server_with_model
     out = tmp_path / "out"
-    hub = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     proc = _extract_through(url, hub, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["texts"] == len(TEXTS)  # the two duplicates dropped
-    _check_extraction(out, cache, commit, result)
+    _check_extraction(out, hub["HF_HUB_CACHE"], commit, result)
 
 
 def _extract_through(url: str, hub: dict[str, str], out):
@@ -70,7 +69,7 @@ def _extract_through(url: str, hub: dict[str, str], out):
 def _check_extraction(out, cache, commit, result):
     doc = json.loads((out / "extraction.json").read_text())
     assert doc["model"] == HUB_REPO_ID and doc["model_revision"] == commit
-    assert doc["model_dir"].startswith(str(cache)) and doc["config_hash"] == result["hash"]
+    assert doc["model_dir"].startswith(cache) and doc["config_hash"] == result["hash"]
     assert doc["config"]["corpus"] == "dataframe"
     texts = [json.loads(line) for line in (out / "texts.jsonl").read_text().splitlines()]
     # sample_id is the rank by key across the three partitions; sources are carried

@@ -131,6 +131,21 @@ def test_drop_last_gives_equal_full_batches(batch_dataset):
     assert len(np.unique(seen)) == len(seen)
 
 
+def test_a_dataset_smaller_than_a_block_per_rank_feeds_every_rank(tmp_path):
+    # one shard of 4096 rows, the default 4096-row blocks, two ranks: each gets half
+    from pyspark_safetensors.dataset import write_batch_dataset
+
+    write_batch_dataset(tmp_path / "one", {"sample_id": np.arange(4096, dtype=np.int64)})
+    ds = open_dataset(tmp_path / "one")
+    loaders = [
+        ActivationLoader(ds, 256, drop_last=True, dp_rank=r, dp_size=2, num_workers=0)
+        for r in range(2)
+    ]
+    assert [len(loader) for loader in loaders] == [8, 8]
+    seen = np.concatenate([ids_of(list(loader)) for loader in loaders])
+    assert sorted(seen.tolist()) == list(range(4096))
+
+
 def test_kv_lookups(kv_dataset):
     ds = open_dataset(kv_dataset)
     assert ds.mode == "kv" and len(ds.keys()) == 20

@@ -219,10 +219,10 @@ class Trainer:
         full = self.total_steps - self.warmup_steps - decay
         if (self.total_steps < 50 or full < 0.5 * self.total_steps) and is_main_process():
             warnings.warn(
-                f"{self.config.out_dir}: the schedule leaves little room to train: {self.total_steps} "
-                "steps, of which "
-                f"{self.warmup_steps} warm up and {decay} decay, {max(full, 0)} at the full "
-                "learning rate; raise tokens or lower batch_size, warmup_steps or decay_fraction",
+                f"{self.config.out_dir}: the schedule leaves little room to train: "
+                f"{self.total_steps} steps, of which {self.warmup_steps} warm up and {decay} "
+                f"decay, {max(full, 0)} at the full learning rate; raise tokens or lower "
+                "batch_size, warmup_steps or decay_fraction",
                 stacklevel=3,
             )
 
@@ -604,10 +604,10 @@ def run(*configs: SAEConfig) -> int:
     0) and exit code 2, found before the first run starts where it can be
     (``check_runs``)."""
     try:
-        if len(configs) > 1:
-            check_runs(configs)
         if not configs:
             raise InvalidArgumentError("no config to train")
+        if len(configs) > 1:
+            check_runs(configs)
         mesh = make_mesh(configs[0].data_parallel_size, configs[0].model_parallel_size)
     except USER_ERRORS as e:  # a mistake in the config or paths: one line, exit 2
         return _user_error(e)

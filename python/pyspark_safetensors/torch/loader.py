@@ -1,7 +1,8 @@
 """Shuffled training batches from a batch-mode dataset, split across data-parallel ranks
 and DataLoader workers, resumable.
 
-The epoch's order is built from blocks of consecutive rows (``block_rows``): the list of
+The epoch's order is built from blocks of consecutive rows (``block_rows``, fewer for a
+dataset too small to give every consumer a block of that size): the list of
 all blocks is permuted with ``(seed, epoch)``, dealt round-robin to the consumers (rank x
 worker), and each consumer permutes the rows of every ``mix_blocks`` consecutive blocks it
 owns. Reads stay mostly sequential (a window touches ``mix_blocks`` contiguous regions);
@@ -100,17 +101,20 @@ class ShuffledBatches(torch.utils.data.IterableDataset):
 
     # -- the order (integers only: cheap, and identical in every process)
 
-    def _blocks(self) -> np.ndarray:
-        """(start, stop) global index pairs of every block, in storage order."""
+    def _blocks(self, consumers: int) -> np.ndarray:
+        """(start, stop) global index pairs of every block, in storage order. Blocks are
+        ``block_rows`` long, or shorter where the dataset holds fewer than ``block_rows``
+        rows per consumer: one block of 4096 rows would leave a second rank nothing."""
+        size = max(1, min(self.block_rows, sum(self.dataset.counts) // consumers))
         pairs = []
         for start, count in zip(self.dataset.starts, self.dataset.counts, strict=True):
-            for a in range(0, count, self.block_rows):
-                pairs.append((start + a, start + min(a + self.block_rows, count)))
+            for a in range(0, count, size):
+                pairs.append((start + a, start + min(a + size, count)))
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
     def order(self, consumer: Consumer) -> np.ndarray:
         """Global sample indices this consumer yields this epoch, in order."""
-        blocks = self._blocks()
+        blocks = self._blocks(consumer.count)
         if self.shuffle:
             blocks = blocks[np.random.default_rng([self.seed, self.epoch]).permutation(len(blocks))]
         mine = blocks[consumer.index :: consumer.count]
