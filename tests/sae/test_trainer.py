@@ -157,6 +157,10 @@ def test_several_runs_in_one_launch_equal_each_run_alone(tmp_path, activations, 
         assert launch(runs) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+    # a mesh other than the processes launched: refused before torchrun starts
+    assert launch([replace(a, out_dir=str(tmp_path / "c"), model_parallel_size=4)], 2) == 2
+    assert "= 4, but 2 processes are launched" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
     # a mistake only a run's start finds (its width): the runs before it are finished
     wrong = replace(b, out_dir=str(tmp_path / "e"), d=16)

@@ -687,15 +687,13 @@ def launch(configs: SAEConfig | Sequence[SAEConfig], nproc_per_node: int = 1) ->
     if nproc_per_node == 1:
         return run(*configs)
     try:
-        check_runs(configs)
-        for config in configs:
-            world = config.data_parallel_size * config.model_parallel_size
-            if world != nproc_per_node:
-                raise InvalidArgumentError(
-                    f"data_parallel_size {config.data_parallel_size} x model_parallel_size "
-                    f"{config.model_parallel_size} = {world}, but {nproc_per_node} "
-                    "processes are launched"
-                )
+        check_runs(configs)  # one mesh for all: the first config's is every one's
+        dp, mp = configs[0].data_parallel_size, configs[0].model_parallel_size
+        if dp * mp != nproc_per_node:
+            raise InvalidArgumentError(
+                f"data_parallel_size {dp} x model_parallel_size {mp} = {dp * mp}, but "
+                f"{nproc_per_node} processes are launched"
+            )
     except USER_ERRORS as e:
         return _user_error(e)
     with tempfile.TemporaryDirectory(prefix="sae-config-") as tmp:
