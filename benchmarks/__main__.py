@@ -49,6 +49,9 @@ def block_name(name: str) -> str:
 
 def update(name: str, body: str) -> None:
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    if "@spark-" in name:  # its heading names the line: the newest line's block has the same
+        line = name.split("@spark-")[1]
+        body = re.sub(r"^(## .*)$", rf"\1 (Spark {line})", body.strip(), count=1, flags=re.M)
     block = f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
     tag = re.escape(name)
     pattern = re.compile(rf"<!-- bench:{tag} -->.*?<!-- /bench:{tag} -->", re.S)
