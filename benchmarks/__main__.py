@@ -38,20 +38,21 @@ def machine() -> str:
     )
 
 
-def block_name(name: str) -> str:
-    """The benchmark's block in the doc: its name on the newest Spark line, else the name
-    and the line (``writer@spark-3.5``), so another line's run keeps the newest's figures."""
+def block_for_this_line(name: str, body: str) -> tuple[str, str]:
+    """The benchmark's block in the doc and its text: on the newest Spark line, ``name`` and
+    ``body``; on another, the name and the line (``writer@spark-3.5``), so that line's run
+    keeps the newest's figures, and a heading that names the line."""
     from pyspark_safetensors.spark.shim import SPARK_LINES, spark_line
 
     line = spark_line()
-    return name if line == list(SPARK_LINES)[-1] else f"{name}@spark-{line}"  # oldest first
+    if line == list(SPARK_LINES)[-1]:  # oldest first
+        return name, body
+    labelled = re.sub(r"^(## .*)$", rf"\1 (Spark {line})", body, count=1, flags=re.M)
+    return f"{name}@spark-{line}", labelled
 
 
 def update(name: str, body: str) -> None:
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if "@spark-" in name:  # its heading names the line: the newest line's block has the same
-        line = name.split("@spark-")[1]
-        body = re.sub(r"^(## .*)$", rf"\1 (Spark {line})", body.strip(), count=1, flags=re.M)
     block = f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
     tag = re.escape(name)
     pattern = re.compile(rf"<!-- bench:{tag} -->.*?<!-- /bench:{tag} -->", re.S)
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
         print(f"== {name}", flush=True)
         body = module.run()
         print(body, flush=True)
-        update(block_name(name), body + f"\n\n_Measured on {machine()}._")
+        update(*block_for_this_line(name, body + f"\n\n_Measured on {machine()}._"))
     return 0
 
 
