@@ -64,6 +64,13 @@ class ExtractConfig:
     """Also write the samples as a Zarr sharded run (``samples_zarr/``: each Spark task
     one writer of ``shards/shard-XXXX.zarr``, layers = hook points in order, T_max =
     ``max_length``); needs the ``interop`` extra (zarr) and hook points of one width."""
+    saev_dump: bool = False
+    """Also write the activations of an image corpus as a saev protocol v1 dump
+    (``saev/<HASH>/``: every hook point one layer, each shard written by the Spark task
+    that owns its images); needs hook points of one width, one per transformer block."""
+    max_patches_per_shard: int = 2_400_000
+    """The saev dump's shard budget in activation vectors (protocol §3): a shard holds
+    ``max_patches_per_shard // (layers x tokens per image)`` images."""
 
     def __post_init__(self):
         if self.model_dir:  # one home for the model: fold the former name into ``model``
@@ -112,6 +119,8 @@ def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -
         body["corpus_sha256"] = corpus_hash
     body.pop("partitions")  # the layout of the work does not change the data
     body.pop("zarr_run")  # nor does a second copy of the samples
+    body.pop("saev_dump")  # nor a saev copy of them, nor its shard size
+    body.pop("max_patches_per_shard")
     if not body["partition_by_hook"]:  # the default layout hashes as it always has
         body.pop("partition_by_hook")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
