@@ -40,7 +40,9 @@ def test_auroc_equals_the_pairwise_count_with_ties():
     positive[dense[:, 3] > 0.9] = True  # latent 3 leans positive
     want = np.array([pairwise_auroc(dense[:, j], positive) for j in range(12)])
     np.testing.assert_allclose(auroc_dense(dense, positive), want, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(auroc_sparse(values, indices, positive, 12), want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        auroc_sparse(values, indices, positive, 12), want, rtol=0, atol=1e-12
+    )
     assert want[3] > 0.6 and len(set(np.round(want, 6))) > 6  # not a degenerate case
 
 

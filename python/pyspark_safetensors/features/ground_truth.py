@@ -86,7 +86,9 @@ def auroc_sparse(
     return (rank_sum - p * (p + 1) / 2) / (p * (n - p))
 
 
-def factor_masks(labels: pa.Table, factors: tuple[str, ...] = ()) -> dict[tuple[str, str], np.ndarray]:
+def factor_masks(
+    labels: pa.Table, factors: tuple[str, ...] = ()
+) -> dict[tuple[str, str], np.ndarray]:
     """``{(factor, value): inside [n]}`` from a per-patch label table: one row per patch,
     a string column per factor holding the value of the shape the patch lies in (null
     outside any shape). ``factors``: the columns to use (default: every column but the
