@@ -60,8 +60,11 @@ def load_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     for key in ("config", "metrics"):
         if key in meta:
             meta[key] = json.loads(meta[key])
-    n, d = tensors["encoder_weight"].shape
-    expected = {"encoder_bias": (n,), "decoder_weight": (n, d), "decoder_bias": (d,)}
+    n, d_in = tensors["encoder_weight"].shape
+    d_out = tensors["decoder_bias"].shape[0] if tensors["decoder_bias"].ndim == 1 else -1
+    expected = {"encoder_bias": (n,), "decoder_weight": (n, d_out), "decoder_bias": (d_out,)}
+    if "skip_weight" in tensors:  # a skip transcoder's linear path
+        expected["skip_weight"] = (d_out, d_in)
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(

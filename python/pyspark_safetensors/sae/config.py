@@ -36,7 +36,10 @@ ADAM_BETAS = (0.8, 0.98)
 
 
 #: The SAE architectures (``sae/architectures/``, registered under these names).
-Architecture = Literal["topk", "batchtopk", "jumprelu"]
+Architecture = Literal["topk", "batchtopk", "jumprelu", "transcoder", "skip_transcoder"]
+
+#: The architectures trained on pairs (x from ``dataset``, y from ``target_dataset``).
+TRANSCODERS = ("transcoder", "skip_transcoder")
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,26 @@ class SAEConfig:
     ``metrics.jsonl`` (``val_*`` keys), the plots and the SAE's metadata. "" = none."""
     val_tokens: int = 65536
     """Held-out rows evaluated (the first ones); 0 = all."""
+    target_dataset: str = ""
+    """Transcoders: the dataset of what the decoder reconstructs (e.g. the MLP's output
+    hook point), row-aligned with ``dataset`` (the same extraction's rows, in order)."""
+    target_column: str = "activation"
+    """Column of ``target_dataset`` holding the targets."""
+    val_target_dataset: str = ""
+    """Transcoders: the held-out targets, row-aligned with ``val_dataset``."""
+    datasets: tuple[str, ...] = ()
+    """Crosscoders: the row-aligned datasets of the hook points read and reconstructed
+    together (each of the same width; ``dataset`` stays empty)."""
+    val_datasets: tuple[str, ...] = ()
+    """Crosscoders: the held-out datasets, one per entry of ``datasets``, in its order."""
     hook_point: str = ""
     """Recorded in the checkpoint; taken from the dataset's ``hook_point`` metadata if empty."""
     # model
     d: int = 0
-    """Input width; 0 = the dataset's sample width (a non-zero value must match it)."""
+    """Input width; 0 = the dataset's sample width (a non-zero value must match it); a
+    crosscoder's is the hook points' widths summed."""
+    d_out: int = 0
+    """Reconstruction width; 0 = the target dataset's width (``d`` for an SAE)."""
     expansion_factor: int = 16
     n_latents: int = 0
     """Dictionary size; 0 = ``expansion_factor * d``."""
@@ -65,8 +83,15 @@ class SAEConfig:
     architecture: Architecture = "topk"
     """"topk": k latents per row; "batchtopk": k x batch latents per batch in training
     and a learned threshold at inference; "jumprelu": a learned threshold per latent,
-    trained towards an average of k active latents (``docs/sae.md`` says how each maps
-    onto the LUT's per-row top-k)."""
+    trained towards an average of k active latents; "matryoshka": BatchTopK whose nested
+    prefixes (``matryoshka_prefixes``) each learn to reconstruct; "transcoder" and
+    "skip_transcoder": TopK from ``dataset`` to ``target_dataset`` (the skip variant with
+    a dense linear path); "crosscoder": TopK over the concatenated ``datasets``, one
+    decoder block per hook point (``docs/sae.md`` says how each maps onto the LUT's
+    per-row top-k)."""
+    matryoshka_prefixes: tuple[int, ...] = ()
+    """Matryoshka: the nested prefixes' latent counts, ascending, the last the whole
+    dictionary; empty = n/16, n/8, n/4, n/2, n."""
     l0_coef: float = 1.0
     """JumpReLU: weight of the penalty ``(L0 / k - 1)^2`` that pulls the mean L0 to k."""
     jumprelu_bandwidth: float = 0.05
@@ -173,7 +198,12 @@ class SAEConfig:
                 raise InvalidArgumentError(
                     f"{name} must be one of {choices}, got {getattr(self, name)!r}"
                 )
+        if self.d_out < 0:
+            raise InvalidArgumentError(f"d_out must be >= 0, got {self.d_out}")
+        self._check_data()
         n = self.n_latents or self.expansion_factor * self.d
+        if self.d and self.matryoshka_prefixes:
+            self.prefixes  # refuses ill-formed prefixes once the size is known
         if self.d and self.k > n:
             raise InvalidArgumentError(f"k {self.k} exceeds n_latents {n}")
         if self.d and n % self.model_parallel_size:
@@ -181,7 +211,70 @@ class SAEConfig:
                 f"n_latents {n} is not divisible by model_parallel_size {self.model_parallel_size}"
             )
 
+    def _check_data(self) -> None:
+        """Each family names the data it needs, and only that."""
+        transcoder = self.architecture in TRANSCODERS
+        if transcoder and self.dataset and not self.target_dataset:
+            raise InvalidArgumentError(
+                f"a {self.architecture} reconstructs another hook point: give target_dataset "
+                "(row-aligned with dataset, e.g. the MLP's output beside its input)"
+            )
+        if not transcoder and (self.target_dataset or self.val_target_dataset):
+            raise InvalidArgumentError(
+                f"target_dataset is for transcoders; a {self.architecture} reconstructs its "
+                "input (architecture = 'transcoder' or 'skip_transcoder' to use it)"
+            )
+        if self.val_dataset and transcoder and not self.val_target_dataset:
+            raise InvalidArgumentError(
+                "val_dataset of a transcoder needs val_target_dataset (its held-out targets)"
+            )
+        crosscoder = self.architecture == "crosscoder"
+        if crosscoder:
+            if self.dataset:
+                raise InvalidArgumentError(
+                    "a crosscoder reads datasets = [...] (one per hook point), not dataset"
+                )
+            if self.datasets and len(self.datasets) < 2:
+                raise InvalidArgumentError(
+                    f"a crosscoder reads at least 2 hook points' datasets, got {list(self.datasets)}"
+                )
+            if self.val_datasets and len(self.val_datasets) != len(self.datasets):
+                raise InvalidArgumentError(
+                    f"val_datasets has {len(self.val_datasets)} entries, datasets "
+                    f"{len(self.datasets)}: give one held-out dataset per hook point"
+                )
+            if self.val_dataset:
+                raise InvalidArgumentError("a crosscoder's held-out data is val_datasets")
+        elif self.datasets or self.val_datasets:
+            raise InvalidArgumentError(
+                "datasets = [...] is for crosscoders; give dataset (architecture = "
+                "'crosscoder' to read several hook points)"
+            )
+        if self.matryoshka_prefixes and self.architecture != "matryoshka":
+            raise InvalidArgumentError("matryoshka_prefixes is for architecture = 'matryoshka'")
+
+    @property
+    def training_datasets(self) -> tuple[str, ...]:
+        """Every dataset the run trains on (checked before a launch)."""
+        return tuple(p for p in (self.dataset, self.target_dataset, *self.datasets) if p)
+
     # derived values (valid once ``d`` is known)
+
+    @property
+    def prefixes(self) -> tuple[int, ...]:
+        """Matryoshka's nested prefix sizes: ``matryoshka_prefixes`` checked, or the
+        default halvings n/16 .. n (those that are >= k)."""
+        n = self.latents
+        if not self.matryoshka_prefixes:
+            sizes = sorted({max(self.k, n // 2**i) for i in range(5)})
+            return tuple(sizes)
+        sizes = tuple(int(m) for m in self.matryoshka_prefixes)
+        if list(sizes) != sorted(set(sizes)) or sizes[-1] != n or sizes[0] < 1:
+            raise InvalidArgumentError(
+                f"matryoshka_prefixes must ascend strictly and end at n_latents ({n}), "
+                f"got {list(sizes)}"
+            )
+        return sizes
 
     @property
     def latents(self) -> int:
@@ -197,7 +290,7 @@ class SAEConfig:
 
     @property
     def aux_k(self) -> int:
-        return self.k_aux or max(1, self.d // 2)
+        return self.k_aux or max(1, (self.d_out or self.d) // 2)
 
     # serialisation
 
@@ -219,6 +312,8 @@ class SAEConfig:
             "overwrite",
             "log_to",
             "val_dataset",
+            "val_target_dataset",
+            "val_datasets",
             "val_tokens",
             "data_parallel_size",
             "model_parallel_size",
@@ -288,7 +383,10 @@ def _coerce(key: str, value, hint):
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise InvalidArgumentError(f"{key} must be a list, got {value!r}")
-        return tuple(str(v) for v in value)
+        item = typing.get_args(hint)[0]
+        if item is int and any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise InvalidArgumentError(f"{key} must be a list of integers, got {value!r}")
+        return tuple(item(v) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(hint)):
             raise InvalidArgumentError(

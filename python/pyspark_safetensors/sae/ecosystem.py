@@ -63,9 +63,12 @@ def _config(directory: Path) -> dict:
 
 
 def _shapes_fit(path, t: dict[str, torch.Tensor]) -> None:
-    n, d = t["encoder_weight"].shape
-    want = {"encoder_bias": (n,), "decoder_weight": (n, d), "decoder_bias": (d,)}
+    n, d_in = t["encoder_weight"].shape
+    d_out = t["decoder_bias"].shape[0] if t["decoder_bias"].ndim == 1 else -1
+    want = {"encoder_bias": (n,), "decoder_weight": (n, d_out), "decoder_bias": (d_out,),
+            "skip_weight": (d_out, d_in)}  # fmt: skip
     want |= {name: (n,) for name in t if name not in want and name != "encoder_weight"}
+    want = {name: shape for name, shape in want.items() if name in t}
     for name, shape in want.items():
         if tuple(t[name].shape) != shape:
             raise CheckpointError(
@@ -216,7 +219,8 @@ def load_sae_model(
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
     meta = info.get("metadata") or {}
-    sae = cls(d, n, min(k, n), device=device)
+    sae = cls(d, n, min(k, n), d_out=tensors["decoder_bias"].shape[0], device=device,
+              **cls.stored_options(meta))  # fmt: skip
     sae.load_full_state(tensors)
     if isinstance(sae, BatchTopKSAE):
         sae.threshold.fill_(float(meta.get("threshold", 0)))

@@ -1,5 +1,6 @@
 """SAE architectures behind one protocol (``base.SparseAutoencoder``), keyed by the
-config's ``architecture``. Adding one is a module here with a ``SparseAutoencoder``
+config's ``architecture``: SAEs (TopK, BatchTopK, JumpReLU, Matryoshka), transcoders
+(plain and skip) and crosscoders. Adding one is a module here with a ``SparseAutoencoder``
 subclass and a line in ``ARCHITECTURES``."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from .base import PLACEMENT, TINY, SAEOutput, SparseAutoencoder
 from .batchtopk import BATCH_TOPK_ROW_CAP, BatchTopKSAE
 from .jumprelu import JumpReLUSAE
 from .topk import TopKSAE
+from .transcoder import SkipTranscoderSAE, TranscoderSAE
 
 ARCHITECTURES: dict[str, type[SparseAutoencoder]] = {
-    cls.ARCHITECTURE: cls for cls in (TopKSAE, BatchTopKSAE, JumpReLUSAE)
+    cls.ARCHITECTURE: cls
+    for cls in (TopKSAE, BatchTopKSAE, JumpReLUSAE, TranscoderSAE, SkipTranscoderSAE)
 }
 
 
@@ -26,10 +29,10 @@ def get_architecture(name: str) -> type[SparseAutoencoder]:
 
 
 def build_sae(config, *, mesh=None, device=None) -> SparseAutoencoder:
-    """A fresh SAE for an ``SAEConfig`` whose ``d`` is known."""
+    """A fresh SAE for an ``SAEConfig`` whose ``d`` (and ``d_out``) are known."""
     cls = get_architecture(config.architecture)
-    return cls(config.d, config.latents, config.k, mesh=mesh, seed=config.seed, device=device,
-               **cls.config_options(config))  # fmt: skip
+    return cls(config.d, config.latents, config.k, d_out=config.d_out or None, mesh=mesh,
+               seed=config.seed, device=device, **cls.config_options(config))  # fmt: skip
 
 
 __all__ = [
@@ -40,8 +43,10 @@ __all__ = [
     "BatchTopKSAE",
     "JumpReLUSAE",
     "SAEOutput",
+    "SkipTranscoderSAE",
     "SparseAutoencoder",
     "TopKSAE",
+    "TranscoderSAE",
     "build_sae",
     "get_architecture",
 ]

@@ -1,12 +1,14 @@
 """What every SAE architecture provides, so the trainer, the checkpoints, the ecosystem
 layouts and the LUT job handle them alike.
 
-Every architecture reconstructs ``x_hat = code W_dec + b_dec`` from a sparse code and
-shares the LUT spec's four tensors ``encoder_weight [n, d]``, ``encoder_bias [n]``,
-``decoder_weight [n, d]``, ``decoder_bias [d]``; on a mesh with a "model" dimension the
-first three are sharded on dim 0 (``PLACEMENT``) and ``decoder_bias`` is replicated. An
-architecture differs in how it picks the code from the pre-activations
-``W_enc (x - b_dec) + b_enc`` (``forward``), in what it adds to the trainer's loss
+Every architecture reads ``x [B, d_in]`` and reconstructs ``y_hat = code W_dec + b_dec``
+``[B, d_out]`` from a sparse code (an SAE: ``y`` is ``x``, ``d_out = d_in``; a transcoder:
+another hook point's activations) and shares the LUT spec's four tensors
+``encoder_weight [n, d_in]``, ``encoder_bias [n]``, ``decoder_weight [n, d_out]``,
+``decoder_bias [d_out]``; on a mesh with a "model" dimension the first three are sharded
+on dim 0 (``PLACEMENT``) and ``decoder_bias`` is replicated. An architecture differs in
+how it picks the code from the pre-activations ``W_enc (x - b_dec) + b_enc`` (an SAE;
+a transcoder reads ``x`` uncentred) (``forward``), in what it adds to the trainer's loss
 (``sparsity_loss``), in what it updates after a step (``after_step``), in the tensors
 it adds to a checkpoint (``EXTRA_TENSORS``), and in whether the LUT's per-row top-k
 reproduces its code (``LUT_REFUSAL``).
@@ -41,11 +43,14 @@ PLACEMENT = {
 
 
 class SAEOutput(NamedTuple):
-    x_hat: torch.Tensor  # [B, d]
+    x_hat: torch.Tensor  # [B, d_out] the reconstruction of the target
     values: torch.Tensor  # [B, m] this rank's active values (0 where a slot is unused)
     indices: torch.Tensor  # [B, m] global latent indices of ``values``
     aux_values: torch.Tensor  # [B, k_aux_local] for AuxK (empty when no latent is dead)
     aux_indices: torch.Tensor
+    #: Further reconstructions the loss averages with ``x_hat`` (Matryoshka's prefixes,
+    #: ``x_hat`` last); empty for the other architectures.
+    x_hats: tuple[torch.Tensor, ...] = ()
 
 
 class SparseAutoencoder(nn.Module):
@@ -55,9 +60,10 @@ class SparseAutoencoder(nn.Module):
 
     ``d``: input width; ``n_latents``: dictionary size (divisible by the model-parallel
     size); ``k``: active latents per input (the target L0 of architectures that do not
-    select exactly k). Weights are initialised identically on every rank from ``seed``
-    (the decoder with unit-norm rows, the encoder as its transpose) and each rank keeps its
-    shard, so any mesh starts from the same SAE.
+    select exactly k); ``d_out``: the reconstruction's width (None: ``d``). Weights are
+    initialised identically on every rank from ``seed`` (the decoder with unit-norm rows,
+    the encoder as its transpose for an SAE, its own unit-norm rows for a transcoder) and
+    each rank keeps its shard, so any mesh starts from the same SAE.
     """
 
     #: The registry key, also ``architecture`` in the config and the checkpoint metadata.
@@ -70,6 +76,9 @@ class SparseAutoencoder(nn.Module):
     USES_AUX: ClassVar[bool] = True
     #: Whether encoding selects the top k (so a stored SAE must record its k).
     SELECTS_TOP_K: ClassVar[bool] = True
+    #: Whether the encoder starts as the decoder's transpose (an autoencoder of its input;
+    #: a transcoder's input and target live in different spaces).
+    TIED_INIT: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -77,6 +86,7 @@ class SparseAutoencoder(nn.Module):
         n_latents: int,
         k: int,
         *,
+        d_out: int | None = None,
         mesh=None,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
@@ -91,24 +101,41 @@ class SparseAutoencoder(nn.Module):
                 f"n_latents {n_latents} is not divisible by model_parallel_size {tp}"
             )
         self.d, self.n_latents, self.k, self.mesh = d, n_latents, k, mesh
+        self.d_out = d_out or d
         self.n_local = n_latents // tp
         self.offset = mesh_rank(mesh, MODEL) * self.n_local
         gen = torch.Generator().manual_seed(seed)
-        dec = torch.randn(n_latents, d, generator=gen, dtype=torch.float32)
+        dec = torch.randn(n_latents, self.d_out, generator=gen, dtype=torch.float32)
         dec /= dec.norm(dim=1, keepdim=True)
+        if self.TIED_INIT and self.d_out == d:
+            enc = dec.clone()
+        else:
+            enc = torch.randn(n_latents, d, generator=gen, dtype=torch.float32)
+            enc /= enc.norm(dim=1, keepdim=True)
         full = {
-            "encoder_weight": dec.clone(),
+            "encoder_weight": enc,
             "encoder_bias": torch.zeros(n_latents),
             "decoder_weight": dec,
-            "decoder_bias": torch.zeros(d),
-        }
+            "decoder_bias": torch.zeros(self.d_out),
+        } | self._extra_parameters()
         for name, tensor in full.items():
-            local = PLACEMENT[name].distribute(tensor, mesh)
+            local = self.placement(name).distribute(tensor, mesh)
             self.register_parameter(name, nn.Parameter(local.to(device=device, dtype=dtype)))
+
+    def _extra_parameters(self) -> dict[str, torch.Tensor]:
+        """Full-shape starting values of the parameters an architecture adds to the four
+        shared ones (placed by ``placement``)."""
+        return {}
 
     @classmethod
     def config_options(cls, config) -> dict:
         """This architecture's constructor options taken from an ``SAEConfig``."""
+        return {}
+
+    @classmethod
+    def stored_options(cls, metadata: dict) -> dict:
+        """This architecture's constructor options taken from a stored SAE's metadata
+        (what ``metadata()`` wrote)."""
         return {}
 
     @property
@@ -116,7 +143,8 @@ class SparseAutoencoder(nn.Module):
         return self.ARCHITECTURE
 
     def placement(self, name: str) -> DimMap:
-        """Where parameter ``name`` (or its optimizer state) lives on the mesh."""
+        """Where parameter ``name`` (or its optimizer state) lives on the mesh: the shared
+        ones as ``PLACEMENT`` says, an architecture's per-latent ones with the latents."""
         return PLACEMENT.get(name, DimMap({MODEL: 0}))
 
     # --- the code ------------------------------------------------------------------------
@@ -139,7 +167,8 @@ class SparseAutoencoder(nn.Module):
         return out.values, out.indices
 
     def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The reconstruction ``sum_j values_j W_dec[indices_j] + b_dec`` of a code."""
+        """The reconstruction ``sum_j values_j W_dec[indices_j] + b_dec`` of a code (a skip
+        transcoder's ``forward`` adds its linear path to it)."""
         return self.decode_latents(values, indices) + self.decoder_bias
 
     def _empty_aux(self, values: torch.Tensor, indices: torch.Tensor):
@@ -176,19 +205,21 @@ class SparseAutoencoder(nn.Module):
             g -= (g * w).sum(dim=1, keepdim=True) * w
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        n, d = self.n_latents, self.d
+        """Every checkpoint tensor's full shape, by name."""
+        n = self.n_latents
         shapes = {
-            "encoder_weight": (n, d),
+            "encoder_weight": (n, self.d),
             "encoder_bias": (n,),
-            "decoder_weight": (n, d),
-            "decoder_bias": (d,),
+            "decoder_weight": (n, self.d_out),
+            "decoder_bias": (self.d_out,),
         }
         return shapes | {name: (n,) for name in self.EXTRA_TENSORS}
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every checkpoint tensor (the shared parameters and
         ``EXTRA_TENSORS``), by checkpoint name."""
-        return {name: p.detach() for name, p in self.named_parameters() if name in PLACEMENT}
+        names = self.full_shapes()
+        return {name: p.detach() for name, p in self.named_parameters() if name in names}
 
     def load_local_state(self, local: dict[str, torch.Tensor]) -> None:
         """Set this rank's shards from checkpoint-named local tensors."""

@@ -105,7 +105,7 @@ class TopKSAE(SparseAutoencoder):
         """Encode and decode ``x [B, d]``. ``dead`` (bool ``[n_local]``) with ``k_aux``
         also selects the AuxK latents among the dead ones."""
         k = k or self.k
-        xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
+        xc = copy_to_model(self.encoder_input(x), self.mesh)
         use_aux = dead is not None and k_aux > 0
         k_aux = min(k_aux, self.n_local) if use_aux else 0
         vals, idx, aux_vals, aux_idx = _TopKEncode.apply(
@@ -116,5 +116,13 @@ class TopKSAE(SparseAutoencoder):
         idx = idx + self.offset
         if use_aux:
             aux_vals, aux_idx = self._select(aux_vals, k_aux), aux_idx + self.offset
-        x_hat = self.decode(vals, idx)
-        return SAEOutput(x_hat, vals, idx, aux_vals, aux_idx)
+        return self._output(x, vals, idx, aux_vals, aux_idx)
+
+    def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the encoder multiplies: ``x - b_dec`` (an SAE centres its input on the
+        decoder bias; a transcoder's ``b_dec`` lives in the output space)."""
+        return x.to(self.encoder_weight.dtype) - self.decoder_bias
+
+    def _output(self, x, vals, idx, aux_vals, aux_idx) -> SAEOutput:
+        """The forward's result from the code: the reconstruction and the code."""
+        return SAEOutput(self.decode(vals, idx), vals, idx, aux_vals, aux_idx)

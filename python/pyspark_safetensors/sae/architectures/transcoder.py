@@ -1,0 +1,67 @@
+"""Transcoders (Dunefsky et al. 2024; sparsify's ``transcode=True``): a sparse code read
+from one hook point that reconstructs another, typically an MLP block's input and output,
+so the code replaces the whole block. Skip transcoders (Paulo et al. 2025; sparsify's
+``skip_connection=True``) add a dense linear path:
+
+    pre = W_enc x + b_enc                      (x uncentred: b_dec lives in the output space)
+    z = TopK(ReLU(pre))                        (k latents per row, as ``TopKSAE``)
+    y_hat = z W_dec + b_dec (+ x W_skip^T)     W_skip: skip_weight [d_out, d_in]
+
+The tensors are the SAE's with ``encoder_weight [n, d_in]`` and ``decoder_weight
+[n, d_out]``, plus ``skip_weight [d_out, d_in]`` for the skip variant. On a mesh the
+latents shard on "model" as an SAE's do; ``skip_weight`` is replicated and added once,
+after the model ranks' partial decodes are summed, so every model rank holds the same
+``y_hat`` and the same ``skip_weight`` gradient (averaged over "data" like every other).
+The decoder rows keep unit norm as an SAE's do (the code's values carry the output's
+scale); ``skip_weight`` starts at zero, as sparsify's does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mesh import DimMap
+from .base import SAEOutput
+from .topk import TopKSAE
+
+#: The skip path is replicated on every rank.
+SKIP_PLACEMENT = DimMap({})
+
+
+class TranscoderSAE(TopKSAE):
+    """A TopK transcoder from ``d`` inputs to ``d_out`` outputs; the LUT's per-row top-k
+    reproduces its code exactly."""
+
+    ARCHITECTURE = "transcoder"
+    TIED_INIT = False
+
+    def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.encoder_weight.dtype)
+
+    def metadata(self) -> dict[str, str]:
+        return super().metadata() | {"d_in": str(self.d), "d_out": str(self.d_out)}
+
+
+class SkipTranscoderSAE(TranscoderSAE):
+    """A transcoder with a dense linear path ``x W_skip^T`` beside the sparse one."""
+
+    ARCHITECTURE = "skip_transcoder"
+
+    def _extra_parameters(self) -> dict[str, torch.Tensor]:
+        return {"skip_weight": torch.zeros(self.d_out, self.d)}
+
+    def placement(self, name: str) -> DimMap:
+        return SKIP_PLACEMENT if name == "skip_weight" else super().placement(name)
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear path ``x W_skip^T`` ``[B, d_out]`` (the same on every rank)."""
+        return x.to(self.skip_weight.dtype) @ self.skip_weight.t()
+
+    def _output(self, x, vals, idx, aux_vals, aux_idx) -> SAEOutput:
+        # after the decode's reduction over "model": added once, not once per model rank
+        y_hat = self.decode(vals, idx)
+        return SAEOutput(y_hat + self.skip(x).to(y_hat.dtype), vals, idx, aux_vals, aux_idx)
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        return super().full_shapes() | {"skip_weight": (self.d_out, self.d)}
+
