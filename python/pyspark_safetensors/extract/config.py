@@ -19,6 +19,9 @@ DEFAULT_HOOKS = (
     "encoder.layer.0.intermediate.dense:input",
 )
 
+IMAGE_FIELDS = ("images", "image_column", "label_column", "id_column", "bad_images")
+"""The fields of an image corpus (left out of a text extraction's hash)."""
+
 
 @dataclass(frozen=True)
 class ExtractConfig:
@@ -64,6 +67,25 @@ class ExtractConfig:
     """Also write the samples as a Zarr sharded run (``samples_zarr/``: each Spark task
     one writer of ``shards/shard-XXXX.zarr``, layers = hook points in order, T_max =
     ``max_length``); needs the ``interop`` extra (zarr) and hook points of one width."""
+    images: str = ""
+    """An image corpus instead of texts (a vision model then): a directory, object-store
+    prefix or glob of image files (Spark's ``binaryFile`` source, recursive), or a
+    parquet table path with an image-bytes column (``image_column``). A DataFrame of
+    images is passed to ``run_extraction(images=...)`` instead. Every token of every
+    image is kept; ``max_length`` is recorded as the tokens per image."""
+    image_column: str = "image"
+    """The image column of a table or DataFrame of images: encoded bytes (PNG, JPEG,
+    ...) or the struct of Spark's ``image`` source."""
+    label_column: str = ""
+    """A label column of a table or DataFrame of images (``images.parquet``'s
+    ``label``); files under a directory are labelled by their folder below it (the
+    ImageFolder layout), files at its top level have none."""
+    id_column: str = ""
+    """An id column of a table or DataFrame of images: the images' order and keys;
+    empty = their paths (relative to a directory or glob corpus's root)."""
+    bad_images: str = "skip"
+    """Unreadable or truncated images: "skip" (listed in ``extraction.json`` with a
+    warning) or "fail" (the job stops with an error naming the first one's path)."""
     saev_dump: bool = False
     """Also write the activations of an image corpus as a saev protocol v1 dump
     (``saev/<HASH>/``: every hook point one layer, each shard written by the Spark task
@@ -80,6 +102,17 @@ class ExtractConfig:
                 )
             object.__setattr__(self, "model", self.model_dir)
             object.__setattr__(self, "model_dir", "")
+        if self.bad_images not in ("skip", "fail"):
+            raise ExtractionError(f"bad_images must be 'skip' or 'fail', got {self.bad_images!r}")
+        if self.images and self.corpus != "demo":
+            raise ExtractionError(
+                f"corpus {self.corpus!r} and images {self.images!r}: give one of them"
+            )
+
+    @property
+    def modality(self) -> str:
+        """"image" for an image corpus, else "text"."""
+        return "image" if self.images else "text"
 
     def to_dict(self) -> dict:
         body = {**dataclasses.asdict(self), "hooks": list(self.hooks)}
@@ -98,12 +131,24 @@ class ExtractionSummary:
     seconds: float
     config_hash: str
     hooks: dict[str, int] = field(default_factory=dict)
+    modality: str = "text"
+    """"text" or "image" (then ``texts`` counts the images extracted)."""
+    bad_images: list[str] = field(default_factory=list)
+    """The paths of the unreadable images skipped (an image corpus)."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, SHORTEST_SECONDS)
 
     def __str__(self) -> str:
+        if self.modality == "image":
+            skipped = f" ({len(self.bad_images)} unreadable skipped)" if self.bad_images else ""
+            return (
+                f"{self.texts:,} images{skipped} -> {self.tokens:,} tokens, "
+                f"{len(self.hooks)} hook point(s), {self.bytes / 1e9:.3f} GB in "
+                f"{self.seconds:.1f} s ({self.texts / max(self.seconds, SHORTEST_SECONDS):,.1f} "
+                "images/s)"
+            )
         return (
             f"{self.texts:,} texts -> {self.samples:,} model inputs, {self.tokens:,} tokens, "
             f"{len(self.hooks)} hook point(s), {self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s "
@@ -119,6 +164,9 @@ def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -
         body["corpus_sha256"] = corpus_hash
     body.pop("partitions")  # the layout of the work does not change the data
     body.pop("zarr_run")  # nor does a second copy of the samples
+    if not body["images"]:  # a text extraction hashes as it did before images existed
+        for name in IMAGE_FIELDS:
+            body.pop(name)
     body.pop("saev_dump")  # nor a saev copy of them, nor its shard size
     body.pop("max_patches_per_shard")
     if not body["partition_by_hook"]:  # the default layout hashes as it always has
