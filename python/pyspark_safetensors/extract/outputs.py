@@ -293,6 +293,7 @@ def _save(rows: SampleRows, writer, metadata: dict[str, str], uri: str) -> None:
 OUTPUT_FORMATS = (
     "extract.outputs:SafetensorsDatasets",
     "interop.zarr.extract_output:ZarrRunOutput",
+    "interop.saev.extract_output:SaevDumpOutput",
 )
 """Every output format, as ``module:class`` inside this package (imported when a job
 runs), in the order they are written."""

@@ -57,6 +57,12 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def imgs_per_shard(max_patches_per_shard: int, n_layers: int, n_tokens_per_img: int) -> int:
+    """S, the images of one shard: ``floor(budget / (L x T))`` (protocol §3; 0 when one
+    image is over the budget)."""
+    return max_patches_per_shard // (n_layers * n_tokens_per_img)
+
+
 @dataclass(frozen=True)
 class Metadata:
     """A parsed, checked ``metadata.json``. ``doc`` is the document as read (key order
@@ -88,7 +94,7 @@ class Metadata:
     @property
     def n_imgs_per_shard(self) -> int:
         """S = floor(budget / (L x T)) (protocol §3)."""
-        return self.max_patches_per_shard // (self.n_layers * self.n_tokens_per_img)
+        return imgs_per_shard(self.max_patches_per_shard, self.n_layers, self.n_tokens_per_img)
 
     @property
     def shard_shape(self) -> tuple[int, int, int, int]:
