@@ -127,14 +127,22 @@ def test_a_shard_split_between_tasks_is_refused_and_nothing_stays(tmp_path):
     assert not (tmp_path / "saev").exists()
 
 
-def test_missing_images_are_refused(tmp_path):
+@pytest.mark.parametrize("kept", [[0, 1, 3, 4, 5, 6, 7], [0, 1, 2, 3, 6, 7, 9], [2, 3, 4]])
+def test_the_gaps_of_skipped_images_are_closed(tmp_path, kept):
+    """Dump image i is the i-th image extracted; the shards from the first gap on are
+    written again, exactly as our writer writes the images kept."""
     plan = _plan()
-    acts, _ = _rows(plan, 6)
+    acts, dump_acts = _rows(plan, 10)
     job = SaevShardJob(plan, tmp_path / "saev")
-    results = _write(job, acts, [[[0, 1, 3]], [[4, 5]]])  # image 2 skipped
-    with pytest.raises(DumpError, match=r"shard 1 holds 1 of 2 images.*bad_images='fail'"):
-        job.commit(results)
-    assert not (tmp_path / "saev").exists()
+    partitions = [[[i for i in kept if a <= i < a + 4]] for a in (0, 4, 8)]
+    path = job.commit(_write(job, acts, [p for p in partitions if p[0]]))
+    ours = write_dump(
+        tmp_path / "ours", dump_acts[kept], vit_family="dinov2", vit_ckpt="toy-vit",
+        layers=[1, 3], n_patches_per_img=4, cls_token=True, seed=0,
+        max_patches_per_shard=plan.max_patches_per_shard, data=plan.data,
+    )  # fmt: skip
+    _same_files(path, ours)
+    assert [p.name for p in (tmp_path / "saev").iterdir()] == [path.name]
 
 
 def test_a_retried_task_replaces_its_shards_and_an_aborted_job_leaves_nothing(tmp_path):

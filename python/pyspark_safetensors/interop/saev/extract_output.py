@@ -7,7 +7,9 @@ the model's scan order. Register tokens are not written: protocol v1's token axi
 ``[CLS] + n_patches_per_img`` image patches and has no place for them (they stay in the
 token-level datasets, ``token_kind`` "register"). Image ``i`` of the dump is
 ``image_id`` ``i``: shard ``i // S``, slot ``i % S``, with ``S = n_imgs_per_shard``
-(protocol §3). The job cuts the images into Spark partitions at multiples of ``S``
+(protocol §3); when unreadable images were skipped, the driver closes their gaps (the
+shards from the first gap on are written again), and image ``i`` of the dump is the
+``i``-th image extracted, in image_id order. The job cuts the images into Spark partitions at multiples of ``S``
 (``images_per_partition_multiple``), so each shard file is written by the one task that
 owns its images: under a task-attempt name, moved into the dump's staging directory
 whole when the task ends. The driver checks that every image landed once, writes
@@ -182,11 +184,10 @@ def _pwrite(fd: int, array: np.ndarray, offset: int) -> None:
 
 @dataclass(frozen=True)
 class ShardsWritten:
-    """What one task wrote: by shard, the images it holds and one past its highest slot
-    (the shard's images are dense when the two agree)."""
+    """What one task wrote: by shard, the slots it filled (``np.packbits`` of S flags)."""
 
     task_id: int
-    shards: dict[int, tuple[int, int]]
+    shards: dict[int, np.ndarray]
 
 
 class SaevShardWriter:
@@ -256,11 +257,7 @@ class SaevShardWriter:
             # directory is gone and a late attempt fails here, leaving nothing behind
             os.replace(path, self.job.staging / shard_file(s))
             del self._files[s]
-        shards = {
-            s: (int(taken.sum()), int(np.flatnonzero(taken)[-1]) + 1)
-            for s, taken in self._slots.items()
-        }
-        return ShardsWritten(self.task_id, shards)
+        return ShardsWritten(self.task_id, {s: np.packbits(t) for s, t in self._slots.items()})
 
     def discard(self) -> None:
         """Delete this attempt's unfinished shard files."""
@@ -295,11 +292,14 @@ class SaevShardJob:
         return self.staging.is_dir()
 
     def commit(self, results: list[ShardsWritten]) -> Path:
-        """Check that image ``0 .. n_imgs - 1`` each landed once, write ``metadata.json``
-        and publish the dump under its hash; returns its directory. On failure the job
-        is aborted."""
+        """Check that each image landed once, close the gaps of skipped images, write
+        ``metadata.json`` and publish the dump under its hash; returns its directory. On
+        failure the job is aborted."""
         try:
-            meta = self._metadata(results)
+            ids = self._image_ids(results)
+            if ids[-1] != len(ids) - 1:
+                self._repack(ids)
+            meta = self.plan.metadata(len(ids))
             write_metadata(self.staging, metadata_text(meta))
             _, problems, _ = check_shards(self.staging, meta)
             if problems:
@@ -311,34 +311,56 @@ class SaevShardJob:
             self.abort()
             raise
 
-    def _metadata(self, results: list[ShardsWritten]) -> Metadata:
-        S, owner, written = self.plan.n_imgs_per_shard, {}, {}
+    def _image_ids(self, results: list[ShardsWritten]) -> np.ndarray:
+        """The image_ids written, ascending; a shard written by two tasks is refused."""
+        S, owner, ids = self.plan.n_imgs_per_shard, {}, {}
         for result in results:
-            for s, counts in result.shards.items():
+            for s, bits in result.shards.items():
                 if s in owner:
                     raise DumpError(
                         f"tasks {owner[s]} and {result.task_id} both wrote images of saev shard "
                         f"{s}: the image partitions must begin at multiples of "
                         f"n_imgs_per_shard = {S}"
                     )
-                owner[s], written[s] = result.task_id, counts
-        if not written:
+                owner[s] = result.task_id
+                ids[s] = s * S + np.flatnonzero(np.unpackbits(bits, count=S))
+        if not ids:
             raise DumpError("no image reached the saev dump")
-        last = max(written)
-        holes = []
-        for s in range(last + 1):
-            count, top = written.get(s, (0, 0))
-            want = S if s < last else top  # the last shard: its slots 0 .. top - 1
-            if count != want:
-                holes.append(f"shard {s} holds {count} of {want} images")
-        if holes:
-            raise DumpError(
-                "a saev dump holds images 0 .. n_imgs - 1 by image_id, and some are missing ("
-                + "; ".join(holes[:5]) + ("; ..." if len(holes) > 5 else "")
-                + "): images skipped as unreadable leave gaps; extract with bad_images='fail' "
-                "or remove them from the corpus"
-            )  # fmt: skip
-        return self.plan.metadata(last * S + written[last][1])
+        return np.concatenate([ids[s] for s in sorted(ids)])
+
+    def _repack(self, ids: np.ndarray) -> None:
+        """Close the gaps that skipped images left: dump image ``i`` becomes the ``i``-th
+        image_id written. The shards from the first gap on are written again (on the
+        driver, from the tasks' shards), the ones before it stay as they are."""
+        plan, S = self.plan, self.plan.n_imgs_per_shard
+        first = int(np.flatnonzero(ids != np.arange(len(ids)))[0]) // S
+        old = {}
+        repacked = staging_path(self.dump_to / "dump", "repack")
+        repacked.mkdir()
+        try:
+            for new in range(first, -(-len(ids) // S)):
+                src = ids[new * S : (new + 1) * S]
+                with open(repacked / shard_file(new), "wb") as f:
+                    f.truncate(S * plan.img_nbytes)  # padding, as the tasks' files
+                    # runs of consecutive image_ids of one old shard: one copy each
+                    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(src // S) != 0)) + 1
+                    for run in np.split(src, breaks):
+                        s = int(run[0]) // S
+                        if s not in old:
+                            old[s] = np.memmap(
+                                self.staging / shard_file(s), "<f4", "r",
+                                shape=(S, len(plan.layers), plan.n_tokens_per_img, plan.d_vit),
+                            )  # fmt: skip
+                        images = old[s][int(run[0]) % S : int(run[-1]) % S + 1]
+                        f.write(memoryview(images).cast("B"))
+                    os.fsync(f.fileno())
+            old.clear()
+            for s in range(first, int(ids[-1]) // S + 1):
+                (self.staging / shard_file(s)).unlink(missing_ok=True)
+            for path in repacked.iterdir():
+                os.replace(path, self.staging / path.name)
+        finally:
+            shutil.rmtree(repacked, ignore_errors=True)
 
     def abort(self) -> None:
         """Delete what the tasks wrote; ``dump_to`` too when the job made it."""
