@@ -179,7 +179,9 @@ def test_rows_that_do_not_fit_the_plan_are_refused(tmp_path):
     with pytest.raises(DumpError, match=r"two sample rows of one image_id"):
         writer.add(_batch(acts, [1, 1]))
     writer.discard()
-    job.abort()
+    with pytest.raises(DumpError, match=r"no image reached .* every Spark worker sees"):
+        job.commit([])
+    assert not (tmp_path / "saev").exists()
     with pytest.raises(DumpError, match=r"holds no whole image of 2 layer\(s\) x 5 tokens; .* 10"):
         _plan(budget=9)
 

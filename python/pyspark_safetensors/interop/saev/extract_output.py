@@ -324,8 +324,11 @@ class SaevShardJob:
                     )
                 owner[s] = result.task_id
                 ids[s] = s * S + np.flatnonzero(np.unpackbits(bits, count=S))
-        if not ids:
-            raise DumpError("no image reached the saev dump")
+        if not ids:  # a task that cannot see the staging directory writes nothing
+            raise DumpError(
+                f"no image reached the saev dump in {self.dump_to}: it must be on storage "
+                "every Spark worker sees (a local path of a one-machine session, or a mount)"
+            )
         return np.concatenate([ids[s] for s in sorted(ids)])
 
     def _repack(self, ids: np.ndarray) -> None:
