@@ -5,14 +5,14 @@ compensation sizes m; and end to end, how close a patched model's embeddings sta
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .inference import LUTLinear, load_layer_file, patch_model
+from .inference import LUTMLP, LUTLinear, load_layer_file, patch_model
 from .precompute import ModelWeights
 from .spec import LUTError, validate_lut
 
@@ -197,21 +197,29 @@ class Splice:
     ``module:input`` replaces the input of every module in ``shared`` too: the layers that
     read the very same tensor (a Llama block's q, k and v projections, or gate and up),
     which an SAE on that input replaces together, as their LUT layers do; the activation is
-    replaced once, whichever of them runs first (``shared_input_modules`` finds them)."""
+    replaced once, whichever of them runs first (``shared_input_modules`` finds them).
 
-    def __init__(self, model, hook: str, replace, shared: Iterable[str] = ()):
+    ``from_input`` (``module:output`` only): the output is replaced by ``replace(the
+    module's input)``, as a transcoder replaces an MLP block's output."""
+
+    def __init__(
+        self, model, hook: str, replace, shared: Iterable[str] = (), *, from_input: bool = False
+    ):
         self.model, self.replace, self.where = model, replace, None
         self.module, _, self.kind = hook.rpartition(":")
         if self.kind not in ("input", "output"):
             raise LUTError(f"hook {hook!r} must end with ':input' or ':output'")
+        if from_input and self.kind != "output":
+            raise LUTError(f"hook {hook!r}: from_input replaces a module's output")
+        self.from_input = from_input
         self.modules = (
             list(dict.fromkeys([self.module, *shared])) if self.kind == "input" else [self.module]
         )
         self._handles: list = []
         self._last: tuple | None = None  # (input, its replacement) of the current forward
 
-    def _swap(self, x: torch.Tensor) -> torch.Tensor:
-        new = self.replace(x).to(x.dtype)
+    def _swap(self, x: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        new = self.replace(x if source is None else source).to(x.dtype)
         if self.where is not None:
             new = torch.where(self.where.to(x.device)[..., None], new, x)
         return new
@@ -223,9 +231,10 @@ class Splice:
         return (self._last[1], *args[1:])
 
     def _post(self, module, args, output):
+        source = args[0] if self.from_input else None
         if isinstance(output, tuple):
-            return (self._swap(output[0]), *output[1:])
-        return self._swap(output)
+            return (self._swap(output[0], source), *output[1:])
+        return self._swap(output, source)
 
     def __enter__(self) -> Splice:
         modules = dict(self.model.named_modules())
@@ -310,7 +319,8 @@ def lm_loss_evaluation(
     texts: list[str],
     *,
     saes: Mapping[str, object] | None = None,
-    lut_dir: str | os.PathLike | None = None,
+    transcoders: Mapping[str, object] | None = None,
+    lut_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     compensate: Iterable[int] = (0,),
     max_length: int = 128,
     batch_size: int = 16,
@@ -325,23 +335,61 @@ def lm_loss_evaluation(
       mean over the same texts), ``ce_loss_recovered`` = (CE_zero - CE_spliced) /
       (CE_zero - CE_clean) (``ce_loss_recovered_mean`` against mean ablation), and the KL
       divergence of each next-token distribution to the clean one (nats per token);
-    - per compensation size ``m`` in ``compensate``, with every LUT layer of ``lut_dir``
-      patched in: CE and KL.
+    - per MLP block replaced whole, that is each block of ``transcoders`` (``{block module,
+      e.g. "model.layers.0.mlp": transcoder}``, a checkpoint or a loaded module whose
+      ``x_hat`` is the block's output) and each MLP block of the LUT: the same figures with
+      the block's output replaced by the transcoder's output from the block's input
+      (``spliced``) and by its MLP LUT (``lut``, at every position, as in use), against the
+      block's output zero- and mean-ablated;
+    - per compensation size ``m`` in ``compensate``, with every LUT layer and block of
+      ``lut_dir`` (one directory or several, patched in together) patched in: CE and KL.
 
-    Every intervention touches only real tokens; a BOS token the tokenizer adds keeps its
-    clean activations unless ``splice_bos`` (the SAEs are trained without it, the
+    Every splice and ablation touches only real tokens; a BOS token the tokenizer adds
+    keeps its clean activations unless ``splice_bos`` (the SAEs are trained without it, the
     extraction's default). LUT layers replace whole modules, so they run at every position,
     as in use. The model is left exactly as it was: hooks removed, patched layers put back.
 
-    Returns ``{"tokens", "ce_clean", "hooks": {hook: {...}}, "lut": {m: {"ce", "kl"}}}``."""
-    from ..extract.model import bos_added
-    from ..sae.ecosystem import load_sae_model
+    Returns ``{"tokens", "ce_clean", "hooks": {hook: {...}}, "mlp": {block: {...}}, "lut":
+    {m: {"ce", "kl", "ce_increase"}}}``."""
+    batches = _device_batches(model, tokenizer, texts, max_length, batch_size)
+    positions = _positions(tokenizer, splice_bos)
+    lut_dirs = _lut_dirs(lut_dir)
+    hooks = _loaded_saes(model, saes or {}, batches[0])
+    luts = {m: _lut_modules(model, lut_dirs, m) for m in compensate} if lut_dirs else {}
+    # each MLP block of the LUT alone (compensation does not apply to a block)
+    patched = next(iter(luts.values()), None) or _lut_modules(model, lut_dirs, 0)
+    mlp_luts = {name: layer for name, layer in patched.items() if isinstance(layer, LUTMLP)}
+    blocks = _loaded_transcoders(model, transcoders or {})
+    block_names = list(dict.fromkeys([*blocks, *mlp_luts]))
+    means = _hook_means(
+        model, batches,
+        {**{h: shared for h, (_, shared) in hooks.items()},
+         **{f"{b}:output": [] for b in block_names}},
+        positions,
+    )  # fmt: skip
+    variants = {
+        **_sae_variants(model, hooks, means),
+        **_mlp_variants(model, block_names, blocks, mlp_luts, means),
+        **{("lut", m): _swap_variant(model, layers) for m, layers in luts.items()},
+    }
+    sums, tokens, ce_clean = _run_variants(model, batches, positions, variants)
+    return _lm_report(sums, tokens, ce_clean, list(hooks), block_names, list(luts))
 
-    device = next(model.parameters()).device  # the model's: inputs and SAEs go there
-    batches = [
+
+def _device_batches(model, tokenizer, texts, max_length: int, batch_size: int) -> list[dict]:
+    """``lm_batches`` on the model's device (inputs, SAEs and transcoders go there)."""
+    device = next(model.parameters()).device
+    return [
         {k: v.to(device) for k, v in b.items()}
         for b in lm_batches(tokenizer, texts, max_length=max_length, batch_size=batch_size)
     ]
+
+
+def _positions(tokenizer, splice_bos: bool):
+    """``positions(batch) -> [batch, seq] bool``: where splices and ablations act, every
+    real token but a BOS the tokenizer adds (unless ``splice_bos``)."""
+    from ..extract.model import bos_added
+
     skip_first = not splice_bos and bos_added(tokenizer)
 
     def positions(batch: dict) -> torch.Tensor:
@@ -350,32 +398,115 @@ def lm_loss_evaluation(
             where[:, 0] = False
         return where
 
-    modules = {}
-    for hook, sae in (saes or {}).items():
-        sae = load_sae_model(sae) if isinstance(sae, str | os.PathLike) else sae
-        sae = sae.to(device).eval()
+    return positions
+
+
+def _lut_dirs(lut_dir) -> list[str | os.PathLike]:
+    if lut_dir is None:
+        return []
+    return [lut_dir] if isinstance(lut_dir, str | os.PathLike) else list(lut_dir)
+
+
+def _module_on(module, model):
+    """A loaded (or a path to a) SAE or transcoder, on the model's device, in eval mode."""
+    from ..sae.ecosystem import load_sae_model
+
+    module = load_sae_model(module) if isinstance(module, str | os.PathLike) else module
+    return module.to(next(model.parameters()).device).eval()
+
+
+def _loaded_saes(model, saes: Mapping[str, object], batch: dict) -> dict[str, tuple]:
+    """``{hook: (SAE module, the modules sharing its input)}``."""
+    out = {}
+    for hook, sae in saes.items():
         module = hook.rpartition(":")[0]
-        shared = shared_input_modules(model, module, batches[0]) if hook.endswith(":input") else []
-        modules[hook] = (sae, shared)
-    means = _hook_means(model, batches, {h: s for h, (_, s) in modules.items()}, positions)
+        shared = shared_input_modules(model, module, batch) if hook.endswith(":input") else []
+        out[hook] = (_module_on(sae, model), shared)
+    return out
 
-    def reconstruct(sae):
-        def replace(x):
-            flat = x.reshape(-1, x.shape[-1]).float()
-            return sae(flat).x_hat.reshape(x.shape)
 
-        return replace
+def _loaded_transcoders(model, transcoders: Mapping[str, object]) -> dict[str, object]:
+    """``{block's name in the model: transcoder module}``."""
+    from .inference import _find_module
 
-    variants = {}  # (hook, intervention) -> its Splice
-    for hook, (sae, shared) in modules.items():
-        variants[(hook, "spliced")] = Splice(model, hook, reconstruct(sae), shared)
-        variants[(hook, "zero")] = Splice(model, hook, torch.zeros_like, shared)
-        mean = means[hook]
-        variants[(hook, "mean")] = Splice(model, hook, lambda x, m=mean: m.expand_as(x), shared)
-    luts = {}  # m -> {module name: its LUT layer}, built once, swapped in per batch
-    for m in compensate if lut_dir is not None else ():
-        with lut_patched(model, lut_dir, compensate=m) as patched:
-            luts[m] = patched
+    return {
+        _find_module(model, block)[0]: _module_on(tc, model) for block, tc in transcoders.items()
+    }
+
+
+def _lut_modules(model, lut_dirs: list, compensate: int) -> dict[str, torch.nn.Module]:
+    """``{module name: LUT layer or block}`` of every directory, built once, the model left
+    as it was (they are swapped in per batch)."""
+    out = {}
+    for lut_dir in lut_dirs:
+        with lut_patched(model, lut_dir, compensate=compensate) as patched:
+            out.update(patched)
+    return out
+
+
+def _reconstruct(sae):
+    """``x -> sae(x).x_hat`` on any leading shape (an SAE's reconstruction, a transcoder's
+    output)."""
+
+    def replace(x):
+        flat = x.reshape(-1, x.shape[-1]).float()
+        out = sae(flat).x_hat
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return replace
+
+
+def _splice_variant(splice: Splice):
+    """A variant (``where -> context manager``) that splices at ``where``."""
+
+    def enter(where):
+        splice.where = where
+        return splice
+
+    return enter
+
+
+def _swap_variant(model, modules: Mapping[str, torch.nn.Module]):
+    """A variant that swaps ``modules`` in (everywhere: ``where`` does not apply)."""
+    return lambda where: swapped_modules(model, modules)
+
+
+def _ablations(model, hook: str, mean: torch.Tensor, shared=()) -> dict[str, object]:
+    return {
+        "zero": _splice_variant(Splice(model, hook, torch.zeros_like, shared)),
+        "mean": _splice_variant(Splice(model, hook, lambda x: mean.expand_as(x), shared)),
+    }
+
+
+def _sae_variants(model, hooks: dict, means: dict) -> dict:
+    """Per SAE hook point: its reconstruction spliced in, zero and mean ablation."""
+    out = {}
+    for hook, (sae, shared) in hooks.items():
+        out[(hook, "spliced")] = _splice_variant(Splice(model, hook, _reconstruct(sae), shared))
+        for kind, variant in _ablations(model, hook, means[hook], shared).items():
+            out[(hook, kind)] = variant
+    return out
+
+
+def _mlp_variants(model, names: list[str], transcoders: dict, mlp_luts: dict, means) -> dict:
+    """Per MLP block replaced whole: its output from the transcoder (``spliced``) or from
+    its MLP LUT (``lut``), zero and mean ablation of its output."""
+    out = {}
+    for block in names:
+        hook = f"{block}:output"
+        if block in transcoders:
+            splice = Splice(model, hook, _reconstruct(transcoders[block]), from_input=True)
+            out[(block, "spliced")] = _splice_variant(splice)
+        if block in mlp_luts:
+            out[(block, "lut")] = _swap_variant(model, {block: mlp_luts[block]})
+        for kind, variant in _ablations(model, hook, means[hook]).items():
+            out[(block, kind)] = variant
+    return out
+
+
+def _run_variants(model, batches: list[dict], positions, variants: dict):
+    """Each batch clean, then under each variant: ``(sums {key: (CE, KL)}, tokens,
+    summed clean CE)``."""
     sums: dict = {}
     tokens, ce_clean = 0, 0.0
     for batch in batches:
@@ -383,16 +514,11 @@ def lm_loss_evaluation(
         tokens += n
         ce_clean += ce
         where = positions(batch)
-        for key, splice in variants.items():
-            splice.where = where
-            with splice:
+        for key, variant in variants.items():
+            with variant(where):
                 ce, kl, _, _ = next_token_stats(model(**batch).logits, batch, clean_logp)
             _add(sums, key, ce, kl)
-        for m, layers in luts.items():
-            with swapped_modules(model, layers):
-                ce, kl, _, _ = next_token_stats(model(**batch).logits, batch, clean_logp)
-            _add(sums, ("lut", m), ce, kl)
-    return _lm_report(sums, tokens, ce_clean, modules, list(luts))
+    return sums, tokens, ce_clean
 
 
 def _add(sums: dict, key, ce: float, kl: float) -> None:
@@ -419,8 +545,8 @@ def _set_modules(model, modules: Mapping[str, torch.nn.Module]) -> None:
 
 @contextmanager
 def lut_patched(model, lut_dir: str | os.PathLike, *, compensate: int = 0):
-    """``model`` with every LUT layer of ``lut_dir`` patched in (``patch_model``); yields
-    ``{module name: LUT layer}`` and puts the original layers back on exit."""
+    """``model`` with every LUT layer and block of ``lut_dir`` patched in (``patch_model``);
+    yields ``{module name: LUT module}`` and puts the original modules back on exit."""
     originals = dict(model.named_modules())
     replaced = patch_model(model, lut_dir, compensate=compensate)
     try:
@@ -429,28 +555,40 @@ def lut_patched(model, lut_dir: str | os.PathLike, *, compensate: int = 0):
         _set_modules(model, {name: originals[name] for name in replaced})
 
 
-def _lm_report(sums: dict, tokens: int, ce_clean: float, modules: dict, ms) -> dict:
+def _lm_report(
+    sums: dict, tokens: int, ce_clean: float, hooks: list, blocks: list, ms: list
+) -> dict:
     ce_clean /= tokens
-    hooks = {}
-    for hook in modules:
-        (sp, kl_sp), (zero, kl_zero), (mean, kl_mean) = (
-            (v / tokens for v in sums[(hook, kind)]) for kind in ("spliced", "zero", "mean")
-        )
-        hooks[hook] = {
-            "ce_spliced": sp,
-            "ce_zero_ablated": zero,
-            "ce_mean_ablated": mean,
-            "ce_loss_recovered": _recovered(zero, sp, ce_clean),
-            "ce_loss_recovered_mean": _recovered(mean, sp, ce_clean),
-            "kl_spliced": kl_sp,
-            "kl_zero_ablated": kl_zero,
-            "kl_mean_ablated": kl_mean,
-        }
+
+    def figures(key) -> dict:
+        """The figures of one hook point or block: each intervention's CE and KL per token,
+        the CE loss recovered of each replacement against each ablation."""
+        kinds = [kind for kind in ("spliced", "lut", "zero", "mean") if (key, kind) in sums]
+        ce = {kind: sums[(key, kind)][0] / tokens for kind in kinds}
+        kl = {kind: sums[(key, kind)][1] / tokens for kind in kinds}
+        suffix = {"spliced": "", "lut": "_lut"}
+        out = {}
+        for kind in kinds:
+            name = {"zero": "zero_ablated", "mean": "mean_ablated"}.get(kind, kind)
+            out[f"ce_{name}"], out[f"kl_{name}"] = ce[kind], kl[kind]
+        for kind in ("spliced", "lut"):
+            if kind in ce:
+                recovered = f"ce_loss_recovered{suffix[kind]}"
+                out[recovered] = _recovered(ce["zero"], ce[kind], ce_clean)
+                out[recovered + "_mean"] = _recovered(ce["mean"], ce[kind], ce_clean)
+        return out
+
     lut = {}
     for m in ms:
         ce, kl = (v / tokens for v in sums[("lut", m)])
         lut[m] = {"ce": ce, "kl": kl, "ce_increase": ce - ce_clean}
-    return {"tokens": tokens, "ce_clean": ce_clean, "hooks": hooks, "lut": lut}
+    return {
+        "tokens": tokens,
+        "ce_clean": ce_clean,
+        "hooks": {hook: figures(hook) for hook in hooks},
+        "mlp": {block: figures(block) for block in blocks},
+        "lut": lut,
+    }
 
 
 def _recovered(ablated: float, spliced: float, clean: float) -> float:

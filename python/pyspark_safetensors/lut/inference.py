@@ -11,6 +11,11 @@ contribution ``(x - x_hat)[dims] @ W_target[dims]`` added. Because the table par
 Layers that read one input through one SAE (q, k and v; gate and up) share one
 ``LUTEncoder``: ``patch_model`` finds them by comparing the files' encoder tensors, and the
 encoder keeps its last input and result, so the layers fed that input encode it once.
+
+A whole MLP block (``kind: "mlp"``, a transcoder's LUT) runs as ``LUTMLP``: the same encode
+and gather, the gathered rows being the block's output itself, plus ``x @ skip_weight.T``
+for a skip transcoder; ``patch_model`` swaps the block's module (Llama's gate, up, act and
+down) for it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spec import LUTError, validate_lut
+from .spec import MLP, LUTError, entry_kind, file_kind, validate_lut
 
 
 def load_layer_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> dict:
@@ -127,6 +132,11 @@ class LUTLinear(nn.Module):
         encoder: LUTEncoder | None = None,
     ):
         super().__init__()
+        if "skip_weight" in tensors:
+            raise LUTError(
+                "these tensors are a skip transcoder's MLP-block LUT, not a linear layer's: "
+                "use LUTMLP"
+            )
         num_basis, self.in_features = tensors["encoder_weight"].shape
         self.out_features = tensors["precomputed_products"].shape[1]
         if not 0 < k_active <= num_basis:
@@ -157,6 +167,8 @@ class LUTLinear(nn.Module):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, k_active: int, **kwargs) -> LUTLinear:
+        """The layer of one ``.lut.safetensors`` file (an MLP block's file is refused)."""
+        _refuse_mlp_file(path)
         dtype = kwargs.get("dtype", torch.float32)
         return cls(load_layer_file(path, dtype), k_active, **kwargs)
 
@@ -200,6 +212,76 @@ class LUTLinear(nn.Module):
         )
 
 
+def _refuse_mlp_file(path: str | os.PathLike) -> None:
+    if file_kind(path) == MLP:
+        raise LUTError(
+            f"{path}: an MLP block's LUT (a transcoder's, kind 'mlp'), which replaces the whole "
+            "block, not a linear layer: load it with LUTMLP.from_file, load_lut_mlps or "
+            "patch_model"
+        )
+
+
+class LUTMLP(nn.Module):
+    """A whole MLP block computed from a transcoder's LUT (``kind: "mlp"``): a drop-in for
+    the block's module, ``[..., input_dim] -> [..., output_dim]``:
+
+        (v, i) = TopK(ReLU(x @ encoder_weight.T + encoder_bias), k_active)
+        out = sum_j v_j * precomputed_products[i_j] + bias_product (+ x @ skip_weight.T)
+
+    which is the transcoder's own output (its decoder rows are ``precomputed_products``).
+    Tensors are kept in ``dtype`` (float32 by default); the output has the input's dtype,
+    as the block's had."""
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], k_active: int, *, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        if "decoder_weight" in tensors:
+            raise LUTError(
+                "these tensors are a linear layer's LUT (they hold decoder_weight), not an MLP "
+                "block's: use LUTLinear"
+            )
+        self.in_features = tensors["encoder_weight"].shape[1]
+        self.out_features = tensors["precomputed_products"].shape[1]
+        enc_w, enc_b = (tensors[n].to(dtype) for n in ("encoder_weight", "encoder_bias"))
+        self.encoder = LUTEncoder(enc_w, enc_b, k_active)  # checks k_active
+        self.encoder.users += 1
+        self.k_active = k_active
+        self.register_buffer("precomputed_products", tensors["precomputed_products"].to(dtype))
+        self.register_buffer("bias_product", tensors["bias_product"].to(dtype))
+        skip = tensors.get("skip_weight")
+        self.register_buffer("skip_weight", None if skip is None else skip.to(dtype))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, k_active: int, **kwargs) -> LUTMLP:
+        """The block of one MLP ``.lut.safetensors`` file (a linear layer's is refused)."""
+        if file_kind(path) != MLP:
+            raise LUTError(
+                f"{path}: a linear layer's LUT, not an MLP block's (kind 'mlp'): load it with "
+                "LUTLinear.from_file"
+            )
+        return cls(load_layer_file(path, kwargs.get("dtype", torch.float32)), k_active, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, self.in_features).to(self.encoder.weight.dtype)
+        values, indices = self.encoder(x)
+        out = F.embedding_bag(
+            indices, self.precomputed_products, per_sample_weights=values, mode="sum"
+        )
+        out = out + self.bias_product
+        if self.skip_weight is not None:
+            out = torch.addmm(out, x, self.skip_weight.T)
+        return out.reshape(*shape[:-1], self.out_features).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"num_basis={self.encoder.weight.shape[0]}, k_active={self.k_active}, "
+            f"skip={self.skip_weight is not None}"
+        )
+
+
 def dense_lut_reference(tensors: dict[str, torch.Tensor], x: torch.Tensor, k: int) -> torch.Tensor:
     """The spec's formula computed densely (a dense code times the full table); the
     sparse ``LUTLinear`` must match it."""
@@ -222,7 +304,8 @@ class _Projection:
     bias: torch.Tensor | None
 
 
-def _find_projection(model: nn.Module, name: str) -> _Projection:
+def _find_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
+    """The module a LUT entry names, and its name in ``model``."""
     modules = dict(model.named_modules())
     if name in modules:
         found = [name]
@@ -230,15 +313,47 @@ def _find_projection(model: nn.Module, name: str) -> _Projection:
         found = [m for m in modules if m and (name.endswith("." + m) or m.endswith("." + name))]
     if len(found) != 1:
         raise LUTError(f"layer {name!r} matches {found or 'no'} module(s) of the model")
-    module = modules[found[0]]
+    return found[0], modules[found[0]]
+
+
+def _as_projection(name: str, module: nn.Module) -> _Projection | None:
     if isinstance(module, nn.Linear):
         return _Projection(
-            found[0], module.in_features, module.out_features, module.weight, module.bias
+            name, module.in_features, module.out_features, module.weight, module.bias
         )
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
         n_in, n_out = module.weight.shape  # y = x @ weight + bias
-        return _Projection(found[0], n_in, n_out, module.weight.T, module.bias)
-    raise LUTError(f"{found[0]} is a {type(module).__name__}, not nn.Linear (nor GPT-2's Conv1D)")
+        return _Projection(name, n_in, n_out, module.weight.T, module.bias)
+    return None
+
+
+def _find_projection(model: nn.Module, name: str) -> _Projection:
+    qualified, module = _find_module(model, name)
+    projection = _as_projection(qualified, module)
+    if projection is None:
+        raise LUTError(
+            f"{qualified} is a {type(module).__name__}, not nn.Linear (nor GPT-2's Conv1D)"
+        )
+    return projection
+
+
+def _find_block(model: nn.Module, name: str, input_dim: int, output_dim: int) -> str:
+    """The qualified name of the MLP block an MLP LUT replaces, checked: a module of linear
+    layers (not one layer) of which one reads ``input_dim`` and one writes ``output_dim``."""
+    qualified, module = _find_module(model, name)
+    if _as_projection(qualified, module) is not None:
+        raise LUTError(
+            f"{qualified} is a single {type(module).__name__}; an MLP LUT replaces a whole block"
+        )
+    dims = [p for n, m in module.named_modules() if (p := _as_projection(n, m)) is not None]
+    if not any(p.in_features == input_dim for p in dims) or not any(
+        p.out_features == output_dim for p in dims
+    ):
+        raise LUTError(
+            f"{qualified}: its layers ({[(p.in_features, p.out_features) for p in dims]}) do not "
+            f"read {input_dim} and write {output_dim} as the LUT's block does"
+        )
+    return qualified
 
 
 class EncoderGroups:
@@ -277,19 +392,58 @@ def load_lut_layers(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> dict[str, LUTLinear]:
-    """``{layer: LUTLinear}`` for ``layers`` (default: every layer of ``lut_dir``), without
-    bias or compensation; layers whose files carry the same encoder share one."""
+    """``{layer: LUTLinear}`` for ``layers`` (default: every linear layer of ``lut_dir``),
+    without bias or compensation; layers whose files carry the same encoder share one.
+    An MLP block named in ``layers`` is refused (``load_lut_mlps`` loads those)."""
     lut_dir = Path(lut_dir)
     meta = validate_lut(lut_dir)
     k = k_active or meta["sae_config"]["k_active"]
     groups = EncoderGroups(k, dtype)
+    entries = meta["layers"]
     out = {}
-    for name in layers if layers is not None else list(meta["layers"]):
-        if name not in meta["layers"]:
+    if layers is None:
+        layers = [name for name, entry in entries.items() if entry_kind(entry) != MLP]
+    for name in layers:
+        if name not in entries:
             raise LUTError(f"{lut_dir}: no LUT for layer {name!r}")
-        tensors = load_layer_file(lut_dir / meta["layers"][name]["file"], dtype)
+        if entry_kind(entries[name]) == MLP:
+            raise LUTError(
+                f"{lut_dir / entries[name]['file']}: {name!r} is an MLP block's LUT (kind "
+                "'mlp'), not a linear layer's: load it with load_lut_mlps or patch_model"
+            )
+        tensors = load_layer_file(lut_dir / entries[name]["file"], dtype)
         encoder = groups.encoder(tensors, device)
         out[name] = LUTLinear(tensors, k, dtype=dtype, encoder=encoder).to(device)
+    return out
+
+
+def load_lut_mlps(
+    lut_dir: str | os.PathLike,
+    blocks: list[str] | None = None,
+    *,
+    k_active: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, LUTMLP]:
+    """``{block: LUTMLP}`` for ``blocks`` (default: every MLP block of ``lut_dir``); a
+    linear layer named in ``blocks`` is refused (``load_lut_layers`` loads those)."""
+    lut_dir = Path(lut_dir)
+    meta = validate_lut(lut_dir)
+    k = k_active or meta["sae_config"]["k_active"]
+    entries = meta["layers"]
+    if blocks is None:
+        blocks = [name for name, entry in entries.items() if entry_kind(entry) == MLP]
+    out = {}
+    for name in blocks:
+        if name not in entries:
+            raise LUTError(f"{lut_dir}: no LUT for block {name!r}")
+        if entry_kind(entries[name]) != MLP:
+            raise LUTError(
+                f"{lut_dir / entries[name]['file']}: {name!r} is a linear layer's LUT, not an "
+                "MLP block's: load it with load_lut_layers"
+            )
+        tensors = load_layer_file(lut_dir / entries[name]["file"], dtype)
+        out[name] = LUTMLP(tensors, k, dtype=dtype).to(device)
     return out
 
 
@@ -303,15 +457,24 @@ def patch_model(
 ) -> list[str]:
     """Replace every linear layer listed in ``lut_dir/metadata.json`` (``nn.Linear``, or
     GPT-2's ``Conv1D``) by a ``LUTLinear``
-    (keeping the layer's bias; its weight too when ``compensate > 0``). Layers whose files
-    carry the same encoder share one ``LUTEncoder``, so those that read one input (q, k
-    and v; gate and up) encode it once per forward. Returns the module names replaced."""
+    (keeping the layer's bias; its weight too when ``compensate > 0``), and every MLP block
+    listed (``kind: "mlp"``, e.g. Llama's ``model.layers.0.mlp``: gate, up, act and down) by
+    a ``LUTMLP`` (``compensate`` does not apply to it). Layers whose files carry the same
+    encoder share one ``LUTEncoder``, so those that read one input (q, k and v; gate and
+    up) encode it once per forward. Returns the module names replaced."""
     lut_dir = Path(lut_dir)
     meta = validate_lut(lut_dir)
     k = k_active or meta["sae_config"]["k_active"]
     groups = EncoderGroups(k, dtype)
     replaced = []
     for name, entry in meta["layers"].items():
+        if entry_kind(entry) == MLP:
+            qualified = _find_block(model, name, entry["input_dim"], entry["output_dim"])
+            device = next(model.get_submodule(qualified).parameters()).device
+            tensors = load_layer_file(lut_dir / entry["file"], dtype)
+            _set_module(model, qualified, LUTMLP(tensors, k, dtype=dtype).to(device))
+            replaced.append(qualified)
+            continue
         layer = _find_projection(model, name)
         qualified = layer.name
         if (layer.in_features, layer.out_features) != (entry["input_dim"], entry["output_dim"]):
@@ -329,7 +492,11 @@ def patch_model(
             dtype=dtype,
             encoder=groups.encoder(tensors, layer.weight.device),
         ).to(layer.weight.device)
-        parent_name, _, child = qualified.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, lut)
+        _set_module(model, qualified, lut)
         replaced.append(qualified)
     return replaced
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

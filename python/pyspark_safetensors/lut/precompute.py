@@ -2,6 +2,10 @@
 W_target`` and ``bias_product = b_dec @ W_target`` from the layer's SAE and the layer's
 weight alone (read with ``safe_open(...).get_slice``; the model is never loaded whole).
 
+A transcoder of a whole MLP block (keyed by the block, ``model.layers.N.mlp``) needs no
+product: its decoder rows already are the block's output per latent, so its file holds the
+transcoder's own tensors in the spec's names (``spec.MLP_TENSORS``, ``kind: "mlp"``).
+
 Layers are independent: under ``torch.distributed`` each rank takes every world-th layer;
 on one process they run one after the other, each matmul using every core. Memory stays
 bounded by one layer. Files go to a staging directory and ``lut/`` appears (with
@@ -29,13 +33,25 @@ from ..sae.architectures import get_architecture
 from ..sae.checkpoint import CheckpointError
 from ..sae.ecosystem import read_sae
 from ..torch.dtypes import TORCH_DTYPES, to_numpy
-from .spec import METADATA, VERSION, LUTError, layer_file, validate_lut
+from .spec import (
+    LINEAR,
+    METADATA,
+    MLP,
+    VERSION,
+    LUTError,
+    check_blocks,
+    layer_file,
+    validate_lut,
+)
 
 CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
 """``model_type``s whose projections are ``transformers``' Conv1D: weights stored ``[in,
 out]``, the transpose of a Linear's."""
 STORE_DTYPES = {name: TORCH_DTYPES[name] for name in ("F16", "BF16")}
 """Storage dtypes of LUT files, by canonical name (any alias: float16, fp16, bfloat16...)."""
+TRANSCODERS = ("transcoder", "skip_transcoder")
+"""Architectures whose code reconstructs an MLP block's output from its input: they make
+MLP-block LUTs, keyed by the block's name."""
 SHORTEST_SECONDS = 1e-9
 """A duration too short to measure counts as this, so FLOP/s stays finite."""
 
@@ -117,6 +133,21 @@ class ModelWeights:
             weight = f.get_slice(key)[:]
         return weight.t().contiguous() if self.transposed else weight
 
+    def block(self, name: str) -> str:
+        """The weight-key prefix of the module ``name`` that holds other modules' weights
+        (an MLP block, ``model.layers.0.mlp``): ``name`` itself, or the one prefix that ends
+        with it (``transformer.`` + ``h.0.mlp``)."""
+        if any(k.startswith(name + ".") for k in self.file_of):
+            return name
+        found = {k[: k.index(f".{name}.") + len(name) + 1] for k in self.file_of
+                 if f".{name}." in k}  # fmt: skip
+        if len(found) != 1:
+            raise LUTError(
+                f"{name!r} is not a block of {self.dir}: "
+                + (f"ambiguous, {sorted(found)}" if found else "no weight lies under it")
+            )
+        return found.pop()
+
     def config(self) -> dict:
         path = self.dir / "config.json"
         return json.loads(path.read_text()) if path.is_file() else {}
@@ -128,12 +159,20 @@ class SAEInfo:
     num_basis: int
     input_dim: int
     k: int | None
+    architecture: str = "topk"
+    output_dim: int = 0
+    """A transcoder's output width (its decoder's); an SAE's is its input width."""
+
+    @property
+    def transcoder(self) -> bool:
+        return self.architecture in TRANSCODERS
 
 
 def _sae_info(path: str | os.PathLike) -> tuple[SAEInfo, dict[str, torch.Tensor]]:
-    """The SAE's shape and ``k`` and its tensors in the trainer's convention, from any
-    layout ``read_sae`` knows (ours, SAELens, sparsify); an architecture whose code the
-    LUT's per-row top-k cannot reproduce (``LUT_REFUSAL``: JumpReLU) is refused."""
+    """The SAE's (or transcoder's) shape and ``k`` and its tensors in the trainer's
+    convention, from any layout ``read_sae`` knows (ours, SAELens, sparsify); an
+    architecture whose code the LUT's per-row top-k cannot reproduce (``LUT_REFUSAL``:
+    JumpReLU) is refused."""
     path = Path(path)
     if not path.exists():
         raise LUTError(f"SAE checkpoint {path} does not exist")
@@ -141,11 +180,13 @@ def _sae_info(path: str | os.PathLike) -> tuple[SAEInfo, dict[str, torch.Tensor]
         tensors, info = read_sae(path)
     except CheckpointError as e:
         raise LUTError(f"{path}: not a usable SAE ({e})") from e
-    refusal = get_architecture(info["architecture"]).LUT_REFUSAL
+    arch = info["architecture"]
+    refusal = "" if arch in TRANSCODERS else get_architecture(arch).LUT_REFUSAL
     if refusal:
         raise LUTError(f"{path}: {refusal}")
-    n, d = tensors["decoder_weight"].shape
-    return SAEInfo(path, n, d, info["k"]), tensors
+    n, d_out = tensors["decoder_weight"].shape
+    d_in = tensors["encoder_weight"].shape[1]
+    return SAEInfo(path, n, d_in, info["k"], arch, d_out), tensors
 
 
 def folded_encoder_bias(sae: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -184,6 +225,22 @@ def precompute_layer(
     return {k: v.to("cpu", store_dtype).contiguous() for k, v in out.items()}
 
 
+def precompute_mlp(
+    transcoder: Mapping[str, torch.Tensor], *, store_dtype: torch.dtype = torch.float16
+) -> dict[str, torch.Tensor]:
+    """The tensors of an MLP block's file (``spec.MLP_TENSORS``) from a transcoder in the
+    checkpoint's names: its encoder as it is (a transcoder's encoder reads ``x`` without
+    any decoder-bias centring, which is the LUT's ``x @ encoder_weight.T + encoder_bias``
+    already), ``precomputed_products`` = its decoder rows (the block's output per latent),
+    ``bias_product`` = its decoder bias, and ``skip_weight`` when it has one."""
+    names = {"encoder_weight": "encoder_weight", "encoder_bias": "encoder_bias",
+             "precomputed_products": "decoder_weight", "bias_product": "decoder_bias"}  # fmt: skip
+    if "skip_weight" in transcoder:
+        names["skip_weight"] = "skip_weight"
+    return {ours: transcoder[theirs].to("cpu", store_dtype).contiguous()
+            for ours, theirs in names.items()}  # fmt: skip
+
+
 def _rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -211,6 +268,8 @@ def precompute_lut(
     """Build ``lut/`` (default ``model_dir/lut``) for the layers in ``saes``
     (``{layer name: SAE checkpoint path}``; one SAE may serve several layers that share
     an input, e.g. query, key and value). ``k_active`` defaults to the SAEs' ``k``.
+    A transcoder (or skip transcoder) keyed by an MLP block's name
+    (``"model.layers.0.mlp"``) makes that block's LUT (``precompute_mlp``).
 
         precompute_lut("all-MiniLM-L6-v2", {
             "encoder.layer.0.attention.self.query": "runs/sae-l0-q/sae.safetensors",
@@ -218,7 +277,8 @@ def precompute_lut(
         })
 
     Everything is checked before any matmul: layer names (close matches suggested),
-    SAE widths against layer inputs, one ``num_basis`` for all SAEs. Returns the
+    SAE widths against layer inputs (a transcoder's against the model's hidden size), one
+    ``num_basis`` for all SAEs, no linear layer inside an MLP block of the same LUT. Returns the
     metadata plus a ``timing`` entry (seconds, FLOP/s)."""
     dtype = _store_dtype(dtype)
     if not saes:
@@ -285,12 +345,17 @@ def _plan(model: ModelWeights, saes: Mapping[str, str | os.PathLike], k_active: 
     by_layer = {layer: loaded[str(path)] for layer, path in saes.items()}
     layers = {}
     for layer, (info, _) in by_layer.items():
+        if info.transcoder:
+            layers[layer] = {**_mlp_dims(model, layer, info), "file": files[layer],
+                             "kind": MLP, "skip": info.architecture == "skip_transcoder"}  # fmt: skip
+            continue
         input_dim, output_dim = model.dims(layer)
         if info.input_dim != input_dim:
             raise LUTError(
                 f"SAE {info.path} has input dim {info.input_dim}, layer {layer!r} takes {input_dim}"
             )
         layers[layer] = {"input_dim": input_dim, "output_dim": output_dim, "file": files[layer]}
+    check_blocks({layer: entry.get("kind", LINEAR) for layer, entry in layers.items()})
     infos = [info for info, _ in by_layer.values()]
     bases = {i.num_basis for i in infos}
     if len(bases) != 1:
@@ -303,6 +368,25 @@ def _plan(model: ModelWeights, saes: Mapping[str, str | os.PathLike], k_active: 
     if not 0 < k <= num_basis:
         raise LUTError(f"k_active {k} outside 1..num_basis {num_basis}")
     return _LUTPlan(layers, by_layer, num_basis, k)
+
+
+def _mlp_dims(model: ModelWeights, block: str, info: SAEInfo) -> dict[str, int]:
+    """A transcoder's entry dims, checked against the model: ``block`` must be a block of
+    weights, not one linear layer, and an MLP block reads and writes the hidden size."""
+    if any(k == f"{block}.weight" or k.endswith(f".{block}.weight") for k in model.file_of):
+        raise LUTError(
+            f"{info.path} is a {info.architecture}, which replaces a whole MLP block; key it by "
+            f"the block (e.g. {block.rsplit('.', 1)[0]!r}), not by the linear layer {block!r}"
+        )
+    model.block(block)
+    hidden = model_config(model.config()).get("hidden_size")
+    for what, dim in (("input", info.input_dim), ("output", info.output_dim)):
+        if hidden is not None and dim != hidden:
+            raise LUTError(
+                f"transcoder {info.path} has {what} dim {dim}; block {block!r} of {model.dir} "
+                f"reads and writes the hidden size {hidden}"
+            )
+    return {"input_dim": info.input_dim, "output_dim": info.output_dim}
 
 
 def _write_layer_files(
@@ -326,19 +410,24 @@ def _write_layer_files(
         bar = tqdm(total=len(layers), desc="LUT layers", unit="layer")
     try:
         for layer in layers:
-            tensors = precompute_layer(
-                model.weight(layer),
-                plan.saes[layer][1],
-                store_dtype=store_dtype,
-                compute_dtype=compute_dtype,
-                device=device,
-            )
-            d_in, d_out = plan.layers[layer]["input_dim"], plan.layers[layer]["output_dim"]
-            flops += 2 * (plan.num_basis + 1) * d_in * d_out
+            entry = plan.layers[layer]
+            header = {"format": "lut", "version": VERSION, "layer": layer}
+            if entry.get("kind") == MLP:  # a transcoder: its tensors, no product to compute
+                tensors = precompute_mlp(plan.saes[layer][1], store_dtype=store_dtype)
+                header["kind"] = MLP
+            else:
+                tensors = precompute_layer(
+                    model.weight(layer),
+                    plan.saes[layer][1],
+                    store_dtype=store_dtype,
+                    compute_dtype=compute_dtype,
+                    device=device,
+                )
+                flops += 2 * (plan.num_basis + 1) * entry["input_dim"] * entry["output_dim"]
             write_shard(
-                staging / plan.layers[layer]["file"],
+                staging / entry["file"],
                 {n: to_numpy(t) for n, t in tensors.items()},
-                {"format": "lut", "version": VERSION, "layer": layer},
+                header,
             )
             if bar is not None:
                 bar.update(1)

@@ -1,6 +1,14 @@
 """The lookup-table layout (``lut-format-spec``): ``lut/metadata.json`` plus one
 ``{layer_path}.lut.safetensors`` per linear layer, and ``validate_lut`` which checks every
-rule of it."""
+rule of it.
+
+Besides the spec's linear layers a LUT may hold whole MLP blocks (``kind: "mlp"`` in the
+layer's ``metadata.json`` entry and in its file's header): a transcoder of the block
+``model.layers.N.mlp`` stored in the spec's names, ``encoder_weight``, ``encoder_bias``,
+``precomputed_products`` = the transcoder's decoder rows (the block's output per latent),
+``bias_product`` = its decoder bias, plus ``skip_weight [output_dim, input_dim]`` for a
+skip transcoder. It has no ``decoder_weight``/``decoder_bias``: a transcoder reconstructs
+the block's output, not its input, so there is nothing to compensate from."""
 
 from __future__ import annotations
 
@@ -25,6 +33,18 @@ TENSORS = {
     "precomputed_products": ("num_basis", "output_dim"),
     "bias_product": ("output_dim",),
 }
+LINEAR, MLP = "linear", "mlp"
+KINDS = (LINEAR, MLP)
+"""A layer entry's ``kind``: a linear layer (the spec's, the default when absent) or a
+whole MLP block replaced by a transcoder."""
+MLP_TENSORS = {
+    "encoder_weight": ("num_basis", "input_dim"),
+    "encoder_bias": ("num_basis",),
+    "precomputed_products": ("num_basis", "output_dim"),
+    "bias_product": ("output_dim",),
+}
+"""The tensors of an MLP block's file; a skip transcoder's adds ``SKIP_TENSOR``."""
+SKIP_TENSOR = ("skip_weight", ("output_dim", "input_dim"))
 
 
 class LUTError(PysparkSafetensorsError, ValueError):
@@ -36,6 +56,34 @@ def layer_file(layer: str) -> str:
     if not layer or "/" in layer or "\\" in layer or layer.startswith(".") or "\0" in layer:
         raise LUTError(f"layer name {layer!r} cannot be a file name inside lut/")
     return layer + SUFFIX
+
+
+def entry_kind(entry: dict, where: str = "") -> str:
+    """A ``metadata.json`` layer entry's kind: ``"linear"`` unless it says ``"mlp"``."""
+    kind = entry.get("kind", LINEAR)
+    if kind not in KINDS:
+        raise LUTError(f"{where}: kind {kind!r}; this reader knows {list(KINDS)}")
+    return kind
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """The kind a ``.lut.safetensors`` file's header records (``"linear"`` when it records
+    none, as the spec's files)."""
+    with SafetensorsFile(path) as f:
+        return (f.metadata or {}).get("kind", LINEAR)
+
+
+def check_blocks(names) -> None:
+    """Refuse a LUT whose linear layers lie inside an MLP block it replaces whole (patched
+    in, the block's LUT would leave them unused): ``names`` maps layer -> kind."""
+    blocks = [name for name, kind in names.items() if kind == MLP]
+    for name in names:
+        inside = [b for b in blocks if name.startswith(b + ".")]
+        if inside:
+            raise LUTError(
+                f"layer {name!r} lies inside MLP block {inside[0]!r}, which the LUT replaces "
+                "whole; keep one of them (or put them in two LUT directories)"
+            )
 
 
 def check_inside(path: Path, lut_dir: Path) -> None:
@@ -69,8 +117,9 @@ def _need(doc: dict, key: str, kind, where: str):
 def validate_lut(lut_dir: str | os.PathLike) -> dict:
     """Check ``metadata.json`` against the spec and every layer file against it (keys,
     shapes, one float16/bfloat16 dtype per file), and that every file is a regular file
-    inside ``lut_dir`` (no symlink out of it, no FIFO or directory). Returns the metadata; raises ``LUTError`` naming
-    the file and the rule."""
+    inside ``lut_dir`` (no symlink out of it, no FIFO or directory). An MLP block's entry
+    (``kind: "mlp"``) needs ``skip`` and a file of its kind (``MLP_TENSORS``, plus
+    ``skip_weight`` when ``skip``); no linear layer may lie inside such a block. Returns the metadata; raises ``LUTError`` naming the file and the rule."""
     lut_dir = Path(lut_dir)
     meta_path = lut_dir / METADATA
     if not os.path.lexists(meta_path):
@@ -115,15 +164,25 @@ def validate_lut(lut_dir: str | os.PathLike) -> dict:
         if not os.path.lexists(path):
             raise LUTError(f"{lw}: file {file} is missing")
         check_inside(path, lut_dir)
-        _check_layer_file(path, dims)
+        kind = entry_kind(entry, lw)
+        if kind == MLP and not isinstance(entry.get("skip"), bool):
+            raise LUTError(f"{lw}: an MLP block's entry needs 'skip' (true or false)")
+        _check_layer_file(path, dims, kind, entry.get("skip", False))
+    check_blocks({name: entry_kind(entry) for name, entry in layers.items()})
     return meta
 
 
-def _check_layer_file(path: Path, dims: dict[str, int]) -> None:
+def _check_layer_file(path: Path, dims: dict[str, int], kind: str, skip: bool) -> None:
     with SafetensorsFile(path) as f:
         infos = {i.name: i for i in f.header.tensors}
-    missing = sorted(set(TENSORS) - set(infos))
-    extra = sorted(set(infos) - set(TENSORS))
+        recorded = (f.metadata or {}).get("kind", LINEAR)
+    if recorded != kind:
+        raise LUTError(f"{path}: its header says kind {recorded!r}, metadata.json {kind!r}")
+    want = TENSORS if kind == LINEAR else dict(MLP_TENSORS)
+    if kind == MLP and skip:
+        want[SKIP_TENSOR[0]] = SKIP_TENSOR[1]
+    missing = sorted(set(want) - set(infos))
+    extra = sorted(set(infos) - set(want))
     if missing or extra:
         raise LUTError(f"{path}: tensors missing {missing}, unexpected {extra}")
     dtypes = {i.dtype.name for i in infos.values()}
@@ -131,11 +190,11 @@ def _check_layer_file(path: Path, dims: dict[str, int]) -> None:
         raise LUTError(f"{path}: dtypes {sorted(dtypes)}; the spec allows float16 or bfloat16")
     if len(dtypes) > 1:
         raise LUTError(f"{path}: mixed dtypes {sorted(dtypes)}; one file uses one dtype")
-    for key, symbolic in TENSORS.items():
-        want = tuple(dims[s] for s in symbolic)
+    for key, symbolic in want.items():
+        want_shape = tuple(dims[s] for s in symbolic)
         got = tuple(infos[key].shape)
-        if got != want:
+        if got != want_shape:
             raise LUTError(
-                f"{path}: {key} has shape {list(got)}, expected {list(want)} "
+                f"{path}: {key} has shape {list(got)}, expected {list(want_shape)} "
                 f"({', '.join(symbolic)})"
             )
