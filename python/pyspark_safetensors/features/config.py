@@ -16,7 +16,8 @@ class FeaturesError(PysparkSafetensorsError, ValueError):
 class FeaturesConfig:
     extraction: str = ""
     """An extraction (``extraction.json``, ``activations/``, ``samples.parquet``,
-    ``texts.jsonl``): a local directory or a URI (``s3://bucket/acts``, ...)."""
+    ``texts.jsonl``; an image extraction's ``images.parquet``): a local directory or a
+    URI (``s3://bucket/acts``, ...)."""
     sae: str = ""
     """An SAE file or directory: ours, SAELens' or sparsify's (``sae.ecosystem.read_sae``);
     TopK, BatchTopK or JumpReLU, each encoding by its own rule."""
@@ -29,7 +30,8 @@ class FeaturesConfig:
     top_n: int = 20
     """Top-activating tokens kept per latent."""
     context: int = 8
-    """Tokens shown either side of each example token."""
+    """Tokens shown either side of each example token (text; an image example shows
+    its whole image)."""
     samples_per_band: int = 3
     """Random examples per quantile band of each latent's non-zero activations."""
     bands: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
@@ -52,6 +54,11 @@ class FeaturesConfig:
     """Torch device of the encoding; empty = cuda when available, else cpu."""
     overwrite: bool = False
     """Replace an existing output directory."""
+    factors: str = ""
+    """An image extraction's ground truth: a parquet table of per-patch factor labels
+    (``image_id`` or ``key``, ``patch_row``, ``patch_col``, one string column per generative
+    factor holding the value of the shape the patch lies in, null outside); the job adds
+    ``ground_truth.parquet``: each factor value's best latent by AUROC."""
 
     def __post_init__(self):
         if self.top_n <= 0:

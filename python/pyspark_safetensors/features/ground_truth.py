@@ -13,6 +13,7 @@ run over the firing entries only, ``O(entries log entries)`` for all latents tog
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -145,3 +146,101 @@ def ground_truth_table(
         "positives": pa.array(rows["positives"], pa.int64()),
         "negatives": pa.array(rows["negatives"], pa.int64()),
     })  # fmt: skip
+
+
+@dataclass
+class FactorLabels:
+    """A factor table resolved against an extraction: the token id of each labelled patch
+    (``state.token_ids``, in the table's order) and the masks of ``factor_masks``."""
+
+    ids: np.ndarray
+    masks: dict[tuple[str, str], np.ndarray]
+
+
+def read_factors(path: str, layout, images: pa.Table | None = None) -> FactorLabels:
+    """The per-patch factor table at ``path`` (parquet: ``image_id`` or ``key``,
+    ``patch_row``, ``patch_col``, one string column per factor, null outside any shape),
+    its patches numbered by the extraction's ``layout``; ``images`` (``image_id``, ``key``
+    of the extraction's ``images.parquet``) resolves a table that names images by key."""
+    import pyarrow.parquet as pq
+
+    from .state import token_ids
+
+    labels = pq.read_table(path)
+    names = labels.column_names
+    missing = [c for c in ("patch_row", "patch_col") if c not in names]
+    if missing or not any(c in names for c in FACTOR_KEYS):
+        raise FeaturesError(f"{path}: a factor table needs image_id (or key), patch_row and "
+                            f"patch_col columns; it has {names}")  # fmt: skip
+    if "image_id" in names:
+        image_id = labels.column("image_id").to_numpy().astype(np.int64)
+    else:
+        if images is None:
+            raise FeaturesError(f"{path}: images named by key need the extraction's images.parquet")
+        by_key = dict(zip(images.column("key").to_pylist(), images.column("image_id").to_pylist(),
+                          strict=True))  # fmt: skip
+        keys = labels.column("key").to_pylist()
+        unknown = [k for k in keys if k not in by_key]
+        if unknown:
+            raise FeaturesError(f"{path}: {len(unknown)} patches of images not in the extraction "
+                                f"(key {unknown[0]!r})")  # fmt: skip
+        image_id = np.asarray([by_key[k] for k in keys], np.int64)
+    row = labels.column("patch_row").to_numpy().astype(np.int64)
+    col = labels.column("patch_col").to_numpy().astype(np.int64)
+    if ((row < 0) | (row >= layout.rows) | (col < 0) | (col >= layout.cols)).any():
+        raise FeaturesError(f"{path}: patches outside the {layout.rows}x{layout.cols} patch grid")
+    ids = token_ids(image_id, np.zeros_like(image_id), layout.position(row, col))
+    if len(np.unique(ids)) != len(ids):
+        raise FeaturesError(f"{path}: a patch is labelled twice")
+    masks = factor_masks(labels)
+    if not masks:
+        raise FeaturesError(f"{path}: no factor column with a value")
+    return FactorLabels(ids, masks)
+
+
+class PatchCodes:
+    """The SAE's code of chosen tokens, kept while a scan passes them (``tap``)."""
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = np.unique(np.asarray(ids, np.int64))
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.seen = 0
+        """Chosen tokens met (a check that every labelled patch was found)."""
+
+    def tap(self, chunk):
+        """Keep the firing entries of ``chunk``'s chosen tokens; return the chunk."""
+        ids = chunk.ids.cpu().numpy()
+        rows = np.flatnonzero(np.isin(ids, self.ids))
+        if len(rows):
+            self.seen += len(rows)
+            values = chunk.values[rows].float().cpu().numpy()
+            indices = chunk.indices[rows].long().cpu().numpy()
+            fired = values > 0
+            token = np.broadcast_to(ids[rows][:, None], values.shape)[fired]
+            self.parts.append((token, indices[fired], values[fired]))
+        return chunk
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(token, latent, value)`` of every firing entry kept."""
+        if not self.parts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+        return tuple(np.concatenate(p) for p in zip(*self.parts, strict=True))
+
+
+def code_matrix(ids: np.ndarray, token: np.ndarray, latent: np.ndarray, value: np.ndarray):
+    """``values, indices [n, m]`` of the tokens ``ids`` (in that order) from firing entries
+    ``(token, latent, value)``; a token without entries is all silent."""
+    ids = np.asarray(ids, np.int64)
+    row = np.searchsorted(np.sort(ids), token)
+    row = np.argsort(ids, kind="stable")[np.minimum(row, len(ids) - 1)]
+    if len(token) and not np.array_equal(ids[row], token):
+        raise FeaturesError("codes of tokens that were not labelled")
+    order = np.argsort(row, kind="stable")
+    row, latent, value = row[order], np.asarray(latent)[order], np.asarray(value)[order]
+    counts = np.bincount(row, minlength=len(ids))
+    m = max(int(counts.max()) if len(counts) else 0, 1)
+    slot = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    values = np.zeros((len(ids), m), np.float32)
+    indices = np.zeros((len(ids), m), np.int64)
+    values[row, slot], indices[row, slot] = value, latent
+    return values, indices

@@ -25,6 +25,13 @@ The extraction may live on any such storage too: the tasks read its activation d
 through ``DatasetLocation`` (ranged reads on an object store), as the driver reads
 ``extraction.json`` and the texts of the example samples (Spark's own JSON reader is
 used for a local ``texts.jsonl``).
+
+An image extraction (``extraction.json``'s ``modality`` "image") is shown as images: an
+example's window is its whole image (the latent's activation on every token: the heat
+map over the patch grid), the top examples are distinct images, and the thumbnails of
+the example images come from ``images.parquet`` (``images``). With ``factors`` (per-patch
+labels of generative factors) the tasks also keep the code of the labelled patches, and
+``ground_truth`` finds each factor value's best latent by AUROC.
 """
 
 from __future__ import annotations
@@ -49,15 +56,39 @@ from .._version import __version__
 from ..dataset import DatasetLocation
 from ..spark.compat import default_parallelism, from_arrow, to_arrow
 from .config import FeaturesConfig, FeaturesError
+from .ground_truth import (
+    GROUND_TRUTH_FILE,
+    FactorLabels,
+    PatchCodes,
+    code_matrix,
+    ground_truth_table,
+    read_factors,
+)
+from .images import (
+    IMAGES_TABLE,
+    ImageLayout,
+    check_layout,
+    image_contexts_table,
+    layout_of,
+    read_images,
+)
 from .merge import contexts_table, examples_table, latents_table, list_array
 from .scan import RowReader, encoded_chunks, fold, row_ranges
-from .state import LatentState, histogram_edges, priority, split_ids, token_ids
+from .state import (
+    POS_BITS,
+    WINDOW_BITS,
+    LatentState,
+    histogram_edges,
+    priority,
+    split_ids,
+    token_ids,
+)
 
 CANDIDATES_SCHEMA = (
     "kind byte, latent int, cell long, value float, token long, priority long, "
     "count long, total double, context array<float>"
 )
-STAT, MAXIMUM, TOKENS, TOP, SAMPLE, OUT_OF_ORDER = 0, 1, 2, 3, 4, 5
+STAT, MAXIMUM, TOKENS, TOP, SAMPLE, OUT_OF_ORDER, CODE, LABELLED = 0, 1, 2, 3, 4, 5, 6, 7
 ROWS_PER_TASK = 1 << 20
 """Most rows one encode task scans (more tasks than cores past that: retries stay small)."""
 CODES_SCHEMA = "sample_id long, window int, token_pos int, latents array<int>, acts array<float>"
@@ -92,6 +123,13 @@ class FeaturesPlan:
     """The extraction: a local directory or a URI."""
     storage_options: Mapping[str, str] = field(default_factory=dict)
     """For a URI: ``endpoint_url``, ``region``, ... (``DatasetLocation.of``)."""
+    layout: ImageLayout | None = None
+    """An image extraction's token layout; None for text."""
+
+    @property
+    def span(self) -> int:
+        """Tokens of an image (an example's window), 0 for text."""
+        return self.layout.tokens if self.layout else 0
 
     def extraction_location(self) -> DatasetLocation:
         return DatasetLocation.of(self.extraction, storage_options=self.storage_options)
@@ -112,7 +150,10 @@ def plan_features(
     if not src.has(EXTRACTION_DOC):
         raise FeaturesError(f"{doc_path}: no extraction here (run `pyspark-safetensors extract`)")
     doc = json.loads(src.read_bytes(EXTRACTION_DOC))
-    for table in (SAMPLES_TABLE, TEXTS_TABLE):
+    image = doc.get("modality", "text") == "image"
+    if config.factors and not image:
+        raise FeaturesError(f"factors: {doc_path} is not an image extraction (modality 'image')")
+    for table in (IMAGES_TABLE,) if image else (SAMPLES_TABLE, TEXTS_TABLE):
         if not src.has(table):
             raise FeaturesError(f"{src.display(table)}: missing token table; re-run the extraction")
     tensors, info = read_sae(config.sae)
@@ -142,17 +183,24 @@ def plan_features(
             "needs one); record k in its metadata or config"
         )
     model_dir = doc.get("model_dir") or ""
-    if not Path(model_dir, "config.json").is_file():
-        from ..extract import resolve_model
-
-        model_dir = str(resolve_model(doc["config"].get("model", "")).path)
     cfg = doc["config"]
     dataset = hooks[hook]["dataset"]
+    dataset = src.local_file(dataset) or src.display(dataset)
+    layout = None
+    if image:  # no tokenizer: the layout of an image's tokens instead
+        from ..torch import open_dataset
+
+        layout = layout_of(doc, doc_path)
+        check_layout(layout, open_dataset(dataset, storage_options=options or None), dataset)
+    elif not Path(model_dir, "config.json").is_file():
+        from ..extract import resolve_model
+
+        model_dir = str(resolve_model(cfg.get("model", "")).path)
     return FeaturesPlan(
-        dataset=src.local_file(dataset) or src.display(dataset), hook=hook, width=d, n_latents=n,
+        dataset=dataset, hook=hook, width=d, n_latents=n,
         k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
-        max_length=int(cfg["max_length"]), long_texts=cfg.get("long_texts", "window"),
-        extraction=src.root if src.is_local else src.uri, storage_options=options,
+        max_length=int(cfg.get("max_length", 0)), long_texts=cfg.get("long_texts", "window"),
+        extraction=src.root if src.is_local else src.uri, storage_options=options, layout=layout,
     )  # fmt: skip
 
 
@@ -212,36 +260,42 @@ def encode_batches(batches, sae, width: int, batch_tokens: int, device: str):
 def new_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
     edges = torch.from_numpy(histogram_edges(config.hist_bins, config.hist_min, config.hist_max))
     return LatentState(plan.n_latents, config.top_n, config.samples_per_band, edges, config.seed,
-                       window=2 * config.context + 1)  # fmt: skip
+                       window=plan.span or 2 * config.context + 1,
+                       distinct=plan.layout is not None)  # fmt: skip
 
 
 def scan_range(state: LatentState, reader: RowReader, start: int, stop: int, sae,
-               config: FeaturesConfig, device: str) -> None:  # fmt: skip
-    """Rows ``[start, stop)`` of the dataset encoded and folded into ``state``."""
-    fold(state, encoded_chunks(reader, start, stop, sae, chunk=config.batch_tokens,
-                               margin=config.context, device=device))  # fmt: skip
+               config: FeaturesConfig, device: str, *, span: int = 0,
+               codes: PatchCodes | None = None) -> None:  # fmt: skip
+    """Rows ``[start, stop)`` of the dataset encoded and folded into ``state`` (``span``:
+    an image's tokens, for an image extraction); ``codes`` keeps the code of its tokens."""
+    chunks = encoded_chunks(reader, start, stop, sae, chunk=config.batch_tokens,
+                            margin=config.context, device=device, span=span)  # fmt: skip
+    fold(state, chunks if codes is None else map(codes.tap, chunks))
 
 
-def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig, dataset, ranges):
+def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig, dataset, ranges, labelled=None):
     """The task: its row ranges (``ranges[id]`` of the input's ``id`` column) of
     ``dataset`` (a ``torch.SafetensorsDataset``) folded into one state, emitted as
-    candidate rows."""
+    candidate rows; with ``labelled`` (token ids), also the code of those tokens."""
 
     def run(batches):
         device = pick_device(config)
         sae = load_encoder(plan.sae, device, config.threads)
         reader = RowReader(dataset, plan.width)
         state = new_state(plan, config)
+        codes = None if labelled is None else PatchCodes(labelled)
         for batch in batches:
             for task in batch.column("id").to_pylist():
-                scan_range(state, reader, *ranges[task], sae, config, device)
-        yield from state_rows(state)
+                scan_range(state, reader, *ranges[task], sae, config, device, span=plan.span,
+                           codes=codes)  # fmt: skip
+        yield from state_rows(state, codes)
 
     return run
 
 
-def state_rows(state: LatentState):
-    """A state as ``CANDIDATES_SCHEMA`` batches."""
+def state_rows(state: LatentState, codes: PatchCodes | None = None):
+    """A state (and the labelled tokens' codes) as ``CANDIDATES_SCHEMA`` batches."""
 
     def batch(kind, latent, cell=None, value=None, token=None, prio=None, count=None, total=None,
               ctx=None):  # fmt: skip
@@ -273,6 +327,10 @@ def state_rows(state: LatentState):
     prio = priority(s["id"], s["latent"], state.seed)
     yield batch(SAMPLE, s["latent"].numpy(), s["cell"].numpy(), s["value"].numpy(), s["id"].numpy(),
                 prio.numpy(), ctx=s["ctx"].numpy())  # fmt: skip
+    if codes is not None:
+        token, latent, value = codes.entries()
+        yield batch(CODE, latent, value=value, token=token)
+        yield batch(LABELLED, [-1], count=[codes.seen])
 
 
 def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
@@ -387,6 +445,11 @@ class FeaturesSummary:
     second_pass: bool = False
     """Whether the windows came from a second pass over the example samples (a dataset
     whose rows are not in token order)."""
+    modality: str = "text"
+    """The extraction's: "text" or "image"."""
+    ground_truth: list = field(default_factory=list)
+    """With ``factors``: per factor value, its best latent and AUROC (the rows of
+    ``ground_truth.parquet``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -455,14 +518,20 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     from pyspark import StorageLevel
 
     from ..torch import open_dataset
-    from .page import browser_files
+    from .page import browser_files, image_browser_files
 
     dataset = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
+    source = plan.extraction_location()
+    labels = None
+    if config.factors:
+        keys = read_images(source, None, ("image_id", "key")) if plan.layout else None
+        labels = read_factors(config.factors, plan.layout, keys)
     cores = default_parallelism(spark)
     tasks = max(cores, -(-len(dataset) // ROWS_PER_TASK))
     ranges = row_ranges(len(dataset), tasks)
     encoded = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
-        _encode_fn(plan, config, dataset, ranges), CANDIDATES_SCHEMA
+        _encode_fn(plan, config, dataset, ranges, None if labels is None else labels.ids),
+        CANDIDATES_SCHEMA,
     )
     if scratch is not None:
         encoded.write.parquet(str(scratch))
@@ -471,6 +540,7 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
         candidates = encoded.persist(StorageLevel.DISK_ONLY)
     try:
         state = merged_state(candidates, plan, config)
+        truth = None if labels is None else ground_truth_of(candidates, labels, plan)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -481,11 +551,20 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     examples = examples_table(state, config)
     if state.out_of_order:  # no windows from the first pass: a second one
         examples = windows_from_codes(spark, examples, plan, config)
-    tokens = example_tokens(spark, examples, plan, config, partitions=cores)
-    contexts = contexts_table(examples, tokens, config.context)
-    files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
     title = f"{plan.hook} · {Path(plan.sae).name}"
-    files |= browser_files(latents, contexts, title=title, tokens=state.tokens, config=config)
+    if plan.layout is not None:
+        contexts = image_contexts_table(examples, plan.layout)
+        images = read_images(source, contexts.column("image_id").to_numpy())
+        files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
+        files |= image_browser_files(latents, contexts, images, plan.layout, truth, title=title,
+                                     tokens=state.tokens, config=config)  # fmt: skip
+    else:
+        tokens = example_tokens(spark, examples, plan, config, partitions=cores)
+        contexts = contexts_table(examples, tokens, config.context)
+        files = {LATENTS_FILE: parquet_bytes(latents), CONTEXTS_FILE: parquet_bytes(contexts)}
+        files |= browser_files(latents, contexts, title=title, tokens=state.tokens, config=config)
+    if truth is not None:
+        files[GROUND_TRUTH_FILE] = parquet_bytes(truth)
     figures = {
         "hook": plan.hook, "tokens": state.tokens, "latents": plan.n_latents,
         "dead": int(np.sum(latents.column("dead").to_numpy(zero_copy_only=False))),
@@ -493,6 +572,8 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
         "encode_seconds": encode_seconds, "seconds": time.perf_counter() - started,
         "l0": float(state.counts.sum()) / max(state.tokens, 1),
         "second_pass": bool(state.out_of_order),
+        "modality": "image" if plan.layout else "text",
+        "ground_truth": [] if truth is None else truth.to_pylist(),
     }  # fmt: skip
     doc = {
         "config": config.to_dict(), "extraction": plan.extraction, "dataset": plan.dataset,
@@ -534,7 +615,11 @@ def tokens_frame(spark, plan: FeaturesPlan):
     reader = spark.read.format("safetensors")
     if plan.storage_options:
         reader = reader.options(**plan.storage_options)
-    return reader.load(plan.dataset).select("activation", "sample_id", "window", "token_pos")
+    from pyspark.sql import functions as F
+
+    frame = reader.load(plan.dataset)
+    window = "window" if "window" in frame.columns else F.lit(0).alias("window")  # images: one
+    return frame.select("activation", "sample_id", window, "token_pos")
 
 
 _SAMPLE_ID = re.compile(rb'^\{"sample_id": (-?\d+),')
@@ -572,9 +657,13 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
         .agg(F.sum("count").alias("count"), F.sum("total").alias("total"), F.max("value"))
     )
     by_value = Window.partitionBy("latent").orderBy(F.desc("value"), F.asc("token"))
+    top = candidates.filter(F.col("kind") == TOP)
+    if plan.layout is not None:  # distinct images: each one's largest entry (state.distinct)
+        sample = F.shiftright("token", POS_BITS + WINDOW_BITS).alias("sample")
+        by_image = Window.partitionBy("latent", sample).orderBy(F.desc("value"), F.asc("token"))
+        top = top.withColumn("r", F.row_number().over(by_image)).filter(F.col("r") == 1)
     top = to_arrow(
-        candidates.filter(F.col("kind") == TOP)
-        .withColumn("r", F.row_number().over(by_value))
+        top.withColumn("r", F.row_number().over(by_value))
         .filter(F.col("r") <= config.top_n)
         .select("latent", "value", "token", "context")
     )
@@ -602,6 +691,21 @@ def merged_state(candidates, plan: FeaturesPlan, config: FeaturesConfig) -> Late
     entries = {**_entries_of(samples, state.window), "cell": torch.from_numpy(cells)}
     state.samples = {**entries, "prio": priority(entries["id"], entries["latent"], state.seed)}
     return state
+
+
+def ground_truth_of(candidates, labels: FactorLabels, plan: FeaturesPlan) -> pa.Table:
+    """The ground-truth table (``ground_truth.ground_truth_table``) from the labelled
+    patches' codes the tasks kept; every labelled patch must have been met."""
+    from pyspark.sql import functions as F
+
+    seen = candidates.filter(F.col("kind") == LABELLED).agg(F.sum("count")).first()[0] or 0
+    if seen != len(labels.ids):
+        raise FeaturesError(f"factors: {len(labels.ids)} labelled patches, {seen} of them in "
+                            f"{plan.dataset} (are its images those of this extraction?)")  # fmt: skip
+    codes = to_arrow(candidates.filter(F.col("kind") == CODE).select("token", "latent", "value"))
+    values, indices = code_matrix(labels.ids, *(codes.column(c).to_numpy() for c in
+                                                ("token", "latent", "value")))  # fmt: skip
+    return ground_truth_table(values, indices, labels.masks, plan.n_latents)
 
 
 def _entries_of(table: pa.Table, window: int) -> dict:
@@ -633,10 +737,10 @@ def windows_from_codes(spark, examples: pa.Table, plan: FeaturesPlan, config: Fe
         .withColumnRenamed("token_pos", "pos")
     )
     k = config.context
-    positions = ex.select(
-        *keys, "sample_id", "window",
-        F.posexplode(F.sequence(F.col("token_pos") - k, F.col("token_pos") + k)).alias("o", "pos"),
-    )  # fmt: skip
+    span = F.sequence(F.col("token_pos") - k, F.col("token_pos") + k)
+    if plan.span:  # an image: every token of it
+        span = F.sequence(F.lit(0), F.lit(plan.span - 1))
+    positions = ex.select(*keys, "sample_id", "window", F.posexplode(span).alias("o", "pos"))
     act = F.coalesce(
         F.try_element_at(F.map_from_arrays("latents", "acts"), F.col("latent")), F.lit(0.0)
     )
@@ -649,7 +753,8 @@ def windows_from_codes(spark, examples: pa.Table, plan: FeaturesPlan, config: Fe
     order = [(c, "ascending") for c in keys]
     examples, windows = examples.sort_by(order), windows.sort_by(order)
     lengths = pc.list_value_length(windows.column("context")).to_numpy()
-    if not examples.select(keys).equals(windows.select(keys)) or (lengths != 2 * k + 1).any():
+    width = plan.span or 2 * k + 1
+    if not examples.select(keys).equals(windows.select(keys)) or (lengths != width).any():
         raise FeaturesError(
             f"{plan.dataset}: a token appears twice (sample_id, window, token_pos); "
             "the windows cannot be told apart"

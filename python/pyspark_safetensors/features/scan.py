@@ -10,6 +10,10 @@ never one inside it): each chunk checks its rows, margins included, so that ever
 adjacent pair of rows is checked by some chunk, and counts itself ``in_order`` or not.
 With no margin (``context`` 0) a window is its token alone and any order will do. Spark's
 tasks and the single-process loop scan alike.
+
+An image extraction's window is its whole image (``span``: every token, CLS, registers
+and patches, in the model's scan order): an entry's window is the latent's activation on
+each token of its image (the heat map over the patch grid), the margin ``span - 1`` rows.
 """
 
 from __future__ import annotations
@@ -64,12 +68,17 @@ class RowReader:
                     f"activation rows have width {x.shape[1]}, the SAE {self.width}"
                 )
             xs.append(x)
-            ids.append(
-                token_ids(*(np.asarray(f.row_range(c, a, b)).reshape(-1) for c in ID_COLUMNS))
-            )
+            ids.append(token_ids(*(self._column(f, c, a, b) for c in ID_COLUMNS)))
         if not xs:
             return np.zeros((0, self.width), np.float32), np.zeros(0, np.int64)
         return np.concatenate(xs), np.concatenate(ids)
+
+    def _column(self, shard, name: str, a: int, b: int) -> np.ndarray:
+        """An id column's rows; ``window`` 0 where the dataset has none (an image
+        extraction's: one window per image)."""
+        if name == "window" and name not in self.ds.columns:
+            return np.zeros(b - a, np.int64)
+        return np.asarray(shard.row_range(name, a, b)).reshape(-1)
 
 
 @dataclass
@@ -86,6 +95,9 @@ class Chunk:
     around_ids: torch.Tensor
     offset: int
     margin: int
+    span: int = 0
+    """Tokens of an image (its window is all of them, from position 0); 0 for text
+    (a window of +-``margin`` tokens around each entry)."""
 
     @property
     def in_order(self) -> bool:
@@ -101,14 +113,20 @@ class Chunk:
     def contexts(self, rows: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """``[n, 2 x margin + 1]``: the activation of ``latents[i]`` on each token from
         ``margin`` before to ``margin`` after the chunk's row ``rows[i]`` in its window
-        (0 where the window has no such token, or the latent does not fire). Valid when
-        the whole dataset is in token order (see the module docstring)."""
+        (0 where the window has no such token, or the latent does not fire); with a
+        ``span``, ``[n, span]``: its activation on each token of the row's image, from
+        position 0. Valid when the whole dataset is in token order (see the module
+        docstring)."""
         around, device = self.around_ids, self.around_indices.device
-        offsets = torch.arange(-self.margin, self.margin + 1)
-        out = torch.zeros(len(rows), len(offsets), dtype=torch.float32)
+        width = self.span or 2 * self.margin + 1
+        out = torch.zeros(len(rows), width, dtype=torch.float32)
         for block in range(0, len(rows), CONTEXT_BLOCK):  # bounded [rows, window, m] gathers
             center = rows[block : block + CONTEXT_BLOCK].to(around.device) + self.offset
             base = around[center].unsqueeze(1)
+            if self.span:  # positions 0..span-1 of the image, relative to the row's
+                offsets = torch.arange(self.span) - (base & ((1 << POS_BITS) - 1))
+            else:
+                offsets = torch.arange(-self.margin, self.margin + 1).unsqueeze(0)
             pos = (base & ((1 << POS_BITS) - 1)) + offsets
             j = center.unsqueeze(1) + offsets
             there = (j >= 0) & (j < len(around)) & (pos >= 0) & (pos < 1 << POS_BITS)
@@ -122,10 +140,14 @@ class Chunk:
 
 
 def encoded_chunks(
-    reader: RowReader, start: int, stop: int, sae, *, chunk: int, margin: int, device: str
-) -> Iterator[Chunk]:
+    reader: RowReader, start: int, stop: int, sae, *, chunk: int, margin: int, device: str,
+    span: int = 0,
+) -> Iterator[Chunk]:  # fmt: skip
     """Rows ``[start, stop)`` of ``reader``'s dataset in chunks of ``chunk`` rows, each
-    encoded by ``sae`` with ``margin`` rows either side (within the dataset)."""
+    encoded by ``sae`` with ``margin`` rows either side (within the dataset); ``span``:
+    the tokens of an image (the windows are whole images, the margin ``span - 1``)."""
+    if span:
+        margin = span - 1
     total = len(reader.ds)
     for lo in range(start, stop, chunk):
         hi = min(lo + chunk, stop)
@@ -135,7 +157,8 @@ def encoded_chunks(
             values, indices = sae.encode(torch.from_numpy(x).to(device))
         ids = torch.from_numpy(ids)
         core = slice(lo - a, hi - a)
-        yield Chunk(values[core], indices[core], ids[core], values, indices, ids, lo - a, margin)
+        yield Chunk(values[core], indices[core], ids[core], values, indices, ids, lo - a, margin,
+                    span)  # fmt: skip
 
 
 def fold(state, chunks) -> None:

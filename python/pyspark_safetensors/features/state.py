@@ -3,7 +3,9 @@ mergeable: two states of disjoint token sets merge into the state of their union
 
 - statistics: non-zero count and sum per (latent, histogram bin), max per latent, tokens;
 - top-N: the N largest activations of each latent, ties broken by the token id (so the
-  lists do not depend on how the tokens were split between tasks);
+  lists do not depend on how the tokens were split between tasks); with ``distinct``
+  (images) the N samples of largest activation, each by its largest token, so one
+  image's many patches do not fill a latent's list;
 - random examples: per (latent, histogram bin) the R entries with the smallest hash
   priority (bottom-k sampling: a uniform sample without replacement, and the bottom-k of a
   union is the bottom-k of the parts' bottom-k, so any band made of whole bins can be
@@ -80,6 +82,20 @@ def keep_first(group: torch.Tensor, key: torch.Tensor, ids: torch.Tensor, per_gr
     return order[(arange - start) < per_group]
 
 
+def best_per_sample(latents: torch.Tensor, values: torch.Tensor, ids: torch.Tensor):
+    """Indices of the largest entry of each (latent, sample) (ties: the smaller id), by
+    stable sorts: id, descending value, sample, latent."""
+    order = torch.sort(ids, stable=True).indices
+    order = order[torch.sort(descending_key(values[order]), stable=True).indices]
+    sample = ids >> (POS_BITS + WINDOW_BITS)
+    order = order[torch.sort(sample[order], stable=True).indices]
+    order = order[torch.sort(latents[order], stable=True).indices]
+    lat, smp = latents[order], sample[order]
+    first = torch.ones(len(order), dtype=torch.bool)
+    first[1:] = (lat[1:] != lat[:-1]) | (smp[1:] != smp[:-1])
+    return order[first]
+
+
 def descending_key(values: torch.Tensor) -> torch.Tensor:
     """A key sorting non-negative float32 values from the largest (their bit patterns are
     ordered like the values)."""
@@ -101,7 +117,9 @@ class LatentState:
     edges: torch.Tensor
     seed: int = 0
     window: int = 1
-    """Tokens of an entry's context window (2 x context + 1)."""
+    """Tokens of an entry's context window (2 x context + 1; an image's tokens)."""
+    distinct: bool = False
+    """Top-N over distinct samples: one entry per (latent, sample), its largest."""
 
     def __post_init__(self):
         n, bins = self.n_latents, len(self.edges) - 1
@@ -152,6 +170,8 @@ class LatentState:
         top = _take(top, torch.nonzero(top["value"] >= floor[top["latent"]]).flatten())
         if top["latent"].numel():
             top = _cat(self.top, self._complete(top))
+            if self.distinct:
+                top = _take(top, best_per_sample(top["latent"], top["value"], top["id"]))
             order = keep_first(top["latent"], descending_key(top["value"]), top["id"], self.top_n)
             self.top = _with_windows(_take(top, order), contexts)
         samples = {**samples, "prio": priority(samples["id"], samples["latent"], self.seed)}
