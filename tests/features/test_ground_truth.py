@@ -94,3 +94,40 @@ def test_each_factor_value_gets_the_latent_that_detects_it():
         assert row["positives"] == inside.sum() and row["negatives"] == n - inside.sum()
     assert by[("shape", "circle")]["auroc"] > 0.99 and by[("colour", "red")]["auroc"] > 0.9
     assert by[("shape", "circle")]["fires_outside"] == 0.0
+
+
+def test_a_per_image_table_equals_its_per_patch_form(tmp_path):
+    """``labels.parquet`` as the toy ViT's image set writes it (one row per image, a
+    ``patch_mask``, images named by path) reads as the per-patch table it stands for."""
+    import pyarrow.parquet as pq
+
+    from pyspark_safetensors.features.ground_truth import read_factors
+    from pyspark_safetensors.features.images import ImageLayout
+
+    layout = ImageLayout(rows=2, cols=3, n_registers=1, tokens=8)
+    per_image = pa.table({
+        "path": ["circle/000.png", "square/001.png"], "index": [0, 1],
+        "shape": ["circle", "square"], "colour": ["red", "red"], "x": [3.0, 9.5],
+        "patch_mask": [[True, False, False, True, False, False], [False] * 5 + [True]],
+    })  # fmt: skip
+    images = pa.table({"image_id": [5, 9], "key": ["square/001.png", "circle/000.png"],
+                       "path": ["/d/square/001.png", "/d/circle/000.png"]})  # fmt: skip
+    pq.write_table(per_image, tmp_path / "labels.parquet")
+    got = read_factors(str(tmp_path / "labels.parquet"), layout, images)
+    rows = [(9, r, c) for r in range(2) for c in range(3)] + [
+        (5, r, c) for r in range(2) for c in range(3)]  # fmt: skip
+    inside = {(9, 0, 0): "circle", (9, 1, 0): "circle", (5, 1, 2): "square"}
+    per_patch = pa.table({
+        "image_id": [i for i, _, _ in rows], "patch_row": [r for _, r, _ in rows],
+        "patch_col": [c for _, _, c in rows], "shape": [inside.get(p) for p in rows],
+        "colour": ["red" if p in inside else None for p in rows],
+    })  # fmt: skip
+    pq.write_table(per_patch, tmp_path / "patches.parquet")
+    want = read_factors(str(tmp_path / "patches.parquet"), layout)
+    assert got.ids.tolist() == want.ids.tolist()
+    assert got.ids.tolist()[:2] == [(9 << 28) | 2, (9 << 28) | 3]  # after CLS and a register
+    assert sorted(got.masks) == sorted(want.masks) == [("colour", "red"), ("shape", "circle"),
+                                                       ("shape", "square")]  # fmt: skip
+    for key in want.masks:
+        assert got.masks[key].tolist() == want.masks[key].tolist()
+    assert got.masks[("colour", "red")].sum() == 3

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .config import FeaturesError
 
 GROUND_TRUTH_FILE = "ground_truth.parquet/part-00000.parquet"
-FACTOR_KEYS = ("image_id", "key")
-"""The columns a factor table may name its images by (one of them), beside
-``patch_row`` and ``patch_col``."""
+FACTOR_KEYS = ("image_id", "key", "path")
+"""The columns a factor table may name its images by (the first it has): the
+extraction's ``image_id``, or the image's ``key`` (a ``path`` column is matched against
+``images.parquet``'s key, then its path)."""
 
 
 def auroc_dense(scores: np.ndarray, positive: np.ndarray) -> np.ndarray:
@@ -87,15 +89,21 @@ def auroc_sparse(
     return (rank_sum - p * (p + 1) / 2) / (p * (n - p))
 
 
+def factor_columns(schema: pa.Schema) -> tuple[str, ...]:
+    """The factors of a label table: its string columns but the image's name."""
+    strings = (pa.types.is_string, pa.types.is_large_string)
+    return tuple(f.name for f in schema
+                 if f.name not in FACTOR_KEYS and any(t(f.type) for t in strings))  # fmt: skip
+
+
 def factor_masks(
     labels: pa.Table, factors: tuple[str, ...] = ()
 ) -> dict[tuple[str, str], np.ndarray]:
     """``{(factor, value): inside [n]}`` from a per-patch label table: one row per patch,
     a string column per factor holding the value of the shape the patch lies in (null
-    outside any shape). ``factors``: the columns to use (default: every column but the
-    patch's address, ``image_id``/``key``, ``patch_row``, ``patch_col``)."""
-    address = {*FACTOR_KEYS, "patch_row", "patch_col"}
-    names = factors or tuple(c for c in labels.column_names if c not in address)
+    outside any shape). ``factors``: the columns to use (default: every string column but
+    the image's name, ``FACTOR_KEYS``)."""
+    names = factors or factor_columns(labels.schema)
     masks = {}
     for factor in names:
         if factor not in labels.column_names:
@@ -158,33 +166,32 @@ class FactorLabels:
 
 
 def read_factors(path: str, layout, images: pa.Table | None = None) -> FactorLabels:
-    """The per-patch factor table at ``path`` (parquet: ``image_id`` or ``key``,
-    ``patch_row``, ``patch_col``, one string column per factor, null outside any shape),
-    its patches numbered by the extraction's ``layout``; ``images`` (``image_id``, ``key``
-    of the extraction's ``images.parquet``) resolves a table that names images by key."""
+    """The factor table at ``path`` (parquet), its patches numbered by the extraction's
+    ``layout``. Either one row per patch: ``patch_row``, ``patch_col`` and a string
+    column per factor holding the value of the shape the patch lies in (null outside); or
+    one row per image: ``patch_mask`` (a bool per patch, row-major: inside the shape) and
+    a string column per factor (its value, for the patches of the mask), as
+    ``extract.toy_vit.write_image_set`` writes its ``labels.parquet``. Images are named by
+    a ``FACTOR_KEYS`` column; ``images`` (``image_id``, ``key``, ``path`` of the
+    extraction's ``images.parquet``) resolves a key or a path."""
     import pyarrow.parquet as pq
 
     from .state import token_ids
 
     labels = pq.read_table(path)
     names = labels.column_names
-    missing = [c for c in ("patch_row", "patch_col") if c not in names]
-    if missing or not any(c in names for c in FACTOR_KEYS):
-        raise FeaturesError(f"{path}: a factor table needs image_id (or key), patch_row and "
-                            f"patch_col columns; it has {names}")  # fmt: skip
-    if "image_id" in names:
+    name = next((c for c in FACTOR_KEYS if c in names), None)
+    per_patch = "patch_row" in names and "patch_col" in names
+    if name is None or not (per_patch or "patch_mask" in names):
+        raise FeaturesError(f"{path}: a factor table needs image_id (or key, or path) and "
+                            f"patch_row and patch_col, or patch_mask; it has {names}")  # fmt: skip
+    if not per_patch:
+        labels = _patches_of(labels, layout, path)
+    if name == "image_id":
         image_id = labels.column("image_id").to_numpy().astype(np.int64)
     else:
-        if images is None:
-            raise FeaturesError(f"{path}: images named by key need the extraction's images.parquet")
-        by_key = dict(zip(images.column("key").to_pylist(), images.column("image_id").to_pylist(),
-                          strict=True))  # fmt: skip
-        keys = labels.column("key").to_pylist()
-        unknown = [k for k in keys if k not in by_key]
-        if unknown:
-            raise FeaturesError(f"{path}: {len(unknown)} patches of images not in the extraction "
-                                f"(key {unknown[0]!r})")  # fmt: skip
-        image_id = np.asarray([by_key[k] for k in keys], np.int64)
+        image_id = _image_ids(labels.column(name).to_pylist(), images, path)
+    labels = labels.drop([c for c in FACTOR_KEYS if c in labels.column_names])
     row = labels.column("patch_row").to_numpy().astype(np.int64)
     col = labels.column("patch_col").to_numpy().astype(np.int64)
     if ((row < 0) | (row >= layout.rows) | (col < 0) | (col >= layout.cols)).any():
@@ -192,10 +199,47 @@ def read_factors(path: str, layout, images: pa.Table | None = None) -> FactorLab
     ids = token_ids(image_id, np.zeros_like(image_id), layout.position(row, col))
     if len(np.unique(ids)) != len(ids):
         raise FeaturesError(f"{path}: a patch is labelled twice")
-    masks = factor_masks(labels)
+    masks = factor_masks(labels.drop(["patch_row", "patch_col"]))
     if not masks:
         raise FeaturesError(f"{path}: no factor column with a value")
     return FactorLabels(ids, masks)
+
+
+def _patches_of(labels: pa.Table, layout, path: str) -> pa.Table:
+    """A per-image table (``patch_mask``) as one row per patch of the grid, each factor
+    null outside the mask."""
+    n = layout.rows * layout.cols
+    mask = labels.column("patch_mask").combine_chunks()
+    if (pc.list_value_length(mask).to_numpy(zero_copy_only=False) != n).any():
+        raise FeaturesError(
+            f"{path}: patch_mask must hold {n} patches ({layout.rows}x{layout.cols})"
+        )
+    inside = mask.flatten().to_numpy(zero_copy_only=False).astype(bool)
+    image = np.repeat(np.arange(labels.num_rows), n)
+    columns = {name: labels.column(name).take(pa.array(image)) for name in labels.column_names
+               if name not in ("patch_mask", "patch_coverage")}  # fmt: skip
+    for name in factor_columns(labels.schema):
+        columns[name] = pc.if_else(pa.array(inside), columns[name], None)
+    patch = np.tile(np.arange(n), labels.num_rows)
+    columns["patch_row"] = pa.array(patch // layout.cols)
+    columns["patch_col"] = pa.array(patch % layout.cols)
+    return pa.table(columns)
+
+
+def _image_ids(names: list, images: pa.Table | None, path: str) -> np.ndarray:
+    """The ``image_id`` of images named by key (or path) in ``images``."""
+    if images is None:
+        raise FeaturesError(f"{path}: images named by key need the extraction's images.parquet")
+    found = {}
+    for column in ("path", "key"):  # a key wins over a path
+        if column in images.column_names:
+            found |= dict(zip(images.column(column).to_pylist(),
+                              images.column("image_id").to_pylist(), strict=True))  # fmt: skip
+    unknown = [k for k in names if k not in found]
+    if unknown:
+        raise FeaturesError(f"{path}: {len(set(unknown))} images not in the extraction "
+                            f"({unknown[0]!r})")  # fmt: skip
+    return np.asarray([found[k] for k in names], np.int64)
 
 
 class PatchCodes:

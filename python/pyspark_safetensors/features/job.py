@@ -524,7 +524,7 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     source = plan.extraction_location()
     labels = None
     if config.factors:
-        keys = read_images(source, None, ("image_id", "key")) if plan.layout else None
+        keys = read_images(source, None, ("image_id", "key", "path")) if plan.layout else None
         labels = read_factors(config.factors, plan.layout, keys)
     cores = default_parallelism(spark)
     tasks = max(cores, -(-len(dataset) // ROWS_PER_TASK))
