@@ -1,7 +1,9 @@
 """LUT precompute FLOP/s against the measured matmul peak; LUTLinear latency against the
 dense layer it approximates, one layer alone (MiniLM's) and, at Llama-3-8B's shapes, a
 hook point's layers with one shared encode (gate+up; q,k,v) against those dense layers,
-with where the LUT's time goes."""
+with where the LUT's time goes; and a whole MLP block as a transcoder's LUT (``LUTMLP``)
+against the dense block (gate, up, act, down) at Llama-3-8B's shapes
+(``lut.latency.mlp_latency``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pyspark_safetensors.lut import LUTEncoder, LUTLinear, precompute_layer
+from pyspark_safetensors.lut.latency import LLAMA3_8B, mlp_latency
 
 from .common import interleaved_medians, median_seconds, table
 
@@ -151,6 +154,33 @@ def _steps(luts: list[LUTLinear], x: torch.Tensor, repeat: int) -> list[str]:
     return [f"{s * 1e3:,.2f}" for s in (t_mm, t_top, t_gather)] + [f"{share:.0%}"]
 
 
+# (num_basis, k, skip) of the MLP-block LUTs: a transcoder of 8x d_model, its skip
+# variant, and the LUT spec's 16,384 basis vectors
+MLP_LUTS = [(32768, 32, False), (32768, 32, True), (16384, 32, False)]
+HEADER_MLP = ["LUT latents", "tokens", "LUT ms", "dense ms", "LUT speed vs dense",
+              "LUT MFLOP/token", "dense MFLOP/token", "FLOP ratio"]  # fmt: skip
+
+
+def mlp_block_section() -> str:
+    """The MLP-block table: ``LUTMLP`` against the dense Llama-3-8B block, float32."""
+    rows = []
+    for num_basis, k, skip in MLP_LUTS:
+        for r in mlp_latency(num_basis=num_basis, k=k, skip=skip):
+            rows.append([
+                f"{num_basis:,}, k {k}" + (", skip" if skip else ""), r["tokens"],
+                f"{r['lut_s'] * 1e3:,.1f}", f"{r['dense_s'] * 1e3:,.1f}",
+                f"**{r['speedup']:.2f}x**", f"{r['lut_flops'] / 1e6:,.1f}",
+                f"{r['dense_flops'] / 1e6:,.1f}", f"{r['flop_ratio']:.2f}x",
+            ])  # fmt: skip
+    return (
+        f"A whole MLP block at Llama-3-8B's shapes (d_model {LLAMA3_8B['d_model']}, d_ff "
+        f"{LLAMA3_8B['d_ff']}): a transcoder's LUT (`LUTMLP`: encode, top-k, k rows of the "
+        "table, the skip path) against the dense block (gate, up, SiLU, down), random "
+        "weights, float32, every call a new input, the two in turn. MFLOP per token: the "
+        "linear maps only (2 x multiply-adds):\n\n" + table(HEADER_MLP, rows)
+    )
+
+
 def run() -> str:
     import os
 
@@ -172,6 +202,7 @@ def run() -> str:
             shared_rows += _shared_encode(dtype, HOOK_SETS[:1], (1, 16), " (1 thread)")[0]
     finally:
         torch.set_num_threads(threads)
+    mlp = mlp_block_section()
     load_after = " ".join(f"{v:.2f}" for v in os.getloadavg())
     ratios = [f"{d / lut:.2f}x" for lut, d in (_flops(outs) for _, outs in HOOK_SETS)]
     return (
@@ -205,6 +236,8 @@ def run() -> str:
             ],
             split_rows,
         )
+        + "\n\n"
+        + mlp
         + f"\n\nPer token the LUT costs one encode ({N_BASIS} x {D_IN} multiply-adds, and "
         "as many encoder weights read when decoding is memory-bound) however many layers "
         f"share it, plus k rows per layer. Dense over LUT FLOPs: gate+up {ratios[0]}, "

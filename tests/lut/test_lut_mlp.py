@@ -279,3 +279,44 @@ def test_lm_loss_with_the_transcoder_replacing_the_mlp(toy):
     for _, module in model.named_modules():
         assert not module._forward_pre_hooks and not module._forward_hooks
     assert type(model.get_submodule(block)).__name__ == "LlamaMLP"
+
+
+def test_latency_rows_time_the_dense_llama_block_and_count_its_flops(tiny):
+    from pyspark_safetensors.lut.latency import DenseMLP, dense_flops, mlp_latency, time_mlp
+
+    root, _, _ = tiny
+    llama_mlp = _llama(root).model.layers[0].mlp
+    dense = DenseMLP(HIDDEN, FF)
+    dense.load_state_dict(llama_mlp.state_dict())  # the same block as transformers' LlamaMLP
+    x = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x), llama_mlp(x), rtol=1e-6, atol=1e-6)
+    assert dense_flops(llama_mlp) == dense_flops(dense) == 2 * 3 * HIDDEN * FF
+
+    block = LUTMLP.from_file(root / "lut" / f"{BLOCKS[1]}.lut.safetensors", K)
+    (row,) = time_mlp(block, llama_mlp, (4,), repeat={4: 2})
+    assert row["lut_flops"] == 2 * (N_LATENTS * HIDDEN + K * HIDDEN + HIDDEN * HIDDEN)
+    assert row["flop_ratio"] == pytest.approx(row["dense_flops"] / row["lut_flops"])
+    assert row["lut_s"] > 0 and row["dense_s"] > 0
+    assert row["speedup"] == pytest.approx(row["dense_s"] / row["lut_s"])
+    rows = mlp_latency(32, 96, 128, 4, (1, 3), skip=True, repeat={1: 2, 3: 2})
+    assert [(r["tokens"], r["skip"], r["num_basis"]) for r in rows] == [(1, True, 128),
+                                                                       (3, True, 128)]  # fmt: skip
+
+
+def test_patch_model_refuses_a_block_the_model_does_not_fit(tiny, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root, _, _ = tiny
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=FF,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1))  # fmt: skip
+    with pytest.raises(LUTError, match=r"model\.layers\.0\.mlp: its layers .* do not read 16"):
+        patch_model(other, root / "lut")
+    meta = json.loads((root / "lut" / "metadata.json").read_text())
+    shutil.copytree(root / "lut", tmp_path / "lut")
+    entry = meta["layers"].pop(BLOCKS[0])
+    meta["layers"]["model.layers.0.mlp.down_proj"] = entry  # a block's file named for a layer
+    (tmp_path / "lut" / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(LUTError, match="is a single Linear; an MLP LUT replaces a whole block"):
+        patch_model(_llama(root), tmp_path / "lut")
