@@ -6,7 +6,9 @@ latents that read each factor, and the browser draws it all in headless Chromium
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -174,3 +176,53 @@ def test_the_image_browser_in_headless_chromium(image_run, repo_root):
         search.send_keys("square")
         rows = driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
         assert 0 < len(rows) < 12 and all("square" in r.text for r in rows)
+
+
+def test_images_out_of_token_order_give_the_same_contexts(spark, image_run, tmp_path):
+    """Rows shuffled: the second pass re-encodes the example images, each window the
+    whole image again; the tables and the ground truth are the same."""
+    import os
+    import shutil
+
+    from pyspark.sql import functions as F
+
+    config, summary, _ = image_run
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(config.extraction, shuffled, ignore=shutil.ignore_patterns("activations"))
+    plan = plan_features(config)
+    dataset = os.path.relpath(plan.dataset, config.extraction)
+    spark.read.format("safetensors").load(plan.dataset).orderBy(F.rand(seed=1)).write.format(
+        "safetensors"
+    ).option("batch_size", 64).mode("overwrite").save(str(shuffled / dataset))
+    out = tmp_path / "features"
+    again = run_features(spark, dataclasses.replace(
+        config, extraction=str(shuffled), out=str(out),
+        factors=str(shuffled / "factors.parquet")))  # fmt: skip
+    assert again.second_pass and not summary.second_pass
+    got = pq.read_table(out / "contexts.parquet").to_pandas()
+    want = pq.read_table(summary.out / "contexts.parquet").to_pandas()
+    assert got.drop(columns=["acts", "value"]).equals(want.drop(columns=["acts", "value"]))
+    for a, b in zip(got.acts, want.acts, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert again.ground_truth == summary.ground_truth
+
+
+def test_a_layout_the_tokens_do_not_follow_is_refused(image_run, tmp_path):
+    import os
+
+    config, _, _ = image_run
+    bad = tmp_path / "acts"
+    bad.mkdir()
+    for entry in os.scandir(config.extraction):
+        if entry.name != "extraction.json":
+            os.symlink(entry.path, bad / entry.name)
+    doc = json.loads((Path(config.extraction) / "extraction.json").read_text())
+    for change, needle in (({"n_registers": 0}, "layout"), ({"patch_grid": None}, "patch_grid")):
+        (bad / "extraction.json").write_text(json.dumps({**doc, **change}))
+        with pytest.raises(FeaturesError, match=needle) as e:
+            plan_features(dataclasses.replace(config, extraction=str(bad)))
+        assert "\n" not in str(e.value)
+    text = dataclasses.replace(config, extraction=str(bad), factors="x.parquet")
+    (bad / "extraction.json").write_text(json.dumps({**doc, "modality": "text"}))
+    with pytest.raises(FeaturesError, match="not an image extraction"):
+        plan_features(text)
