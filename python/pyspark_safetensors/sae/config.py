@@ -36,10 +36,17 @@ ADAM_BETAS = (0.8, 0.98)
 
 
 #: The SAE architectures (``sae/architectures/``, registered under these names).
-Architecture = Literal["topk", "batchtopk", "jumprelu", "transcoder", "skip_transcoder"]
+Architecture = Literal[
+    "topk", "batchtopk", "jumprelu", "matryoshka", "transcoder", "skip_transcoder", "crosscoder"
+]
 
 #: The architectures trained on pairs (x from ``dataset``, y from ``target_dataset``).
 TRANSCODERS = ("transcoder", "skip_transcoder")
+
+
+def default_prefixes(n_latents: int, k: int) -> tuple[int, ...]:
+    """Matryoshka's default nested prefixes: n/16, n/8, n/4, n/2, n (none below k)."""
+    return tuple(sorted({max(k, n_latents // 2**i) for i in range(5)}))
 
 
 @dataclass(frozen=True)
@@ -266,8 +273,7 @@ class SAEConfig:
         default halvings n/16 .. n (those that are >= k)."""
         n = self.latents
         if not self.matryoshka_prefixes:
-            sizes = sorted({max(self.k, n // 2**i) for i in range(5)})
-            return tuple(sizes)
+            return default_prefixes(n, self.k)
         sizes = tuple(int(m) for m in self.matryoshka_prefixes)
         if list(sizes) != sorted(set(sizes)) or sizes[-1] != n or sizes[0] < 1:
             raise InvalidArgumentError(

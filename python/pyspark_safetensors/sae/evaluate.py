@@ -1,5 +1,5 @@
-"""Held-out evaluation of an SAE: FVU, L0, dead and dense latents and the latent
-frequencies on activations the SAE never trained on (other texts, never other tokens of
+"""Held-out evaluation of an SAE (or a transcoder, a crosscoder): FVU (of the target),
+L0, dead and dense latents and the latent frequencies on activations it never trained on (other texts, never other tokens of
 the same text), and ``split_by_sample`` to make such a split from one dataset."""
 
 from __future__ import annotations
@@ -35,11 +35,16 @@ def held_out_batches(
 
 
 @torch.no_grad()
-def evaluate_sae(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh=None) -> dict:
+def evaluate_sae(
+    sae: TopKSAE, batches: Iterable[torch.Tensor | tuple[torch.Tensor, torch.Tensor]], mesh=None
+) -> dict:
     """``{fvu, l0, dead_fraction, dense_fraction, tokens, frequency}`` of ``sae`` on
     ``batches`` (``frequency``: per-latent firing rate, a float64 numpy array over every
-    latent). A collective over "model" when the SAE is sharded; every rank passes the
-    same batches."""
+    latent), plus ``fvu_<part>`` for each part an architecture reports
+    (``evaluation_parts``: a Matryoshka SAE's prefixes, a crosscoder's hook points). A
+    batch is ``x`` (an SAE reconstructs it) or a pair ``(x, y)`` (a transcoder: the FVU is
+    that of ``y``). A collective over "model" when the SAE is sharded; every rank passes
+    the same batches."""
     was_training = sae.training
     sae.eval()  # BatchTopK encodes by its threshold, as in use
     try:
@@ -48,31 +53,51 @@ def evaluate_sae(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh=None) -> di
         sae.train(was_training)
 
 
-def _evaluate(sae: TopKSAE, batches: Iterable[torch.Tensor], mesh) -> dict:
+class _FVU:
+    """Running sums of one reconstruction's FVU: of y, of y^2 and of the squared error."""
+
+    def __init__(self, d: int, device):
+        self.sums = torch.zeros(d + 2, dtype=torch.float64, device=device)
+
+    def add(self, y_hat: torch.Tensor, y: torch.Tensor) -> None:
+        d = y.shape[1]
+        self.sums[:d] += y.sum(0).double()
+        self.sums[d] += y.double().pow(2).sum()
+        self.sums[d + 1] += (y_hat.float() - y).double().pow(2).sum()
+
+    def fvu(self, n: float) -> float:
+        d = self.sums.shape[0] - 2
+        var = float(self.sums[d] - self.sums[:d].pow(2).sum() / n)
+        return float(self.sums[d + 1]) / max(var, 1e-30)
+
+
+def _evaluate(sae: TopKSAE, batches, mesh) -> dict:
     device = sae.encoder_weight.device
-    d = sae.d
-    # sum of x [d], then sum of x^2, squared error, active latents, tokens
-    sums = torch.zeros(d + 4, dtype=torch.float64, device=device)
+    whole = _FVU(sae.d_out, device)
+    parts: dict[str, _FVU] = {}
+    counts = torch.zeros(2, dtype=torch.float64, device=device)  # active latents, tokens
     fired = torch.zeros(sae.n_local, dtype=torch.float64, device=device)
-    for x in batches:
+    for batch in batches:
+        x, y = batch if isinstance(batch, (tuple, list)) else (batch, batch)
         x = x.to(device, torch.float32)
+        y = x if y is batch or y is x else y.to(device, torch.float32)
         out = sae(x)
-        sums[:d] += x.sum(0).double()
-        sums[d] += x.double().pow(2).sum()
-        sums[d + 1] += (out.x_hat.float() - x).double().pow(2).sum()
+        whole.add(out.x_hat, y)
+        for name, (part_hat, part_y) in sae.evaluation_parts(out, y).items():
+            parts.setdefault(name, _FVU(part_y.shape[1], device)).add(part_hat, part_y)
         active = out.values > 0
-        sums[d + 2] += active.sum()
-        sums[d + 3] += x.shape[0]
+        counts[0] += active.sum()
+        counts[1] += x.shape[0]
         local = (out.indices - sae.offset)[active]
         fired += torch.bincount(local, minlength=sae.n_local).double()
-    n = float(sums[d + 3])
+    n = float(counts[1])
     if n == 0:
         raise InvalidArgumentError("no held-out rows to evaluate on")
-    l0 = all_reduce(sums[d + 2 : d + 3].clone(), mesh, MODEL)[0]
-    var = float(sums[d] - sums[:d].pow(2).sum() / n)
+    l0 = all_reduce(counts[:1].clone(), mesh, MODEL)[0]
     freq = (PLACEMENT["encoder_bias"].gather(fired, mesh) / n).cpu().numpy()
     return {
-        "fvu": float(sums[d + 1]) / max(var, 1e-30),
+        "fvu": whole.fvu(n),
+        **{f"fvu_{name}": part.fvu(n) for name, part in parts.items()},
         "l0": float(l0) / n,
         "dead_fraction": float((freq == 0).mean()),
         "dense_fraction": float((freq > DENSE_FREQUENCY).mean()),

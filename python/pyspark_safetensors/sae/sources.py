@@ -6,16 +6,30 @@ reads, each served to the same shuffled, rank-split, resumable loader.
 - a saev dump, seen through ``saev_patches`` x ``saev_layer`` (``docs/interop.md``);
 - a Zarr store or Zarr sharded run is refused, naming what to give instead (its
   arrays are ``[seq_len, H]`` per sample and layer, not token rows).
+
+A run trains on pairs ``(x, y)`` (``TrainingSource``): an SAE's ``y`` is its ``x``; a
+transcoder's ``x`` and ``y`` come from two row-aligned datasets read at the same indices
+(``AlignedDatasets``); a crosscoder's ``x = y`` is its hook points' rows concatenated.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from ..dataset.layout import MANIFEST
 from ..format.errors import InvalidArgumentError
-from ..torch import open_dataset
+from ..torch import ShuffledBatches, open_dataset
+from ..torch.loader import AlignedDatasets
+from .config import TRANSCODERS
+
+#: The view's column names of a transcoder's input and target.
+INPUT, TARGET = "input", "target"
 
 
 def open_activation_source(
@@ -41,8 +55,135 @@ def open_activation_source(
     )
 
 
-def open_training_source(config):
-    """``config.dataset`` opened with the config's saev view."""
-    return open_activation_source(
-        config.dataset, saev_patches=config.saev_patches, saev_layer=config.saev_layer
-    )
+@dataclass(frozen=True)
+class TrainingSource:
+    """A run's rows: ``dataset`` (what the loader reads, its columns ``columns``) and how
+    a batch of it becomes the pair ``(x [B, d_in], y [B, d_out])`` (``pair``)."""
+
+    dataset: object
+    """A ``SafetensorsDataset``, a saev view or an ``AlignedDatasets``."""
+    inputs: tuple[str, ...]
+    """Columns concatenated into ``x`` (one, except for a crosscoder)."""
+    target: str | None
+    """Column of ``y``; None: ``y`` is ``x`` (the same tensor)."""
+    hook_points: tuple[str, ...]
+    """The input hook point of each entry of ``inputs`` ("" where unrecorded)."""
+    target_hook_point: str = ""
+
+    @property
+    def columns(self) -> list[str]:
+        return [*self.inputs, *([self.target] if self.target else [])]
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Each input column's row width."""
+        return tuple(_width(self.dataset, c) for c in self.inputs)
+
+    @property
+    def d_in(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def d_out(self) -> int:
+        return _width(self.dataset, self.target) if self.target else self.d_in
+
+    @property
+    def metadata(self) -> dict:
+        return dict(self.dataset.metadata)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def pair(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` of a loader batch."""
+        parts = [batch[c] for c in self.inputs]
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return x, (batch[self.target] if self.target else x)
+
+    def read_pairs(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` of the rows at ``indices`` (sorted global indices)."""
+        reader = ShuffledBatches(self.dataset, max(1, len(indices)), columns=self.columns,
+                                 shuffle=False, dp_rank=0, dp_size=1)  # fmt: skip
+        return self.pair(reader.read_batch(np.asarray(indices)))
+
+    def batches(self, *, tokens: int = 0, batch: int = 4096) -> Iterator[tuple[torch.Tensor, ...]]:
+        """``(x, y)`` of the first ``tokens`` rows (0 = all), in storage order, in chunks
+        of ``batch`` rows (every rank reads the same rows)."""
+        n = min(len(self), tokens) if tokens else len(self)
+        reader = ShuffledBatches(self.dataset, batch, columns=self.columns, shuffle=False,
+                                 dp_rank=0, dp_size=1)  # fmt: skip
+        for start in range(0, n, batch):
+            yield self.pair(reader.read_batch(np.arange(start, min(start + batch, n))))
+
+
+def _width(ds, column: str) -> int:
+    shape = ds.manifest.schema[column].sample_shape
+    if len(shape) != 1:
+        raise InvalidArgumentError(
+            f"column {column!r} has samples of shape {list(shape)}; the SAE needs token-level "
+            "rows [d]"
+        )
+    return shape[0]
+
+
+def _column(ds, path: str, column: str) -> None:
+    if column not in ds.columns:
+        raise InvalidArgumentError(f"{path}: no column {column!r}; it has {ds.columns}")
+
+
+def _hook(ds) -> str:
+    return str(ds.metadata.get("hook_point", ""))
+
+
+def open_source(config, *, held_out: bool = False) -> TrainingSource | None:
+    """The training pairs of ``config`` (``held_out``: its held-out pairs, None when it
+    has none). Refuses a missing column, rows that are not vectors, misaligned datasets
+    (naming both) and crosscoder hook points of different widths."""
+    c = config
+    view = {"saev_patches": c.saev_patches, "saev_layer": c.saev_layer}
+    if c.architecture == "crosscoder":
+        paths = c.val_datasets if held_out else c.datasets
+        if not paths:
+            if held_out:
+                return None
+            raise InvalidArgumentError("a crosscoder needs datasets = [one per hook point]")
+        opened = [open_dataset(p) for p in paths]
+        for path, ds in zip(paths, opened, strict=True):
+            _column(ds, path, c.column)
+        names = [f"h{i}" for i in range(len(paths))]
+        aligned = AlignedDatasets(
+            {n: (ds, c.column) for n, ds in zip(names, opened, strict=True)},
+            names=dict(zip(names, paths, strict=True)),
+        )
+        source = TrainingSource(aligned, tuple(names), None, tuple(_hook(ds) for ds in opened))
+        widths = source.widths
+        if len(set(widths)) != 1:
+            raise InvalidArgumentError(
+                f"a crosscoder's hook points must have one width; {list(paths)} have {list(widths)}"
+            )
+        return source
+    path = c.val_dataset if held_out else c.dataset
+    if not path:
+        if held_out:
+            return None
+        raise InvalidArgumentError("config.dataset is empty: give the activation dataset directory")
+    if c.architecture in TRANSCODERS:
+        target = c.val_target_dataset if held_out else c.target_dataset
+        x_ds, y_ds = open_dataset(path), open_dataset(target)
+        _column(x_ds, path, c.column)
+        _column(y_ds, target, c.target_column)
+        aligned = AlignedDatasets(
+            {INPUT: (x_ds, c.column), TARGET: (y_ds, c.target_column)},
+            names={INPUT: path, TARGET: target},
+        )
+        return TrainingSource(aligned, (INPUT,), TARGET, (_hook(x_ds),), _hook(y_ds))
+    ds = open_dataset(path) if held_out else open_activation_source(path, **view)
+    _column(ds, path, c.column)
+    source = TrainingSource(ds, (c.column,), None, (_hook(ds),))
+    source.widths  # refuses rows that are not vectors
+    return source
+
+
+def open_training_source(config) -> TrainingSource:
+    """The training pairs of ``config`` (``open_source``)."""
+    return open_source(config)

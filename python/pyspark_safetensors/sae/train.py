@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..format.errors import USER_ERRORS, InvalidArgumentError, PysparkSafetensorsError
-from ..torch import ActivationLoader, open_dataset
-from .architectures import SparseAutoencoder, build_sae
+from ..torch import ActivationLoader
+from .architectures import CrosscoderSAE, SparseAutoencoder, build_sae
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -41,7 +41,7 @@ from .checkpoint import (
 )
 from .config import SAEConfig
 from .ecosystem import read_sae
-from .evaluate import evaluate_sae, held_out_batches
+from .evaluate import evaluate_sae
 from .mesh import (
     DATA,
     MODEL,
@@ -57,7 +57,7 @@ from .mesh import (
 )
 from .model import TINY, geometric_median
 from .sinks import MetricSinks, check_sinks
-from .sources import open_training_source
+from .sources import TrainingSource, open_source, open_training_source
 
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
                 "val_dead_fraction", "val_dense_fraction")  # fmt: skip
@@ -90,23 +90,18 @@ def check_run_dir(config: SAEConfig) -> None:
         )
 
 
-def _row_shape(ds, config: SAEConfig) -> tuple[int, ...]:
-    """The training column's row shape ``(d,)``, checked against ``config.d``."""
-    if config.column not in ds.columns:
+def _widths(source: TrainingSource, config: SAEConfig) -> tuple[int, int]:
+    """The pairs' ``(d_in, d_out)``, checked against ``config.d`` and ``config.d_out``."""
+    d_in, d_out = source.d_in, source.d_out
+    if config.d and config.d != d_in:
         raise InvalidArgumentError(
-            f"{config.dataset}: no column {config.column!r}; it has {ds.columns}"
+            f"config d={config.d} but the dataset's {config.column!r} has width {d_in}"
         )
-    shape = ds.manifest.schema[config.column].sample_shape
-    if len(shape) != 1:
+    if config.d_out and config.d_out != d_out:
         raise InvalidArgumentError(
-            f"{config.dataset}: column {config.column!r} has samples of shape {list(shape)}; "
-            "the SAE needs token-level rows [d]"
+            f"config d_out={config.d_out} but the target's {config.target_column!r} has width {d_out}"
         )
-    if config.d and config.d != shape[0]:
-        raise InvalidArgumentError(
-            f"config d={config.d} but the dataset's {config.column!r} has width {shape[0]}"
-        )
-    return shape
+    return d_in, d_out
 
 
 def _check_mesh(mesh, config: SAEConfig) -> None:
@@ -118,17 +113,19 @@ def _check_mesh(mesh, config: SAEConfig) -> None:
         )
 
 
-def _check_val_dataset(config: SAEConfig, shape: tuple[int, ...]) -> None:
-    val = open_dataset(config.val_dataset)
-    width = (
-        val.manifest.schema[config.column].sample_shape if config.column in val.columns else None
-    )
-    if width != shape:
+def _held_out_source(config: SAEConfig, train: TrainingSource) -> TrainingSource | None:
+    """The held-out pairs (None without any), of the training pairs' widths."""
+    try:
+        val = open_source(config, held_out=True)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"val_dataset: {e}") from None
+    if val is not None and (val.widths, val.d_out) != (train.widths, train.d_out):
         raise InvalidArgumentError(
-            f"val_dataset {config.val_dataset}: column {config.column!r} "
-            f"{'has rows of shape ' + str(list(width)) if width is not None else 'is missing'}"
-            f", the training data's rows are {list(shape)}"
+            f"val_dataset {config.val_dataset or list(config.val_datasets)}: column "
+            f"{config.column!r} has rows of shape {list(val.widths)} (targets {val.d_out}), "
+            f"the training data's rows are {list(train.widths)} (targets {train.d_out})"
         )
+    return val
 
 
 class Trainer:
@@ -137,22 +134,20 @@ class Trainer:
     checkpoints."""
 
     def __init__(self, config: SAEConfig, mesh=None):
-        if not config.dataset:
+        if not config.training_datasets:
             raise InvalidArgumentError(
                 "config.dataset is empty: give the activation dataset directory"
             )
         check_run_dir(config)
         check_sinks(config.log_to)
-        self.dataset = ds = open_training_source(config)
-        shape = _row_shape(ds, config)
+        self.source = source = open_training_source(config)
+        self.dataset = ds = source.dataset
+        d_in, d_out = _widths(source, config)
         self.config = config = dataclasses.replace(
-            config,
-            d=shape[0],
-            hook_point=config.hook_point or ds.metadata.get("hook_point", ""),
+            config, d=d_in, d_out=d_out, hook_point=config.hook_point or source.hook_points[0]
         )
         _check_mesh(mesh, config)
-        if config.val_dataset:
-            _check_val_dataset(config, shape)
+        self.val_source = _held_out_source(config, source)
         self.mesh = mesh
         self.val_frequency = None
         self.device = _device(config.device)
@@ -167,7 +162,7 @@ class Trainer:
         self.loader = ActivationLoader(
             ds,
             config.batch_size // self.dp,
-            columns=[config.column],
+            columns=source.columns,
             seed=config.seed,
             drop_last=True,
             dp_rank=mesh_rank(mesh, DATA),
@@ -198,13 +193,17 @@ class Trainer:
         must match)."""
         c = self.config
         sae = build_sae(c, mesh=self.mesh, device=self.device)
+        if isinstance(sae, CrosscoderSAE):  # its blocks, named by its datasets
+            sae.hook_points = self.source.hook_points
         if c.init_from:
             tensors, _ = read_sae(c.init_from)
-            got = tuple(tensors["encoder_weight"].shape)
-            if got != (c.latents, c.d):
+            got = (*tensors["encoder_weight"].shape, tensors["decoder_bias"].shape[0])
+            if got != (c.latents, c.d, c.d_out):
+                outputs = f" -> {got[2]} outputs" if got[2] != got[1] else ""
                 raise InvalidArgumentError(
-                    f"init_from {c.init_from}: an SAE of {got[0]} latents x {got[1]} inputs; "
-                    f"this run has n_latents={c.latents}, d={c.d}"
+                    f"init_from {c.init_from}: an SAE of {got[0]} latents x {got[1]} inputs"
+                    f"{outputs}; this run has n_latents={c.latents}, d={c.d}"
+                    + (f", d_out={c.d_out}" if c.d_out != c.d else "")
                 )
             if "threshold" in tensors:  # a ReLU SAE's 0 thresholds cannot move through log θ
                 t = tensors["threshold"]
@@ -247,8 +246,8 @@ class Trainer:
 
     @torch.no_grad()
     def init_decoder_bias(self, sample: torch.Tensor | None = None) -> None:
-        """Set ``decoder_bias`` from a sample of activations gathered over the data ranks
-        (so every rank computes the same value)."""
+        """Set ``decoder_bias`` from a sample of the targets (an SAE's: its activations)
+        gathered over the data ranks (so every rank computes the same value)."""
         c = self.config
         if c.b_dec_init == "zeros":
             return
@@ -256,17 +255,21 @@ class Trainer:
             rows = min(len(self.dataset), max(c.init_samples // self.dp, 1))
             rng = np.random.default_rng([c.seed, mesh_rank(self.mesh, DATA)])
             idx = np.sort(rng.choice(len(self.dataset), size=rows, replace=False))
-            sample = self.loader.batches.read_batch(idx)[c.column]
+            sample = self.source.pair(self.loader.batches.read_batch(idx))[1]
         sample = all_gather_cat(sample.to(self.device, torch.float32), self.mesh, DATA)
         center = geometric_median(sample) if c.b_dec_init == "geometric_median" else sample.mean(0)
         self.sae.decoder_bias.copy_(center.to(self.sae.decoder_bias))
 
     # --- one step ------------------------------------------------------------------------
 
-    def train_step(self, x: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on this rank's ``x [B_local, d]``; returns global metrics."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step on this rank's pairs ``x [B_local, d_in]``, ``y [B_local,
+        d_out]`` (None: ``y`` is ``x``, an SAE); returns global metrics. The loss is the
+        FVU of ``y`` over the global batch (Matryoshka: the mean of its prefixes' FVUs)."""
         c, sae = self.config, self.sae
+        autoencoder = y is None or y is x
         x = x.to(self.device, torch.float32)
+        y = x if autoencoder else y.to(self.device, torch.float32)
         k = self.k_at(self.step)
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
@@ -281,16 +284,20 @@ class Trainer:
         )
         with amp:
             out = sae(x, k=k, dead=dead if use_aux else None, k_aux=c.aux_k)
-            err = out.x_hat.float() - x
+            err = out.x_hat.float() - y
             residual = -err.detach()  # what the dead latents are asked to explain
             if use_aux:
                 aux_err = sae.decode_latents(out.aux_values, out.aux_indices).float() - residual
-        var_x, var_e, n_tokens = self._global_variances(x, residual)
-        d = x.shape[1]
+        var_x, var_e, n_tokens = self._global_variances(y, residual)
+        d = y.shape[1]
         sq = err.pow(2).sum()
         # x dp: gradients are averaged over the data ranks, so each rank's share of the
         # global FVU is scaled up by dp.
-        loss = sq * (self.dp / var_x.clamp_min(TINY).float())
+        scale = self.dp / var_x.clamp_min(TINY).float()
+        if out.x_hats:  # Matryoshka: every prefix's FVU, averaged (the last is x_hat)
+            loss = sum((h.float() - y).pow(2).sum() for h in out.x_hats) * (scale / len(out.x_hats))
+        else:
+            loss = sq * scale
         aux_sq = torch.zeros((), device=self.device)
         if use_aux:
             aux_sq = aux_err.pow(2).sum()
@@ -346,6 +353,9 @@ class Trainer:
         return var_x, var_e, n_tokens
 
     def _sync_gradients(self) -> None:
+        """Average every gradient over "data" (one collective). A replicated parameter
+        (``decoder_bias``, ``skip_weight``) has the same gradient on every model rank:
+        it enters the loss after the model ranks' reduction, once."""
         if self.dp == 1:
             return
         params = [p for p in self.sae.parameters() if p.grad is not None]
@@ -358,14 +368,15 @@ class Trainer:
 
     def _clip_gradients(self) -> float:
         """Clip by the norm of the whole (gathered) gradient: sharded parameters' squares
-        are summed over "model", the replicated decoder bias counted once."""
-        sharded = sum(
-            p.grad.double().pow(2).sum()
-            for name, p in self.sae.named_parameters()
-            if p.grad is not None and self.sae.placement(name).dims
-        )
-        sharded = all_reduce(torch.as_tensor(sharded, device=self.device), self.mesh, MODEL)
-        replicated = self.sae.decoder_bias.grad.double().pow(2).sum()
+        are summed over "model", the replicated ones (decoder bias, skip weight) counted
+        once."""
+        squares = {True: torch.zeros((), dtype=torch.float64, device=self.device), False: 0}
+        for name, p in self.sae.named_parameters():
+            if p.grad is not None:
+                sharded = bool(self.sae.placement(name).dims)
+                squares[sharded] = squares[sharded] + p.grad.double().pow(2).sum()
+        sharded = all_reduce(squares[True], self.mesh, MODEL)
+        replicated = squares[False]
         norm = float((sharded + replicated).sqrt())
         if self.config.grad_clip and norm > self.config.grad_clip:
             scale = self.config.grad_clip / (norm + 1e-6)
@@ -383,12 +394,12 @@ class Trainer:
         self.since_fired = torch.where(fired > 0, 0, self.since_fired + n_tokens)
 
     def evaluate_held_out(self) -> dict[str, float]:
-        """``val_*`` metrics on ``config.val_dataset`` ({} without one); keeps the
-        per-latent frequencies for the plots (collective on every rank)."""
+        """``val_*`` metrics on the held-out pairs ({} without any); keeps the per-latent
+        frequencies for the plots (collective on every rank)."""
         c = self.config
-        if not c.val_dataset:
+        if self.val_source is None:
             return {}
-        batches = held_out_batches(c.val_dataset, c.column, tokens=c.val_tokens, batch=c.batch_size)
+        batches = self.val_source.batches(tokens=c.val_tokens, batch=c.batch_size)
         result = evaluate_sae(self.sae, batches, self.mesh)
         self.val_frequency = result.pop("frequency")
         return {f"val_{k}": v for k, v in result.items()}
@@ -486,6 +497,7 @@ class Trainer:
         return {
             "config_hash": c.config_hash(),
             "hook_point": c.hook_point,
+            **self._family_metadata(),
             "d": str(c.d),
             "n_latents": str(c.latents),
             "k": str(c.k),
@@ -495,6 +507,13 @@ class Trainer:
             "dataset_metadata": dict(self.dataset.metadata),
             **({"metrics": metrics} if metrics else {}),
         }
+
+    def _family_metadata(self) -> dict:
+        """A transcoder's ``target_hook_point`` (a crosscoder's ``hook_points`` are its
+        architecture's metadata)."""
+        if self.source.target:
+            return {"target_hook_point": self.source.target_hook_point}
+        return {}
 
     def save(self, metrics: dict | None = None) -> Path:
         """Checkpoint ``out_dir/checkpoints/step-NNNNNNNN`` (collective; rank 0 writes)."""
@@ -542,7 +561,7 @@ class Trainer:
             while self.step < self.total_steps:
                 for batch in self.loader:
                     try:
-                        metrics = self.train_step(batch[c.column])
+                        metrics = self.train_step(*self.source.pair(batch))
                     except NonFiniteLoss as e:
                         path = self.save()
                         raise NonFiniteLoss(f"{e}; last good state saved to {path}") from None

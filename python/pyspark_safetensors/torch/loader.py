@@ -52,6 +52,116 @@ def data_parallel_rank_and_size(dp_rank: int | None, dp_size: int | None) -> tup
     return 0, 1
 
 
+#: Columns that identify a token; row-aligned datasets must agree on them where both have them.
+ALIGNMENT_COLUMNS = ("sample_id", "token_pos")
+
+
+class MisalignedDatasetsError(InvalidArgumentError):
+    """Datasets read as row-aligned are not: their rows are not the same tokens."""
+
+
+@dataclass(frozen=True)
+class _Schema:
+    schema: dict
+
+
+class AlignedDatasets:
+    """Row-aligned datasets read as one: ``parts`` maps a column name of the view to
+    ``(dataset, its column)``. Row ``i`` of the view is row ``i`` of every dataset, so a
+    ``ShuffledBatches`` over it reads each dataset once per batch at the same indices
+    (a transcoder's input and target, a crosscoder's hook points).
+
+    Alignment is checked: the same row count and shard row counts on opening, and equal
+    ``sample_id`` / ``token_pos`` (where both datasets have them) on a sample of rows
+    when opened and on every batch read; a ``MisalignedDatasetsError`` names both
+    datasets otherwise.
+
+        pairs = AlignedDatasets({"x": (open_dataset(a), "activation"),
+                                 "y": (open_dataset(b), "activation")})
+        for batch in ShuffledBatches(pairs, 4096):
+            x, y = batch["x"], batch["y"]
+    """
+
+    mode = "batch"
+
+    def __init__(self, parts: dict[str, tuple[SafetensorsDataset, str]], *, names=None):
+        if not parts:
+            raise InvalidArgumentError("AlignedDatasets needs at least one dataset")
+        self.parts = dict(parts)
+        self.names = dict(names or {k: _uri(ds) for k, (ds, _) in self.parts.items()})
+        first_key, (first, _) = next(iter(self.parts.items()))
+        for key, (ds, column) in self.parts.items():
+            if ds.mode != "batch":
+                raise InvalidArgumentError(f"{self.names[key]}: a KV dataset has no row order")
+            if column not in ds.columns:
+                raise InvalidArgumentError(
+                    f"{self.names[key]}: no column {column!r}; it has {ds.columns}"
+                )
+            if list(ds.counts) != list(first.counts):
+                raise MisalignedDatasetsError(
+                    f"{self.names[first_key]} and {self.names[key]} are not row-aligned: "
+                    f"{len(first)} rows in shards of {_summary(first.counts)} against "
+                    f"{len(ds)} rows in shards of {_summary(ds.counts)} (write both hook "
+                    "points from the same extraction)"
+                )
+        self.counts, self.starts = list(first.counts), list(first.starts)
+        self.metadata = first.metadata
+        self.manifest = _Schema({k: ds.manifest.schema[c] for k, (ds, c) in self.parts.items()})
+        self._keys = {
+            key: [c for c in ALIGNMENT_COLUMNS if c in ds.columns]
+            for key, (ds, _) in self.parts.items()
+        }
+        self._check_sample()
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.parts)
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def read_rows(self, shard: int, column: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of view column ``column``; reading the first column also checks the rows'
+        alignment columns across the datasets."""
+        if column == next(iter(self.parts)):
+            self.check_rows(shard, rows)
+        ds, name = self.parts[column]
+        return ds.read_rows(shard, name, rows)
+
+    def check_rows(self, shard: int, rows: np.ndarray) -> None:
+        """Refuse rows whose ``sample_id`` / ``token_pos`` differ between two datasets."""
+        keys = list(self.parts)
+        base = keys[0]
+        for key in keys[1:]:
+            for column in set(self._keys[base]) & set(self._keys[key]):
+                a = self.parts[base][0].read_rows(shard, column, rows)
+                b = self.parts[key][0].read_rows(shard, column, rows)
+                if not np.array_equal(a, b):
+                    bad = int(np.flatnonzero(np.asarray(a != b).reshape(len(rows), -1).any(1))[0])
+                    row = self.starts[shard] + int(rows[bad])
+                    raise MisalignedDatasetsError(
+                        f"{self.names[base]} and {self.names[key]} are not row-aligned: row "
+                        f"{row} has {column} {a[bad].tolist()} in one, {b[bad].tolist()} in "
+                        "the other (write both hook points from the same extraction)"
+                    )
+
+    def _check_sample(self, per_shard: int = 64) -> None:
+        """The alignment columns of the first and last rows of every shard."""
+        for shard, count in enumerate(self.counts):
+            head = np.arange(min(per_shard, count))
+            tail = np.arange(max(count - per_shard, len(head)), count)
+            self.check_rows(shard, np.concatenate([head, tail]))
+
+
+def _uri(ds) -> str:
+    location = getattr(ds, "location", None)
+    return getattr(location, "uri", None) or repr(ds)
+
+
+def _summary(counts: list[int]) -> str:
+    return str(counts) if len(counts) <= 4 else f"[{counts[0]}, {counts[1]}, ..., {counts[-1]}]"
+
+
 class ShuffledBatches(torch.utils.data.IterableDataset):
     """Batches ``{column: tensor [B, ...]}`` for one consumer; use inside a DataLoader
     (``batch_size=None``) or iterate directly."""

@@ -8,13 +8,16 @@ from __future__ import annotations
 from ...format.errors import InvalidArgumentError
 from .base import PLACEMENT, TINY, SAEOutput, SparseAutoencoder
 from .batchtopk import BATCH_TOPK_ROW_CAP, BatchTopKSAE
+from .crosscoder import CrosscoderSAE
 from .jumprelu import JumpReLUSAE
+from .matryoshka import MatryoshkaSAE
 from .topk import TopKSAE
 from .transcoder import SkipTranscoderSAE, TranscoderSAE
 
 ARCHITECTURES: dict[str, type[SparseAutoencoder]] = {
     cls.ARCHITECTURE: cls
-    for cls in (TopKSAE, BatchTopKSAE, JumpReLUSAE, TranscoderSAE, SkipTranscoderSAE)
+    for cls in (TopKSAE, BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, TranscoderSAE,
+                SkipTranscoderSAE, CrosscoderSAE)  # fmt: skip
 }
 
 
@@ -41,7 +44,9 @@ __all__ = [
     "PLACEMENT",
     "TINY",
     "BatchTopKSAE",
+    "CrosscoderSAE",
     "JumpReLUSAE",
+    "MatryoshkaSAE",
     "SAEOutput",
     "SkipTranscoderSAE",
     "SparseAutoencoder",

@@ -186,6 +186,13 @@ class SparseAutoencoder(nn.Module):
         """Called by the trainer after each forward of a training step (collective on every
         rank when the architecture keeps batch statistics)."""
 
+    def evaluation_parts(
+        self, out: SAEOutput, y: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Reconstructions evaluated on their own beside the whole, by name:
+        ``{name: (part of y_hat, that part of y)}`` (held-out ``fvu_<name>``)."""
+        return {}
+
     def metadata(self) -> dict[str, str]:
         """What the checkpoint's metadata records about the architecture."""
         return {"architecture": self.ARCHITECTURE, "activation": self.ARCHITECTURE}

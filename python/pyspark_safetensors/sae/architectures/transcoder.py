@@ -12,8 +12,12 @@ The tensors are the SAE's with ``encoder_weight [n, d_in]`` and ``decoder_weight
 latents shard on "model" as an SAE's do; ``skip_weight`` is replicated and added once,
 after the model ranks' partial decodes are summed, so every model rank holds the same
 ``y_hat`` and the same ``skip_weight`` gradient (averaged over "data" like every other).
-The decoder rows keep unit norm as an SAE's do (the code's values carry the output's
-scale); ``skip_weight`` starts at zero, as sparsify's does.
+The decoder starts at zero, as sparsify's transcoders do: the first step's update,
+renormalised to unit rows, becomes the decoder, so each latent starts writing the output
+direction its first tokens ask for (on the tests' pairs, the FVU after 30 steps is 0.45
+from zero against 0.79 from random unit rows). The rows keep unit norm thereafter as an
+SAE's do (the code's values carry the output's scale). ``skip_weight`` starts at zero,
+as sparsify's does.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class TranscoderSAE(TopKSAE):
 
     ARCHITECTURE = "transcoder"
     TIED_INIT = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():
+            self.decoder_weight.zero_()  # the first step writes it (module docstring)
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.encoder_weight.dtype)
