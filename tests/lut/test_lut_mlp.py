@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from pyspark_safetensors.lut import (
     LUTMLP,
     LUTLinear,
+    evaluate,
     load_layer_file,
     load_lut_layers,
     load_lut_mlps,
@@ -170,6 +171,8 @@ def test_readers_of_linear_layers_refuse_an_mlp_block_and_the_reverse(tiny, tmp_
     with pytest.raises(LUTError, match="use LUTMLP"):
         LUTLinear(load_layer_file(lut / f"{BLOCKS[1]}.lut.safetensors"), K)
     assert set(load_lut_mlps(lut)) == set(BLOCKS)
+    with pytest.raises(LUTError, match="evaluate it with lm_loss_evaluation"):
+        evaluate(lut, root / "llama", {BLOCKS[0]: torch.randn(2, HIDDEN)})
 
     # a transcoder keyed by a linear layer, and a linear layer inside a block of the LUT
     with pytest.raises(LUTError, match="replaces a whole MLP block; key it by the block"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .inference import LUTMLP, LUTLinear, load_layer_file, patch_model
 from .precompute import ModelWeights
-from .spec import LUTError, validate_lut
+from .spec import MLP, LUTError, entry_kind, validate_lut
 
 
 @torch.no_grad()
@@ -64,6 +64,11 @@ def evaluate(
     rows = []
     for layer, x in activations.items():
         entry = meta["layers"][layer]
+        if entry_kind(entry) == MLP:
+            raise LUTError(
+                f"{layer!r} is an MLP block's LUT, whose output is its transcoder's: evaluate "
+                "it with lm_loss_evaluation (transcoders=, lut_dir=), not against a linear layer"
+            )
         tensors = load_layer_file(Path(lut_dir) / entry["file"])
         for row in evaluate_layer(tensors, model.weight(layer), x, ks=ks, ms=ms):
             rows.append({"layer": layer, **row})
@@ -161,7 +166,8 @@ def evaluate_on_passages(
     meta = validate_lut(lut_dir)
     model_dir = model_dir or default_model_dir()
     passages = passages_by_key(skip, texts)
-    hooks = [f"{layer}:input" for layer in meta["layers"]]
+    # the linear layers' inputs (an MLP block's LUT is its transcoder: no layer to compare)
+    hooks = [f"{name}:input" for name, e in meta["layers"].items() if entry_kind(e) != MLP]
     windows = Extractor(model_dir, hooks, max_length=max_length).run(passages)
     inputs = {
         h.rsplit(":", 1)[0]: torch.cat(
