@@ -323,3 +323,27 @@ def test_patch_model_refuses_a_block_the_model_does_not_fit(tiny, tmp_path):
     (tmp_path / "lut" / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(LUTError, match="is a single Linear; an MLP LUT replaces a whole block"):
         patch_model(_llama(root), tmp_path / "lut")
+
+
+@pytest.mark.parametrize(
+    ("block", "change", "message"),
+    [
+        (BLOCKS[0], {"skip": None}, r"an MLP block's entry needs 'skip'"),
+        (BLOCKS[1], {"skip": False}, r"tensors missing \[\], unexpected \['skip_weight'\]"),
+        (BLOCKS[0], {"skip": True}, r"tensors missing \['skip_weight'\], unexpected \[\]"),
+        (BLOCKS[0], {"kind": "conv"}, r"kind 'conv'; this reader knows \['linear', 'mlp'\]"),
+        (BLOCKS[0], {"output_dim": 8}, r"precomputed_products has shape \[64, 16\], expected"),
+    ],
+)
+def test_validate_lut_checks_the_mlp_kind(tiny, tmp_path, block, change, message):
+    root, _, _ = tiny
+    shutil.copytree(root / "lut", tmp_path / "lut")
+    meta = json.loads((root / "lut" / "metadata.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            del meta["layers"][block][key]
+        else:
+            meta["layers"][block][key] = value
+    (tmp_path / "lut" / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(LUTError, match=message):
+        validate_lut(tmp_path / "lut")
