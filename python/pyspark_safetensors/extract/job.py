@@ -1,11 +1,12 @@
-"""The extraction job: a text corpus in, activation datasets out, with the transformer
-running inside Spark (``mapInArrow``; the model is loaded once per Python worker). Only
+"""The extraction job: a text or image corpus in, activation datasets out, with the
+transformer running inside Spark (``mapInArrow``; the model is loaded once per Python worker). Only
 the DataFrame API is used, so the job runs on classic and Spark Connect sessions alike.
 
 Output directory (a local path or a URI such as ``s3://bucket/acts``):
 
     activations/{hook}/   token-level batch datasets: activation [B, H], sample_id,
                           token_pos, window
+                          (images: image_id, patch_row, patch_col, token_kind, layer)
     samples/              sample-level KV dataset: key -> one [seq_len, H] per hook
     samples_zarr/         (zarr_run=True, local output only) the same samples as a Zarr
                           sharded run: one shard per Spark task, manifest.json written
@@ -13,8 +14,12 @@ Output directory (a local path or a URI such as ``s3://bucket/acts``):
     samples.parquet       one row per model input: sample_id, window, key, seq_len,
                           first_pos, text_chars, source
     texts.jsonl           sample_id, key, source, text
-    extraction.json       the config, its hash, the summary; written last, so its
-                          presence marks a finished extraction
+    images.parquet        (an image corpus, instead of texts.jsonl) image_id, key, path,
+                          label, width, height, thumbnail (PNG of the model's input
+                          before normalisation)
+    extraction.json       the config, its hash, the summary, the modality (and an image
+                          corpus's token layout and unreadable images); written last, so
+                          its presence marks a finished extraction
 
 A local output is built under a staging name and published whole (one rename). An
 object store has no rename: each dataset is committed in place by its own manifest, and
@@ -53,8 +58,17 @@ from .corpus import (
     number_texts,
     numbered_demo,
 )
+from .images import IMAGE_COLUMNS, aligned_partitions, load_images, number_images
 from .model import ExtractionError, Hook, ModelSource, resolve_model, weights_hash
-from .outputs import ExtractionOutput, SampleRows, StageWrite, outputs_for, token_dataset_name
+from .outputs import (
+    ExtractionOutput,
+    SampleRows,
+    StageWrite,
+    outputs_for,
+    partition_multiple,
+    token_dataset_name,
+)
+from .vision import TOKEN_KINDS, ImageTokens
 from .workers import (
     MODEL_PLAN_SCHEMA,
     SCALAR_COLUMNS,
@@ -62,6 +76,7 @@ from .workers import (
     plan_fn,
     run_model_fn,
     samples_schema,
+    scalar_columns,
     task_results,
 )
 
@@ -82,6 +97,21 @@ class _ModelPlan:
     """Tokens per model input (``config.max_length``, or the model's context for 0)."""
     bos_added: bool
     """Whether the tokenizer puts a BOS token before every text."""
+    image_tokens: ImageTokens | None = None
+    """A vision model's token layout (an image corpus)."""
+
+
+@dataclass(frozen=True)
+class _Corpus:
+    """The numbered corpus: texts (``key, text, source, sample_id``) or images
+    (``image_id, key, path, label, content, width, height``)."""
+
+    rows: object
+    """The DataFrame the model stage reads."""
+    stored: object
+    """The persisted rows to unpersist afterwards, or None."""
+    bad_images: pa.Table | None = None
+    """The unreadable images skipped: key, path, error."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +122,8 @@ class _ModelRun:
     """The stored sample rows (a DataFrame; the caller unpersists it), or None when no
     output reads them."""
     info: pa.Table
-    """sample_id, window, key, seq_len, first_pos, text_chars, source of every row."""
+    """sample_id, window, key, seq_len, first_pos, text_chars, source of every row (and
+    ``IMAGE_COLUMNS`` for an image)."""
     seconds: float
 
     @property
@@ -106,6 +137,7 @@ def run_extraction(
     out_dir: str | os.PathLike,
     *,
     corpus=None,
+    images=None,
     overwrite: bool = False,
     storage_options: Mapping[str, str] | None = None,
 ) -> ExtractionSummary:
@@ -118,7 +150,10 @@ def run_extraction(
     (``s3://bucket/acts``, ``gs://``, ``abfss://``, ...; see ``DatasetLocation.of``).
     ``corpus``: a DataFrame with the text column ``config.text_column`` (and optionally
     ``source``) instead of ``config.corpus``; the config hash then names its texts by
-    content. ``storage_options``: for a URI, e.g. ``{"endpoint_url": ...}`` (the
+    content. ``images``: a DataFrame of images instead of ``config.images`` (Spark's
+    ``image`` source, or a table with an image-bytes column ``config.image_column``, a
+    ``path`` or ``config.id_column``, and optionally ``config.label_column``); the config
+    hash then names its images by key. ``storage_options``: for a URI, e.g. ``{"endpoint_url": ...}`` (the
     writer's storage options; the usual ``AWS_*`` variables otherwise)."""
     target = DatasetLocation.of(out_dir, storage_options=storage_options)
     local = isinstance(target.fs, pafs.LocalFileSystem)
@@ -130,27 +165,40 @@ def run_extraction(
                 f"corpus {config.corpus!r} in the config and a corpus DataFrame: give one"
             )
         config = dataclasses.replace(config, corpus="dataframe")
+    if images is not None:
+        if config.images or corpus is not None:
+            raise ExtractionError(
+                "images in the config (or a text corpus) and an images DataFrame: give one"
+            )
+        config = dataclasses.replace(config, images="dataframe")
     cores = default_parallelism(spark)
     threads = max(1, (os.cpu_count() or 1) // cores)
     source = resolve_model(config.model)
     # The Python workers load the model to plan (one per core: they keep it for the model
     # stage) while Spark numbers the texts: neither needs the other.
     pool = ThreadPoolExecutor(1, thread_name_prefix="number-texts")
-    numbering = pool.submit(_numbered_texts, spark, config, corpus, config.partitions or cores)
+    numbering = pool.submit(
+        _numbered_corpus, spark, config, corpus if images is None else images,
+        config.partitions or cores,
+    )  # fmt: skip
     pool.shutdown(wait=False)
     try:
         plan = _plan_model(spark, config, outputs, source, workers=cores, threads=threads)
     except BaseException:  # a bad model or hook point: say so now, drop the texts when done
-        numbering.add_done_callback(lambda f: f.exception() is None and _unpersist(f.result()[1]))
+        numbering.add_done_callback(
+            lambda f: f.exception() is None and _unpersist(f.result().stored)
+        )
         raise
-    texts, stored = numbering.result()
+    numbered = numbering.result()
     try:
+        _report_bad_images(numbered.bad_images, config)
         # max_length 0 (the model's context) is recorded and hashed as the number it means;
         # the workers keep the config as planned: their loaded model is keyed by it
         recorded = dataclasses.replace(config, max_length=plan.max_length)
         extraction = _Extraction(
-            recorded, config, plan, texts, _config_hash(recorded, plan, texts),
+            recorded, config, plan, numbered, _config_hash(recorded, plan, numbered.rows),
             dict(storage_options or {}) if not local else {}, outputs, threads,
+            cores=config.partitions or cores,
         )  # fmt: skip
         if local:
             with publishing(target.root) as staging:
@@ -158,7 +206,27 @@ def run_extraction(
             return dataclasses.replace(summary, out_dir=Path(target.root))
         return _write_in_place(target, extraction)
     finally:
-        _unpersist(stored)
+        _unpersist(numbered.stored)
+
+
+def _report_bad_images(bad: pa.Table | None, config: ExtractConfig) -> None:
+    """The unreadable images: an error naming the first (``bad_images="fail"``), else
+    a warning (they are listed in ``extraction.json``)."""
+    import warnings
+
+    if bad is None or bad.num_rows == 0:
+        return
+    first = bad.sort_by("key").slice(0, 1).to_pylist()[0]
+    if config.bad_images == "fail":
+        raise ExtractionError(
+            f"image {first['path']} cannot be read ({first['error']}); {bad.num_rows} "
+            "unreadable image(s) in all (bad_images='skip' leaves them out)"
+        )
+    warnings.warn(
+        f"{bad.num_rows} unreadable image(s) skipped (listed in extraction.json), e.g. "
+        f"{first['path']}: {first['error']}",
+        stacklevel=3,
+    )
 
 
 def _unpersist(stored) -> None:
@@ -202,22 +270,27 @@ def _plan_model(
         refusal = output.widths_refusal(widths)
         if refusal:
             raise ExtractionError(refusal)
+    image = ImageTokens.from_dict(doc["image"]) if "image" in doc else None
     return _ModelPlan(
-        source, hooks, widths, weights_hash(source.path), doc["max_length"], doc["bos_added"]
-    )
+        source, hooks, widths, weights_hash(source.path), doc["max_length"], doc["bos_added"],
+        image,
+    )  # fmt: skip
 
 
-def _numbered_texts(spark, config: ExtractConfig, corpus, partitions: int):
-    """(texts numbered by key, the stored rows to unpersist, or None): see
-    ``number_texts``; the demo corpus is numbered on the driver (``numbered_demo``)."""
+def _numbered_corpus(spark, config: ExtractConfig, corpus, partitions: int) -> _Corpus:
+    """The corpus numbered by key: texts (``number_texts``; the demo corpus numbered on
+    the driver, ``numbered_demo``) or images (``number_images``: checked first, the
+    unreadable ones left out and reported)."""
+    if config.modality == "image":
+        return _Corpus(*number_images(load_images(spark, config, corpus), config, partitions))
     if corpus is None and config.corpus == "demo":
-        return numbered_demo(spark, config, partitions), None
+        return _Corpus(numbered_demo(spark, config, partitions), None)
     texts = load_corpus(spark, config, corpus)
     if config.max_texts:
         texts = texts.orderBy("key").limit(config.max_texts)
     # sample_id: the text's rank by key, so ids do not depend on partitioning; stored
     # once: the model stage and texts.jsonl both read the texts
-    return number_texts(texts, partitions)
+    return _Corpus(*number_texts(texts, partitions))
 
 
 def _run_model(
@@ -233,14 +306,14 @@ def _run_model(
     started = time.perf_counter()
     samples = texts.mapInArrow(
         run_model_fn(plan.source, config, threads, writes, tensors=store),
-        samples_schema(plan.hooks, tensors=store),
+        samples_schema(plan.hooks, tensors=store, images=config.modality == "image"),
     )
     if store:
         samples = samples.persist(StorageLevel.DISK_ONLY)
     try:
         # one pass: collecting the scalar columns stores every column (the first read of
         # a persisted frame computes all of it); a second read would load it all from disk
-        info = to_arrow(samples.select(*SCALAR_COLUMNS, TASK_COMMITS))
+        info = to_arrow(samples.select(*scalar_columns(config), TASK_COMMITS))
         if info.num_rows == 0:
             raise ExtractionError(f"corpus {config.corpus!r} has no non-empty text")
         commits = info.column(TASK_COMMITS)
@@ -257,7 +330,7 @@ def _run_model(
 
 
 def _config_hash(config: ExtractConfig, plan: _ModelPlan, texts) -> str:
-    if config.corpus == "dataframe":  # name the texts by content
+    if "dataframe" in (config.corpus, config.images):  # name the texts by content
         keys = to_arrow(texts.select("key")).column("key").to_pylist()
         return config_hash(config, plan.weights_sha256, corpus_sha256(keys))
     return config_hash(config, plan.weights_sha256)
@@ -273,26 +346,31 @@ class _Extraction:
     planned: ExtractConfig
     """The config the workers planned with (their loaded model is keyed by it)."""
     plan: _ModelPlan
-    texts: object
-    """The numbered texts (a DataFrame)."""
+    corpus: _Corpus
     config_hash: str
     storage_options: dict[str, str]
     """Passed to the Spark writer as data-source options (empty for a local output)."""
     outputs: list[ExtractionOutput]
     threads: int
+    cores: int
+    """Partitions of the corpus."""
 
     def __call__(self, out: DatasetLocation) -> ExtractionSummary:
         rows = SampleRows(
             None, self.plan.hooks, dict(self.plan.widths), self.config.dtype,
             self.config.max_length, self.config.rows_per_shard, self._base_metadata(),
-            self.storage_options,
+            self.storage_options, self.plan.image_tokens,
         )  # fmt: skip
+        texts = self.corpus.rows
+        if self.plan.image_tokens is not None:  # partitions on the outputs' multiples
+            multiple = partition_multiple(self.outputs, rows)
+            texts = aligned_partitions(texts, multiple, self.cores, self._n_images())
         writes = []
         try:
             for output in self.outputs:
                 writes += output.stage_writes(out, rows)
             run = _run_model(
-                self.texts, self.plan, self.planned, writes, threads=self.threads,
+                texts, self.plan, self.planned, writes, threads=self.threads,
                 store=any(o.reads_rows for o in self.outputs),
             )  # fmt: skip
         except BaseException:
@@ -311,9 +389,23 @@ class _Extraction:
             if run.samples is not None:
                 run.samples.unpersist()
 
+    def _n_images(self) -> int:
+        """The readable images (their ids are 0 .. n-1): one small job."""
+        return self.corpus.rows.count()
+
     def _base_metadata(self) -> dict[str, str]:
         """What every dataset's manifest metadata says about the extraction."""
         config = self.config
+        if self.plan.image_tokens is not None:
+            return {
+                "model": self.plan.source.name,
+                "model_weights_sha256": self.plan.weights_sha256,
+                "dtype": config.dtype,
+                "config_hash": self.config_hash,
+                "corpus": config.images,
+                "modality": "image",
+                "image_tokens": json.dumps(self.plan.image_tokens.to_dict(), sort_keys=True),
+            }
         tokenizer_settings = {"max_length": config.max_length, "long_texts": config.long_texts,
                               "padding": "excluded"}  # fmt: skip
         if self.plan.bos_added:  # said only where there is a BOS to keep or drop
@@ -334,11 +426,20 @@ class _Extraction:
         import pyarrow.parquet as pq
 
         info = run.info.sort_by("sample_id")
-        out.write_shard("samples.parquet", lambda path: pq.write_table(info, path))
-        out.write_shard("texts.jsonl", self._write_texts)
+        samples = info.select(list(SCALAR_COLUMNS))
+        out.write_shard("samples.parquet", lambda path: pq.write_table(samples, path))
+        if self.plan.image_tokens is not None:
+            images = pa.table({
+                "image_id": info.column("sample_id"), "key": info.column("key"),
+                "path": info.column("source"),
+                **{name: info.column(name) for name in IMAGE_COLUMNS},
+            })  # fmt: skip
+            out.write_shard("images.parquet", lambda path: pq.write_table(images, path))
+        else:
+            out.write_shard("texts.jsonl", self._write_texts)
 
     def _write_texts(self, path: str) -> None:
-        rows = self.texts.select("sample_id", "key", "source", "text").orderBy("sample_id")
+        rows = self.corpus.rows.select("sample_id", "key", "source", "text").orderBy("sample_id")
         with open(path, "w") as f:
             for row in rows.toLocalIterator():
                 f.write(json.dumps(row.asDict(), ensure_ascii=False) + "\n")
@@ -354,7 +455,20 @@ class _Extraction:
             seconds=run.seconds,
             config_hash=self.config_hash,
             hooks=dict(self.plan.widths),
+            modality=self.config.modality,
+            bad_images=self._bad_images().column("path").to_pylist(),
         )
+
+    def _bad_images(self) -> pa.Table:
+        bad = self.corpus.bad_images
+        if bad is None:
+            return pa.table(
+                {"key": [], "path": [], "error": []},
+                schema=pa.schema(
+                    [("key", pa.string()), ("path", pa.string()), ("error", pa.string())]
+                ),
+            )
+        return bad.sort_by("key")
 
     def _extraction_doc(self, summary: ExtractionSummary) -> dict:
         source, widths = self.plan.source, self.plan.widths
@@ -373,6 +487,8 @@ class _Extraction:
                 }
                 for h in self.plan.hooks
             },
+            "modality": self.config.modality,
+            **(self._image_doc() if self.plan.image_tokens is not None else {}),
             "summary": {
                 "texts": summary.texts,
                 "samples": summary.samples,
@@ -381,6 +497,21 @@ class _Extraction:
                 "seconds": summary.seconds,
                 "tokens_per_s": summary.tokens_per_s,
             },
+        }
+
+    def _image_doc(self) -> dict:
+        """What an image extraction adds to ``extraction.json``: the token layout and the
+        unreadable images skipped."""
+        layout = self.plan.image_tokens
+        return {
+            "patch_grid": list(layout.grid),
+            "patch_size": layout.patch_size,
+            "image_size": list(layout.image_size),
+            "n_registers": layout.n_registers,
+            "n_cls": layout.n_cls,
+            "tokens_per_image": layout.n_tokens,
+            "token_kinds": list(TOKEN_KINDS),
+            "bad_images": self._bad_images().select(["path", "error"]).to_pylist(),
         }
 
 

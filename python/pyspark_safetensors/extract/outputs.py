@@ -34,6 +34,7 @@ from ..dataset.layout import partition_dir
 from ..format import get_dtype
 from .config import ExtractConfig
 from .model import ExtractionError, Hook
+from .vision import TOKEN_KINDS, ImageTokens, hook_layer
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class SampleRows:
     tokenizer settings, config hash, corpus)."""
     storage_options: dict[str, str]
     """The Spark writer's storage options for a URI output (empty for a local one)."""
+    image_tokens: ImageTokens | None = None
+    """An image corpus's token layout (CLS, registers, patch grid), None for texts. Its
+    sample rows are one per image (``sample_id`` = ``image_id``, ``seq_len`` = every
+    token, ``source`` its path) with ``images.IMAGE_COLUMNS``, and each task's rows are
+    a contiguous range of image_id in order."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,25 @@ class ExtractionOutput(Protocol):
         """Finish it under ``out``, whole (each dataset committed, each store published)
         before returning; ``extraction.json`` comes after every output."""
         ...
+
+    # Optional: an output without it takes any partitioning (``partition_multiple``).
+    # def images_per_partition_multiple(self, rows: SampleRows) -> int:
+    #     """For an image corpus: the number the image partitions' boundaries fall on
+    #     multiples of (e.g. the images of one shard written by one task)."""
+
+
+def partition_multiple(outputs, rows: SampleRows) -> int:
+    """The number every image partition boundary falls on a multiple of: the least
+    common multiple of what the outputs ask (``images_per_partition_multiple``; 1 where
+    an output does not define it)."""
+    import math
+
+    multiple = 1
+    for output in outputs:
+        ask = getattr(output, "images_per_partition_multiple", None)
+        if ask is not None:
+            multiple = math.lcm(multiple, max(1, int(ask(rows))))
+    return multiple
 
 
 def token_dataset_name(hook: Hook, partitioned: bool = False) -> str:
@@ -151,15 +176,20 @@ class SafetensorsDatasets:
             token_schema = StructType([
                 StructField("activation", TENSOR_STRUCT_TYPE), StructField("sample_id", LongType()),
                 StructField("token_pos", IntegerType()), StructField("window", IntegerType()),
+                *(_image_token_fields() if rows.image_tokens else ()),
             ])  # fmt: skip
             for hook in rows.hooks:
+                metadata = {"hook_point": hook.name, "d_model": str(rows.widths[hook.name])}
+                if rows.image_tokens:
+                    metadata.update(token_kinds=json.dumps(TOKEN_KINDS),
+                                    layer=str(hook_layer(hook.name)))  # fmt: skip
                 job = _write_job(
-                    rows, token_schema, {"batch_size": rows.rows_per_shard},
-                    {"hook_point": hook.name, "d_model": str(rows.widths[hook.name])},
+                    rows, token_schema, {"batch_size": rows.rows_per_shard}, metadata,
                     out.display(token_dataset_name(hook)),
                 )  # fmt: skip
                 tokens = partial(token_rows, column=hook.column, width=rows.widths[hook.name],
-                                 dtype=rows.dtype)  # fmt: skip
+                                 dtype=rows.dtype, image_tokens=rows.image_tokens,
+                                 layer=hook_layer(hook.name))  # fmt: skip
                 writes.append(StageWrite(job, tokens))
         if self.kv_dataset:
             columns = [h.column for h in rows.hooks]
@@ -230,11 +260,28 @@ class SafetensorsDatasets:
         )
 
 
-def token_rows(samples: pa.RecordBatch, column: str, width: int, dtype: str) -> pa.RecordBatch:
+def _image_token_fields():
+    """The token-level columns an image adds (Spark types: pyspark loads in the tasks)."""
+    from pyspark.sql.types import ByteType, IntegerType, LongType, StructField
+
+    return (
+        StructField("image_id", LongType()), StructField("patch_row", IntegerType()),
+        StructField("patch_col", IntegerType()), StructField("token_kind", ByteType()),
+        StructField("layer", IntegerType()),
+    )  # fmt: skip
+
+
+def token_rows(
+    samples: pa.RecordBatch, column: str, width: int, dtype: str,
+    image_tokens: ImageTokens | None = None, layer: int = -1,
+) -> pa.RecordBatch:  # fmt: skip
     """One row per token (``activation`` [H], ``sample_id``, ``token_pos``, ``window``)
     from a batch of sample rows (``column``: a hook point's Tensor Structs [seq_len, H]
     laid end to end, as the model stage builds them): one view of the samples' bytes, no
-    copy per token."""
+    copy per token. Images (``image_tokens``, every image all of its tokens) add
+    ``image_id``, ``patch_row``, ``patch_col`` (-1 for CLS and registers),
+    ``token_kind`` (the code of ``vision.TOKEN_KINDS``: 0 cls, 1 register, 2 patch) and
+    ``layer`` (the hook point's block, -1 for none)."""
     from ..spark.tensor_struct import tensor_structs_of_rows
 
     seq_len = samples.column("seq_len").to_numpy().astype(np.int64)
@@ -254,12 +301,23 @@ def token_rows(samples: pa.RecordBatch, column: str, width: int, dtype: str) -> 
     first_pos = np.repeat(samples.column("first_pos").to_numpy().astype(np.int64), seq_len)
     # the position in the model input: a dropped BOS shifts the stored tokens by one
     token_pos = np.arange(len(values), dtype=np.int64) - starts + first_pos
-    return pa.RecordBatch.from_pydict({
+    sample_id = np.repeat(samples.column("sample_id").to_numpy(), seq_len)
+    columns = {
         "activation": tensor_structs_of_rows(values, dtype),
-        "sample_id": pa.array(np.repeat(samples.column("sample_id").to_numpy(), seq_len)),
+        "sample_id": pa.array(sample_id),
         "token_pos": pa.array(token_pos.astype(np.int32)),
         "window": pa.array(np.repeat(samples.column("window").to_numpy(), seq_len)),
-    })  # fmt: skip
+    }
+    if image_tokens is not None:
+        n = len(samples)
+        columns.update(
+            image_id=pa.array(sample_id),
+            patch_row=pa.array(np.tile(image_tokens.patch_rows(), n)),
+            patch_col=pa.array(np.tile(image_tokens.patch_cols(), n)),
+            token_kind=pa.array(np.tile(image_tokens.kinds(), n)),
+            layer=pa.array(np.full(len(values), layer, np.int32)),
+        )
+    return pa.RecordBatch.from_pydict(columns)
 
 
 def _select(samples: pa.RecordBatch, columns: list[str]) -> pa.RecordBatch:

@@ -9,7 +9,9 @@ per worker process.
 - ``run_model_fn``: texts in, one row per model input out (``samples_schema``): the
   sample's key, ``seq_len``, ``first_pos`` (the model-input position of its first stored
   token: 1 when BOS is dropped), one Tensor Struct ``[seq_len, H]`` per hook point when
-  the rows are stored, and ``task_commits``. It writes the outputs' stage writes
+  the rows are stored, and ``task_commits``. Images in (an image corpus, numbered by
+  ``images.number_images``): one row per image, every token, ``sample_id`` its
+  ``image_id``, with ``images.IMAGE_COLUMNS`` (its label, size and thumbnail). It writes the outputs' stage writes
   (``outputs.StageWrite``) as it goes: what each dataset's task wrote comes back, pickled,
   in the ``task_commits`` of the partition's last row (null in every other row).
 """
@@ -22,6 +24,7 @@ import pickle
 import pyarrow as pa
 
 from .config import ExtractConfig
+from .images import IMAGE_COLUMNS
 from .model import ExtractionError, Extractor, ModelSource, bos_added
 
 MODEL_BATCHES_PER_OUTPUT_BATCH = 8
@@ -34,15 +37,22 @@ SCALAR_COLUMNS = ("sample_id", "window", "key", "seq_len", "first_pos", "text_ch
 TASK_COMMITS = "task_commits"
 
 
-def samples_schema(hooks, *, tensors: bool = True) -> str:
-    """The model stage's rows: the scalars, one Tensor Struct per hook point (``tensors``)
-    and ``task_commits``."""
+def scalar_columns(config: ExtractConfig) -> tuple[str, ...]:
+    """A sample row's columns beside its activations: ``SCALAR_COLUMNS``, and
+    ``IMAGE_COLUMNS`` for an image."""
+    return SCALAR_COLUMNS + (IMAGE_COLUMNS if config.modality == "image" else ())
+
+
+def samples_schema(hooks, *, tensors: bool = True, images: bool = False) -> str:
+    """The model stage's rows: the scalars (and an image's, with ``images``), one Tensor
+    Struct per hook point (``tensors``) and ``task_commits``."""
     from ..spark.tensor_struct import TENSOR_STRUCT_DDL
 
     cols = "".join(f"`{h.column}` {TENSOR_STRUCT_DDL}, " for h in hooks) if tensors else ""
+    image = "label string, width int, height int, thumbnail binary, " if images else ""
     return (
         "sample_id long, window int, key string, seq_len int, first_pos int, text_chars int, "
-        f"source string, {cols}{TASK_COMMITS} binary"
+        f"source string, {image}{cols}{TASK_COMMITS} binary"
     )
 
 
@@ -65,9 +75,14 @@ def plan_fn(model: ModelSource, config: ExtractConfig, threads: int):
             doc = {
                 "hooks": [[h.module, h.where] for h in extractor.hooks],
                 "widths": extractor.widths(),
-                "max_length": extractor.max_length,
-                "bos_added": bos_added(extractor.tokenizer),
             }
+            if config.modality == "image":
+                layout = extractor.layout
+                doc.update(max_length=layout.n_tokens, bos_added=False, image=layout.to_dict())
+            else:
+                doc.update(
+                    max_length=extractor.max_length, bos_added=bos_added(extractor.tokenizer)
+                )
         except ExtractionError as e:
             doc = {"error": str(e)}
         yield pa.RecordBatch.from_pydict({"plan": [json.dumps(doc)]})
@@ -88,6 +103,8 @@ def run_model_fn(
 
         extractor = _cached_extractor(str(model.local_dir()), config, threads)
         texts_per_batch = config.batch_size * MODEL_BATCHES_PER_OUTPUT_BATCH
+        make_rows = _images_batch if config.modality == "image" else _windows_batch
+        scalars = list(scalar_columns(config))
         ctx = TaskContext.get()
         # a partition computed again after the commit (a lost stored block) writes nothing
         writers = [
@@ -99,16 +116,14 @@ def run_model_fn(
         try:
             for big in batches:
                 for offset in range(0, big.num_rows, texts_per_batch):
-                    rows = _windows_batch(
-                        extractor, big.slice(offset, texts_per_batch), config.dtype
-                    )
+                    rows = make_rows(extractor, big.slice(offset, texts_per_batch), config.dtype)
                     if not rows.num_rows:
                         continue
                     for write, writer in writers:
                         writer.add(write.rows(rows))
                     if held is not None:
                         yield _with_commits(held, None)
-                    held = rows if tensors else rows.select(list(SCALAR_COLUMNS))
+                    held = rows if tensors else rows.select(scalars)
             results = [writer.finish() for _, writer in writers]
         except BaseException:
             for _, writer in writers:
@@ -167,7 +182,48 @@ def _windows_batch(extractor: Extractor, batch: pa.RecordBatch, dtype: str) -> p
     return pa.RecordBatch.from_pydict(columns)
 
 
-def extractor_for(model_dir: str, config: ExtractConfig, threads: int = 0) -> Extractor:
+def _images_batch(extractor, batch: pa.RecordBatch, dtype: str) -> pa.RecordBatch:
+    """One sample row per image of ``batch`` (numbered, checked images): every token."""
+    from ..spark.tensor_struct import tensor_structs_of_arrays
+    from .vision import decode_image
+
+    paths = batch.column("path").to_pylist()
+    images = []
+    for path, data in zip(paths, batch.column("content").to_pylist(), strict=True):
+        try:
+            images.append(decode_image(data))
+        except Exception as e:  # read whole by the check pass: a file changed since
+            raise ExtractionError(f"image {path} can no longer be read ({e})") from e
+    acts, thumbnails = extractor.run(images, thumbnails=True)
+    n, tokens = batch.num_rows, extractor.layout.n_tokens
+    columns = {
+        "sample_id": batch.column("image_id"),
+        "window": pa.array([0] * n, pa.int32()),
+        "key": batch.column("key"),
+        "seq_len": pa.array([tokens] * n, pa.int32()),
+        "first_pos": pa.array([0] * n, pa.int32()),
+        "text_chars": pa.array([0] * n, pa.int32()),
+        "source": batch.column("path"),
+        "label": batch.column("label"),
+        "width": batch.column("width"),
+        "height": batch.column("height"),
+        "thumbnail": pa.array(thumbnails, pa.binary()),
+    }
+    for hook in extractor.hooks:
+        columns[hook.column] = tensor_structs_of_arrays([a[hook.name] for a in acts], dtype)
+    return pa.RecordBatch.from_pydict(columns)
+
+
+def extractor_for(model_dir: str, config: ExtractConfig, threads: int = 0):
+    """The model of an extraction: a ``VisionExtractor`` for an image corpus, else an
+    ``Extractor``."""
+    if config.modality == "image":
+        from .vision import VisionExtractor
+
+        return VisionExtractor(
+            model_dir, list(config.hooks), batch_size=config.batch_size, dtype=config.dtype,
+            threads=threads,
+        )  # fmt: skip
     return Extractor(
         model_dir,
         list(config.hooks),
@@ -183,7 +239,7 @@ def extractor_for(model_dir: str, config: ExtractConfig, threads: int = 0) -> Ex
 _EXTRACTORS: dict = {}
 
 
-def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int) -> Extractor:
+def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int):
     """One model per Python worker process (Spark reuses workers between tasks)."""
     key = (model_dir, config, threads)  # the config is frozen, hence hashable
     if key not in _EXTRACTORS:
