@@ -2,8 +2,8 @@
 
 Commands:
   pipeline  extraction -> one SAE per hook point (torchrun) -> LUTs -> held-out report
-  extract   run a transformer over a corpus in Spark, write activation datasets
-  train     train a TopK SAE (one process, or --nproc N launching torchrun)
+  extract   run a transformer over texts or images in Spark, write activation datasets
+  train     train an SAE, transcoder or crosscoder (one process, or --nproc N: torchrun)
   lut       precompute lookup tables for linear layers from SAE checkpoints
   evaluate  a LUT directory against the exact layers on held-out corpus passages
   features  what each SAE latent responds to, over every token, and a feature browser
@@ -135,7 +135,9 @@ def _storage_options(items: tuple[str, ...]) -> dict[str, str]:
 
 def extract(argv: list[str]) -> int:
     """Run a transformer over a corpus inside Spark and write its hook points'
-    activations as safetensors datasets (see docs/extract.md)."""
+    activations as safetensors datasets (see docs/extract.md). Texts (--corpus), or
+    images (--images DIR|PREFIX|GLOB|TABLE with a vision model: --model DIR; every token
+    of every image, unreadable files skipped or refused with --bad-images)."""
     from .extract import ExtractConfig, run_extraction
     from .spark.session import local_session
 
@@ -211,9 +213,12 @@ def features(argv: list[str]) -> int:
 
 
 def train(argv: list[str]) -> int:
-    """Train an SAE (TopK, BatchTopK or JumpReLU) on an activation dataset. --config reads
-    a TOML file (e.g. conf/sae.toml); options override it; --nproc N launches torchrun with
-    N processes (set --data-parallel-size / --model-parallel-size to match)."""
+    """Train an SAE (TopK, BatchTopK, JumpReLU, Matryoshka) on an activation dataset, a
+    transcoder (--architecture transcoder or skip_transcoder) from --dataset to
+    --target-dataset, or a crosscoder (--architecture crosscoder) over --datasets A B ....
+    --config reads a TOML file (e.g. conf/sae.toml); options override it; --nproc N
+    launches torchrun with N processes (set --data-parallel-size / --model-parallel-size
+    to match)."""
     from .sae import SAEConfig
 
     path, rest = _split_config(argv)

@@ -33,3 +33,12 @@ def make_activation_dataset(root, **kwargs):
 @pytest.fixture(scope="module")
 def activations(tmp_path_factory):
     return make_activation_dataset(tmp_path_factory.mktemp("acts") / "acts")
+
+
+
+@pytest.fixture(scope="module")
+def family_data(tmp_path_factory):
+    """The SAE families' hook points (``family_data.make_family_data``)."""
+    from family_data import make_family_data
+
+    return make_family_data(tmp_path_factory.mktemp("families"))

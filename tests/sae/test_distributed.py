@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from gloo_workers import spawn_two
 from pyspark_safetensors.sae import DimMap, SAEConfig, TopKSAE
+from pyspark_safetensors.sae.architectures import CrosscoderSAE, MatryoshkaSAE, SkipTranscoderSAE
 from pyspark_safetensors.sae.mesh import mesh_dim_size
 from pyspark_safetensors.sae.model import PLACEMENT
 from pyspark_safetensors.sae.train import Trainer
@@ -41,18 +42,52 @@ def _inputs():
 DP_SETTINGS = {
     "topk": dict(n_latents=N * 2, k=K, lr=1e-3, dead_tokens=64),
     "jumprelu": dict(architecture="jumprelu", n_latents=N, k=K, lr=1e-2, jumprelu_bandwidth=0.5),
-}
-DP_INPUT_SEEDS = {"topk": 3, "jumprelu": 5}
+    # its target: the activations' dataset again (aligned), the steps' targets given below
+    "skip_transcoder": dict(architecture="skip_transcoder", n_latents=N, k=K, lr=1e-2,
+                            dead_tokens=64),
+}  # fmt: skip
+DP_INPUT_SEEDS = {"topk": 3, "jumprelu": 5, "skip_transcoder": 9}
 
 
 def _dp_config(name, activations, out_dir) -> SAEConfig:
+    pairs = {"target_dataset": str(activations)} if "transcoder" in name else {}
     return SAEConfig(dataset=str(activations), batch_size=64, tokens=64 * 10, warmup_steps=1,
-                     out_dir=str(out_dir), progress=False, plots=False, **DP_SETTINGS[name])  # fmt: skip
+                     out_dir=str(out_dir), progress=False, plots=False, **pairs,
+                     **DP_SETTINGS[name])  # fmt: skip
 
 
-def _dp_inputs(name) -> torch.Tensor:
+def _dp_inputs(name) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Three steps' inputs ``[3, 64, 32]`` and, for a transcoder, their targets."""
     gen = torch.Generator().manual_seed(DP_INPUT_SEEDS[name])
-    return torch.randn(3, 64, 32, generator=gen) + 1
+    x = torch.randn(3, 64, 32, generator=gen) + 1
+    if "transcoder" not in name:
+        return x, None
+    return x, x.flip(2) * 0.5 + torch.randn(3, 64, 32, generator=gen)
+
+
+# The families' sharded modules, each compared with one process (TP = 2)
+FAMILIES = {
+    "skip_transcoder": lambda mesh: SkipTranscoderSAE(D, N, K, d_out=D - 4, mesh=mesh),
+    "matryoshka": lambda mesh: MatryoshkaSAE(D, N, K, prefixes=(8, 24, N), mesh=mesh),
+    "crosscoder": lambda mesh: CrosscoderSAE(D, N, K, blocks=2, mesh=mesh),
+}
+
+
+def _family_pass(name, mesh):
+    """One forward and backward of a family's module from a fixed state: its output,
+    loss and full gradients (a collective on a mesh)."""
+    sae = FAMILIES[name](mesh)
+    state = FAMILIES[name](None).full_state()
+    gen = torch.Generator().manual_seed(13)
+    state = {n: t + 0.2 * torch.randn(t.shape, generator=gen) for n, t in state.items()}
+    sae.load_full_state(state)
+    x = torch.randn(B, D, generator=gen) + 0.5
+    target = torch.randn(B, sae.d_out, generator=gen)
+    out = sae(x)
+    loss = sum((h - target).pow(2).sum() for h in (out.x_hats or (out.x_hat,)))
+    loss.backward()
+    grads = {n: sae.placement(n).gather(p.grad, mesh) for n, p in sae.named_parameters()}
+    return {"x_hat": out.x_hat.detach(), "loss": loss.detach(), "grads": grads}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +103,7 @@ def gloo_runs(tmp_path_factory, activations):
 
 def _gloo_worker(rank, tmp, configs_json):
     _tp_worker(rank, tmp)
+    _families_tp_worker(rank, tmp)
     for name, config in json.loads(configs_json).items():
         _dp_worker(rank, tmp, name, config)
 
@@ -115,6 +151,31 @@ def _tp_worker(rank, tmp):
         dist.destroy_process_group()
 
 
+def _families_tp_worker(rank, tmp):
+    mesh = _init(rank, tmp, (1, 2), "families")
+    try:
+        got = {name: _family_pass(name, mesh) for name in FAMILIES}
+        torch.save(got, f"{tmp}/families{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_tensor_parallel_equals_one_process(gloo_runs, name):
+    """Outputs, losses and gradients on two model ranks are one process's: a skip
+    transcoder's replicated skip path is added once (its gradient is not doubled), a
+    Matryoshka SAE's prefixes and a crosscoder's block norms shard with the latents."""
+    want = _family_pass(name, None)
+    for rank in range(2):
+        got = torch.load(gloo_runs / f"families{rank}.pt")[name]
+        torch.testing.assert_close(got["x_hat"], want["x_hat"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-3)
+        assert set(got["grads"]) == set(want["grads"])
+        for p, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][p], g, rtol=1e-4, atol=1e-3, msg=p)
+
+
 def test_tensor_parallel_equals_one_process(gloo_runs):
     sae = TopKSAE(D, N, K)
     sae.load_full_state(_full_state())
@@ -141,10 +202,13 @@ def _dp_worker(rank, tmp, name, config):
     try:
         trainer = Trainer(SAEConfig.from_dict({**config, "data_parallel_size": 2}), mesh)
         assert mesh_dim_size(mesh, "data") == 2
-        x = _dp_inputs(name)
+        x, y = _dp_inputs(name)
         half = x.shape[1] // 2
-        trainer.init_decoder_bias(x[0][rank * half : (rank + 1) * half])
-        metrics = [trainer.train_step(xs[rank * half : (rank + 1) * half]) for xs in x]
+        mine = slice(rank * half, (rank + 1) * half)
+        trainer.init_decoder_bias((x if y is None else y)[0][mine])
+        metrics = [
+            trainer.train_step(x[i][mine], None if y is None else y[i][mine]) for i in range(3)
+        ]
         torch.save(
             {"state": trainer.sae.full_state(), "metrics": metrics}, f"{tmp}/{name}{rank}.pt"
         )
@@ -157,9 +221,9 @@ def _one_process_steps(name, activations, tmp_path):
     """The data-parallel run's three steps on one process, each with both ranks' halves:
     (the trainer, each step's metrics)."""
     single = Trainer(_dp_config(name, activations, tmp_path / "run"))
-    x = _dp_inputs(name)
-    single.init_decoder_bias(x[0])
-    return single, [single.train_step(xs) for xs in x]
+    x, y = _dp_inputs(name)
+    single.init_decoder_bias((x if y is None else y)[0])
+    return single, [single.train_step(x[i], None if y is None else y[i]) for i in range(3)]
 
 
 def test_data_parallel_equals_one_process_with_the_double_batch(gloo_runs, activations, tmp_path):
@@ -170,6 +234,20 @@ def test_data_parallel_equals_one_process_with_the_double_batch(gloo_runs, activ
         for a, b in zip(got["metrics"], want, strict=True):
             assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
             assert a["l0"] == b["l0"] and a["dead_fraction"] == b["dead_fraction"]
+        for name, t in single.sae.full_state().items():
+            torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_data_parallel_skip_transcoder_equals_one_process_with_the_double_batch(
+    gloo_runs, activations, tmp_path
+):
+    """Pairs split over the data ranks: the skip path's gradient averaged like the rest."""
+    single, want = _one_process_steps("skip_transcoder", activations, tmp_path)
+    assert float(single.sae.skip_weight.abs().sum()) > 0
+    for rank in range(2):
+        got = torch.load(gloo_runs / f"skip_transcoder{rank}.pt")
+        for a, b in zip(got["metrics"], want, strict=True):
+            assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
         for name, t in single.sae.full_state().items():
             torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -246,3 +324,38 @@ def test_torchrun_jumprelu_tensor_parallel_matches_one_process_and_rank_0_report
     assert tp[-1][1] < tp[0][1]  # the penalty raised the thresholds on both shards
     a, b = load_sae_model(tmp_path / "tp"), load_sae_model(tmp_path / "one")
     torch.testing.assert_close(a.threshold, b.threshold, rtol=1e-4, atol=1e-6)
+
+
+def test_torchrun_skip_transcoder_from_the_command_line_matches_one_process(
+    tmp_path, family_data
+):
+    """``pyspark-safetensors train --nproc 2`` of a skip transcoder over two model ranks,
+    with held-out pairs, logs what one process logs and stores the same transcoder."""
+    from pyspark_safetensors.cli import main as cli_main
+    from pyspark_safetensors.sae import load_sae, load_sae_model
+
+    common = ["train", "--architecture", "skip_transcoder",
+              "--dataset", family_data["train_in"], "--target-dataset", family_data["train_out"],
+              "--val-dataset", family_data["val_in"],
+              "--val-target-dataset", family_data["val_out"], "--val-tokens", "512",
+              "--n-latents", "64", "--k", "4", "--batch-size", "256", "--tokens", "2560",
+              "--log-every", "1", "--checkpoints", "0", "--no-progress", "--no-plots"]  # fmt: skip
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    tp, one = tmp_path / "tp", tmp_path / "one"
+    assert cli_main([*common, "--out-dir", str(tp), "--nproc", "2",
+                     "--model-parallel-size", "2"]) == 0  # fmt: skip
+    assert cli_main([*common, "--out-dir", str(one)]) == 0
+
+    def log(run_dir):
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = log(tp), log(one)
+    assert len(a) == len(b) == 10
+    assert [r["fvu"] for r in a] == pytest.approx([r["fvu"] for r in b], rel=2e-3)
+    assert a[-1]["val_fvu"] == pytest.approx(b[-1]["val_fvu"], rel=2e-3)
+    assert a[-1]["fvu"] < 0.8 * a[0]["fvu"]
+    _, meta = load_sae(tp / "sae.safetensors")
+    assert (meta["architecture"], meta["target_hook_point"]) == ("skip_transcoder", "mlp:output")
+    torch.testing.assert_close(
+        load_sae_model(tp).skip_weight, load_sae_model(one).skip_weight, rtol=1e-3, atol=1e-4
+    )
