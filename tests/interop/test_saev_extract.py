@@ -127,22 +127,14 @@ def test_a_shard_split_between_tasks_is_refused_and_nothing_stays(tmp_path):
     assert not (tmp_path / "saev").exists()
 
 
-@pytest.mark.parametrize("kept", [[0, 1, 3, 4, 5, 6, 7], [0, 1, 2, 3, 6, 7, 9], [2, 3, 4]])
-def test_the_gaps_of_skipped_images_are_closed(tmp_path, kept):
-    """Dump image i is the i-th image extracted; the shards from the first gap on are
-    written again, exactly as our writer writes the images kept."""
+def test_images_no_task_wrote_are_refused(tmp_path):
     plan = _plan()
-    acts, dump_acts = _rows(plan, 10)
+    acts, _ = _rows(plan, 6)
     job = SaevShardJob(plan, tmp_path / "saev")
-    partitions = [[[i for i in kept if a <= i < a + 4]] for a in (0, 4, 8)]
-    path = job.commit(_write(job, acts, [p for p in partitions if p[0]]))
-    ours = write_dump(
-        tmp_path / "ours", dump_acts[kept], vit_family="dinov2", vit_ckpt="toy-vit",
-        layers=[1, 3], n_patches_per_img=4, cls_token=True, seed=0,
-        max_patches_per_shard=plan.max_patches_per_shard, data=plan.data,
-    )  # fmt: skip
-    _same_files(path, ours)
-    assert [p.name for p in (tmp_path / "saev").iterdir()] == [path.name]
+    results = _write(job, acts, [[[0, 1, 3]], [[4, 5]]])  # image 2 missing
+    with pytest.raises(DumpError, match=r"images \[2\] \(1 in all\) of image_id 0 .. 5"):
+        job.commit(results)
+    assert not (tmp_path / "saev").exists()
 
 
 def test_a_retried_task_replaces_its_shards_and_an_aborted_job_leaves_nothing(tmp_path):
@@ -187,7 +179,7 @@ def test_rows_that_do_not_fit_the_plan_are_refused(tmp_path):
 
 
 def test_refusals_before_the_model_stage():
-    out = SaevDumpOutput()
+    out = SaevDumpOutput("models/toy-vit")
     assert out.widths_refusal({HOOKS[0]: 3, HOOKS[1]: 3}) is None
     assert "one width" in out.widths_refusal({HOOKS[0]: 3, HOOKS[1]: 4})
     assert "no numbered block" in out.widths_refusal({"vit.layernorm:output": 3})

@@ -7,9 +7,7 @@ the model's scan order. Register tokens are not written: protocol v1's token axi
 ``[CLS] + n_patches_per_img`` image patches and has no place for them (they stay in the
 token-level datasets, ``token_kind`` "register"). Image ``i`` of the dump is
 ``image_id`` ``i``: shard ``i // S``, slot ``i % S``, with ``S = n_imgs_per_shard``
-(protocol §3); when unreadable images were skipped, the driver closes their gaps (the
-shards from the first gap on are written again), and image ``i`` of the dump is the
-``i``-th image extracted, in image_id order. The job cuts the images into Spark partitions at multiples of ``S``
+(protocol §3): the extraction numbers the readable images ``0 .. n - 1``. The job cuts the images into Spark partitions at multiples of ``S``
 (``images_per_partition_multiple``), so each shard file is written by the one task that
 owns its images: under a task-attempt name, moved into the dump's staging directory
 whole when the task ends. The driver checks that every image landed once, writes
@@ -24,6 +22,7 @@ numpy and pyarrow only: the tasks need neither pyspark nor torch here.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -57,12 +56,13 @@ FAMILY_OF_MODEL_TYPE = {
 }
 """``vit_family`` by the Hugging Face ``model_type`` of the model."""
 
-_BLOCK = re.compile(r"(?:^|\.)(\d+)(?=[.:]|$)")
+_BLOCK = re.compile(r"(?:^|\.)(?:layer|layers|h|blocks|block)\.(\d+)(?:\.|$)")
+"""The rule of the datasets' ``layer`` column (``extract.vision.hook_layer``)."""
 
 
 def block_index(hook: str) -> int | None:
-    """The transformer block a hook point is in: the first integer of its module path
-    (``vit.encoder.layer.3.output:output`` -> 3), or None."""
+    """The transformer block a hook point is in (``vit.encoder.layer.3.output:output``
+    -> 3), or None (embeddings, the final norm)."""
     found = _BLOCK.search(hook.rpartition(":")[0] or hook)
     return int(found.group(1)) if found else None
 
@@ -292,14 +292,11 @@ class SaevShardJob:
         return self.staging.is_dir()
 
     def commit(self, results: list[ShardsWritten]) -> Path:
-        """Check that each image landed once, close the gaps of skipped images, write
-        ``metadata.json`` and publish the dump under its hash; returns its directory. On
-        failure the job is aborted."""
+        """Check that image ``0 .. n_imgs - 1`` each landed once, write ``metadata.json``
+        and publish the dump under its hash; returns its directory. On failure the job
+        is aborted."""
         try:
-            ids = self._image_ids(results)
-            if ids[-1] != len(ids) - 1:
-                self._repack(ids)
-            meta = self.plan.metadata(len(ids))
+            meta = self.plan.metadata(self._n_imgs(results))
             write_metadata(self.staging, metadata_text(meta))
             _, problems, _ = check_shards(self.staging, meta)
             if problems:
@@ -311,8 +308,9 @@ class SaevShardJob:
             self.abort()
             raise
 
-    def _image_ids(self, results: list[ShardsWritten]) -> np.ndarray:
-        """The image_ids written, ascending; a shard written by two tasks is refused."""
+    def _n_imgs(self, results: list[ShardsWritten]) -> int:
+        """The images written, checked to be image_id 0 .. n - 1 each once, each shard
+        written by one task."""
         S, owner, ids = self.plan.n_imgs_per_shard, {}, {}
         for result in results:
             for s, bits in result.shards.items():
@@ -329,41 +327,15 @@ class SaevShardJob:
                 f"no image reached the saev dump in {self.dump_to}: it must be on storage "
                 "every Spark worker sees (a local path of a one-machine session, or a mount)"
             )
-        return np.concatenate([ids[s] for s in sorted(ids)])
-
-    def _repack(self, ids: np.ndarray) -> None:
-        """Close the gaps that skipped images left: dump image ``i`` becomes the ``i``-th
-        image_id written. The shards from the first gap on are written again (on the
-        driver, from the tasks' shards), the ones before it stay as they are."""
-        plan, S = self.plan, self.plan.n_imgs_per_shard
-        first = int(np.flatnonzero(ids != np.arange(len(ids)))[0]) // S
-        old = {}
-        repacked = staging_path(self.dump_to / "dump", "repack")
-        repacked.mkdir()
-        try:
-            for new in range(first, -(-len(ids) // S)):
-                src = ids[new * S : (new + 1) * S]
-                with open(repacked / shard_file(new), "wb") as f:
-                    f.truncate(S * plan.img_nbytes)  # padding, as the tasks' files
-                    # runs of consecutive image_ids of one old shard: one copy each
-                    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(src // S) != 0)) + 1
-                    for run in np.split(src, breaks):
-                        s = int(run[0]) // S
-                        if s not in old:
-                            old[s] = np.memmap(
-                                self.staging / shard_file(s), "<f4", "r",
-                                shape=(S, len(plan.layers), plan.n_tokens_per_img, plan.d_vit),
-                            )  # fmt: skip
-                        images = old[s][int(run[0]) % S : int(run[-1]) % S + 1]
-                        f.write(memoryview(images).cast("B"))
-                    os.fsync(f.fileno())
-            old.clear()
-            for s in range(first, int(ids[-1]) // S + 1):
-                (self.staging / shard_file(s)).unlink(missing_ok=True)
-            for path in repacked.iterdir():
-                os.replace(path, self.staging / path.name)
-        finally:
-            shutil.rmtree(repacked, ignore_errors=True)
+        ids = np.concatenate([ids[s] for s in sorted(ids)])
+        if ids[-1] != len(ids) - 1:  # the extraction numbers the readable images densely
+            missing = np.setdiff1d(np.arange(ids[-1]), ids)
+            raise DumpError(
+                f"images {missing[:5].tolist()}{' ...' if len(missing) > 5 else ''} "
+                f"({len(missing)} in all) of image_id 0 .. {int(ids[-1])} reached no task's "
+                "shard: a saev dump holds images 0 .. n_imgs - 1"
+            )
+        return len(ids)
 
     def abort(self) -> None:
         """Delete what the tasks wrote; ``dump_to`` too when the job made it."""
@@ -372,6 +344,17 @@ class SaevShardJob:
         if self.created:
             with contextlib.suppress(OSError):  # not empty: another dump is there
                 self.dump_to.rmdir()
+
+
+def _model_type(model: str) -> str:
+    """The ``model_type`` of a local model directory's ``config.json``."""
+    path = Path(model).expanduser() / "config.json"
+    if not path.is_file():
+        raise DumpError(
+            f"saev_dump reads the model's type (its vit_family) from a local model directory's "
+            f"config.json; {model!r} is not one: give the model's directory"
+        )
+    return str(json.loads(path.read_text()).get("model_type", ""))
 
 
 @dataclass(frozen=True)
@@ -394,6 +377,8 @@ class SaevDumpOutput:
     budget. Needs an image corpus, hook points of one width, one per transformer block,
     and a local (or mounted) output: saev's readers memory-map the shards."""
 
+    model: str
+    """The extraction's model: its ``config.json`` gives ``vit_family``."""
     max_patches_per_shard: int = 2_400_000
     name: str = SAEV_DIR
     reads_rows: bool = False
@@ -403,7 +388,7 @@ class SaevDumpOutput:
         """``config``: an ``extract.ExtractConfig``."""
         if not config.saev_dump:
             return None
-        return cls(config.max_patches_per_shard)
+        return cls(config.model, config.max_patches_per_shard)
 
     def target_refusal(self, target: str, local: bool) -> str | None:
         if local:  # each task moves its shards into place with a local rename
@@ -424,27 +409,27 @@ class SaevDumpOutput:
 
     def plan(self, rows) -> SaevPlan:
         """The dump's plan from the extraction's ``extract.outputs.SampleRows``."""
-        image = getattr(rows, "image", None)
+        image = rows.image_tokens
         if image is None:
             raise DumpError(
                 "saev_dump needs an image corpus (ExtractConfig.images, or a DataFrame of "
                 "images): a saev dump holds a vision transformer's image activations"
             )
-        family = FAMILY_OF_MODEL_TYPE.get(image.model_type)
+        model_type = _model_type(self.model)
+        family = FAMILY_OF_MODEL_TYPE.get(model_type)
         if family is None:
             raise DumpError(
-                f"saev_dump: no saev vit_family for a {image.model_type!r} model; protocol v1 "
+                f"saev_dump: no saev vit_family for a {model_type!r} model; protocol v1 "
                 f"knows {list(VIT_FAMILIES)} (and plain ViTs, recorded as dinov2)"
             )
-        width = next(iter(rows.widths.values()))
         return SaevPlan(
             columns=tuple(h.column for h in rows.hooks),
             layers=tuple(block_index(h.name) for h in rows.hooks),
-            d_vit=width,
+            d_vit=next(iter(rows.widths.values())),
             dtype=rows.dtype,
-            cls_token=image.cls_token,
+            cls_token=bool(image.n_cls),
             n_registers=image.n_registers,
-            n_patches_per_img=image.patch_grid[0] * image.patch_grid[1],
+            n_patches_per_img=image.grid[0] * image.grid[1],
             max_patches_per_shard=self.max_patches_per_shard,
             vit_family=family,
             vit_ckpt=rows.metadata["model"],
