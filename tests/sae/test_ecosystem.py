@@ -149,8 +149,8 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
         read_sae(path)
     sp = sparsify_dir(tmp_path / "sp", w)
     cfg = json.loads((sp / "cfg.json").read_text())
-    (sp / "cfg.json").write_text(json.dumps({**cfg, "transcode": True}))
-    with pytest.raises(CheckpointError, match="transcoder"):
+    (sp / "cfg.json").write_text(json.dumps({**cfg, "skip_connection": True}))
+    with pytest.raises(CheckpointError, match="skip connection .* has no architecture here"):
         read_sae(sp)
     with pytest.raises(CheckpointError, match="not an SAE directory"):
         read_sae(tmp_path)
@@ -249,3 +249,63 @@ def test_a_sparsify_sae_fine_tunes_and_builds_a_lut(tmp_path, activations):
     stored = load_layer_file(root / "lut" / f"{layer}.lut.safetensors")
     folded = d8["b_enc"] - d8["W_enc"].T @ d8["b_dec"]
     torch.testing.assert_close(stored["encoder_bias"], folded, rtol=2e-3, atol=2e-3)
+
+
+def sparsify_transcoder_dir(root, w, w_skip=None):
+    """sparsify's transcoder (``transcode=True``; ``skip_connection`` with ``W_skip``),
+    as ``SparseCoder.save_to_disk`` writes it: one width ``d_in`` for input and output."""
+    sparsify_dir(root, w)
+    cfg = json.loads((root / "cfg.json").read_text())
+    cfg |= {"transcode": True, "skip_connection": w_skip is not None}
+    (root / "cfg.json").write_text(json.dumps(cfg))
+    if w_skip is not None:
+        tensors = safetensors.torch.load_file(root / "sae.safetensors")
+        safetensors.torch.save_file({**tensors, "W_skip": w_skip}, root / "sae.safetensors")
+    return root
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_sparsify_transcoders_encode_the_same_and_round_trip_exactly(tmp_path, skip):
+    """sparsify's forward: top-k of ReLU(encoder(x)) with x uncentred, decoded, plus
+    ``x @ W_skip.T``; ours reads it as a (skip) transcoder and writes it back bit for bit."""
+    w = _random(6)
+    w["W_dec"] = w["W_dec"] * 3  # sparsify's transcoders keep no unit-norm decoder rows
+    w_skip = torch.randn(D, D, generator=torch.Generator().manual_seed(7)) if skip else None
+    src = sparsify_transcoder_dir(tmp_path / "sp", w, w_skip)
+    tensors, info = read_sae(src)
+    assert info["architecture"] == ("skip_transcoder" if skip else "transcoder")
+    sae = load_sae_model(src)
+    x = torch.randn(64, D)
+    pre = (x @ w["W_enc"] + w["b_enc"]).relu()  # no b_dec subtracted
+    vals, idx = pre.topk(K, dim=1)
+    want = torch.zeros_like(pre).scatter(1, idx, vals) @ w["W_dec"] + w["b_dec"]
+    if skip:
+        want = want + x @ w_skip.T
+    with torch.no_grad():
+        torch.testing.assert_close(sae(x).x_hat, want, rtol=1e-4, atol=1e-4)
+    out = export_sae(src, tmp_path / "back", "sparsify")
+    cfg = json.loads((out / "cfg.json").read_text())
+    assert (cfg["transcode"], cfg["skip_connection"], cfg["d_in"]) == (True, skip, D)
+    assert safetensors.torch.load_file(out / "sae.safetensors").keys() == \
+        safetensors.torch.load_file(src / "sae.safetensors").keys()  # fmt: skip
+    back, back_info = read_sae(out)
+    assert back_info["architecture"] == info["architecture"] and back_info["k"] == K
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t), name
+    with pytest.raises(CheckpointError, match="SAELens' transcoders encode with a ReLU"):
+        export_sae(src, tmp_path / "sl", "saelens")
+
+
+def test_transcoders_sparsify_cannot_hold_and_saelens_relu_transcoders_are_refused(tmp_path):
+    from pyspark_safetensors.sae.architectures import TranscoderSAE
+
+    narrow = TranscoderSAE(D, N, K, d_out=D // 2)
+    save_sae(tmp_path / "t.safetensors", narrow.full_state(), {**narrow.metadata(), "k": str(K)})
+    with pytest.raises(CheckpointError, match="one width"):
+        export_sae(tmp_path / "t.safetensors", tmp_path / "sp", "sparsify")
+    path = saelens_dir(tmp_path / "sl", _random())
+    cfg = json.loads((path / "cfg.json").read_text())
+    (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "skip_transcoder"}))
+    with pytest.raises(CheckpointError, match="'skip_transcoder', which encodes with a ReLU"):
+        read_sae(path)

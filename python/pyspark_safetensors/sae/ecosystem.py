@@ -15,13 +15,24 @@ Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))`
   ``rescale_acts_by_decoder_norm`` (TopK only; refused for the others) the decoder norms
   are folded into the encoder, both exactly (the same latents, the same reconstruction);
 - sparsify: ``cfg.json`` + ``sae.safetensors`` with ``encoder.weight [n, d]``,
-  ``encoder.bias``, ``W_dec [n, d]``, ``b_dec`` (``activation`` "topk", no skip
-  connection, not a transcoder) -- the same encoding as ours.
+  ``encoder.bias``, ``W_dec [n, d]``, ``b_dec`` (``activation`` "topk") -- the same
+  encoding as ours; with ``transcode`` a transcoder (the input read uncentred), with
+  ``skip_connection`` as well a skip transcoder whose ``W_skip [d, d]`` is our
+  ``skip_weight``. sparsify's coders have one width (``d_in``), so only a transcoder
+  with ``d_out = d_in`` goes there; its transcoders' decoder rows are not unit norm
+  (read as they are: the same outputs). A skip connection without ``transcode`` (an
+  SAE of its input plus a linear path) has no architecture here and is refused.
+
+SAELens 6's ``transcoder`` and ``skip_transcoder`` encode with a ReLU (every positive
+pre-activation), not a top-k, and its ``jumprelu_*transcoder`` with thresholds: none
+encodes as our TopK transcoders do, so both directions are refused rather than changing
+which latents fire. BatchTopK and Matryoshka codes (capped per row) and crosscoders
+have no layout in either library.
 
 ``read_sae``'s info names the ``architecture`` (``sae/architectures/``);
 ``load_sae_model`` gives any of them as that architecture's module; ``export_sae`` writes
-ours in the SAELens layout (TopK, JumpReLU) or the sparsify one (TopK) so that those
-libraries load it.
+ours in the SAELens layout (TopK, JumpReLU) or the sparsify one (TopK, transcoders) so
+that those libraries load it.
 """
 
 from __future__ import annotations
@@ -79,7 +90,7 @@ def _shapes_fit(path, t: dict[str, torch.Tensor]) -> None:
 def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """``(tensors in our convention, float32; info)`` of an SAE in any recognised
     layout; ``info``: ``layout`` ("ours", "saelens", "sparsify"), ``architecture``
-    ("topk", "batchtopk", "jumprelu"), ``k`` (or None) and the source's ``metadata`` /
+    (a key of ``ARCHITECTURES``), ``k`` (or None) and the source's ``metadata`` /
     ``config``."""
     path = Path(path)
     if path.is_file():
@@ -110,6 +121,12 @@ def _int_or_none(value) -> int | None:
 def _read_saelens(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg = _config(directory)
     arch = cfg.get("architecture", "standard")
+    if "transcoder" in arch:
+        raise CheckpointError(
+            f"{directory}: a SAELens {arch!r}, which encodes with a ReLU (every positive "
+            "pre-activation) or per-latent thresholds; this package's transcoders keep the "
+            "top k per row, so it would not encode the same"
+        )
     k = cfg.get("k")
     activation = cfg.get("activation_fn_str", "relu")  # SAELens < 6 names it here
     if arch not in ("topk", "jumprelu") and activation == "topk":
@@ -181,10 +198,12 @@ def _read_sparsify(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg = _config(directory)
     if cfg.get("activation", "topk") != "topk":
         raise CheckpointError(f"{directory}: sparsify activation {cfg['activation']!r}, not topk")
-    if cfg.get("transcode") or cfg.get("skip_connection"):
+    transcode, skip = bool(cfg.get("transcode")), bool(cfg.get("skip_connection"))
+    if skip and not transcode:
         raise CheckpointError(
-            f"{directory}: a sparsify transcoder or skip connection is not an autoencoder of "
-            "its input"
+            f"{directory}: a sparsify SAE with a skip connection (an autoencoder of its input "
+            "plus a linear path) has no architecture here; skip connections are read with "
+            "transcode=true (a skip transcoder)"
         )
     k = cfg.get("k")
     if not isinstance(k, int) or k < 1:
@@ -195,16 +214,23 @@ def _read_sparsify(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointError(f"{directory / SPARSIFY_WEIGHTS}: missing tensor(s) {missing}")
     names = ("encoder.weight", "encoder.bias", "W_dec", "b_dec")
     tensors = {ours: raw[theirs] for ours, theirs in zip(SAE_TENSORS, names, strict=True)}
+    if skip:
+        if "W_skip" not in raw:
+            raise CheckpointError(f"{directory / SPARSIFY_WEIGHTS}: skip_connection but no W_skip")
+        tensors["skip_weight"] = raw["W_skip"]
     _shapes_fit(directory, tensors)
-    return tensors, {"layout": "sparsify", "architecture": "topk", "k": k, "config": cfg}
+    arch = ("skip_transcoder" if skip else "transcoder") if transcode else "topk"
+    return tensors, {"layout": "sparsify", "architecture": arch, "k": k, "config": cfg}
 
 
 def load_sae_model(
     path: str | os.PathLike, *, k: int | None = None, device: str | torch.device | None = None
 ):
     """An SAE file or directory (ours, SAELens, sparsify) as its architecture's module
-    (``TopKSAE``, ``BatchTopKSAE``, ``JumpReLUSAE``) with ``encode``, ``decode`` and
-    ``forward``: the trainer's exact encoding, on any device, without the trainer.
+    (``TopKSAE``, ``BatchTopKSAE``, ``JumpReLUSAE``, ``MatryoshkaSAE``, ``TranscoderSAE``,
+    ``SkipTranscoderSAE``, ``CrosscoderSAE``) with ``encode``, ``decode`` and ``forward``
+    (a skip transcoder's ``forward`` adds its linear path to ``decode``): the trainer's
+    exact encoding, on any device, without the trainer.
 
         sae = load_sae_model("runs/sae")            # or a checkpoint, a SAELens dir ...
         values, indices = sae.encode(x)             # [B, k] each
@@ -245,12 +271,22 @@ def export_sae(
     if k is None and get_architecture(arch).SELECTS_TOP_K:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
+    d_out = tensors["decoder_bias"].shape[0]
     meta = info.get("metadata", {})
-    if arch == "batchtopk" or (arch == "jumprelu" and layout == "sparsify"):
+    transcoder = arch in ("transcoder", "skip_transcoder")
+    if arch in ("batchtopk", "matryoshka", "crosscoder") or (
+        layout == "sparsify" and arch == "jumprelu"
+    ) or (layout == "saelens" and transcoder):  # fmt: skip
         raise CheckpointError(
             f"{path}: a {arch} SAE; {layout} has no SAE that encodes the same way (SAELens "
-            "and sparsify TopK SAEs encode per row; SAELens' jumprelu takes a JumpReLU SAE), "
-            "so the export would change which latents fire"
+            "and sparsify TopK SAEs and sparsify's transcoders encode per row; SAELens' "
+            "transcoders encode with a ReLU; SAELens' jumprelu takes a JumpReLU SAE; no "
+            "crosscoder layout), so the export would change which latents fire"
+        )
+    if transcoder and d_out != d:
+        raise CheckpointError(
+            f"{path}: a transcoder from {d} to {d_out} dimensions; sparsify's coders have one "
+            "width (d_in), so it cannot store this one"
         )
     hook = meta.get("hook_point", "") if isinstance(meta, dict) else ""
     t = {name: v.contiguous().numpy() for name, v in tensors.items()}
@@ -270,10 +306,12 @@ def export_sae(
     elif layout == "sparsify":
         weights = {"encoder.weight": t["encoder_weight"], "encoder.bias": t["encoder_bias"],
                    "W_dec": t["decoder_weight"], "b_dec": t["decoder_bias"]}  # fmt: skip
+        if "skip_weight" in t:
+            weights["W_skip"] = t["skip_weight"]
         cfg = {
             "activation": "topk", "expansion_factor": max(1, n // d), "normalize_decoder": True,
-            "num_latents": n, "k": k, "multi_topk": False, "skip_connection": False,
-            "transcode": False, "d_in": d,
+            "num_latents": n, "k": k, "multi_topk": False,
+            "skip_connection": "skip_weight" in t, "transcode": transcoder, "d_in": d,
         }  # fmt: skip
         weights_file = SPARSIFY_WEIGHTS
     else:
