@@ -77,3 +77,40 @@ def test_a_local_session_maps_the_archive_set_up_built(tmp_path):
         shared = [line for line in loaded if "shared objects file (top)" in line]
         # (an executor also loads its own backend's classes, which no driver loads)
         assert len(shared) > 0.85 * len(loaded), (log.name, len(shared), len(loaded))
+
+
+def test_the_spark_modules_import_one_another_without_a_circle():
+    """Lazy imports inside functions count: the session maps the archive, so the archive
+    (its path, its flags, building it) never imports the session; the recording session,
+    which needs both, is a program of its own."""
+    import ast
+    from pathlib import Path
+
+    from pyspark_safetensors import spark
+
+    package = Path(spark.__file__).parent
+    graph = {}
+    for path in package.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                imported.add(node.module.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "pyspark_safetensors.spark."
+            ):
+                imported.add(node.module.split(".")[2])
+        graph[path.stem] = imported & {p.stem for p in package.glob("*.py")}
+
+    def circle_from(module, trail):
+        for child in sorted(graph[module]):
+            if child in trail:
+                return [*trail[trail.index(child) :], child]
+            if found := circle_from(child, [*trail, child]):
+                return found
+        return None
+
+    assert "session" not in graph["class_archive"] and "class_archive" in graph["session"]
+    for module in sorted(graph):
+        assert circle_from(module, [module]) is None, circle_from(module, [module])

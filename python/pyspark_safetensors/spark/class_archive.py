@@ -25,11 +25,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .session import spark_home
+from .shim import spark_home
 
 CACHE_ENV = "PYSPARK_SAFETENSORS_CACHE"
 """A directory for the archive instead of ``$XDG_CACHE_HOME/pyspark-safetensors``."""
@@ -39,6 +38,7 @@ CACHE_ENV = "PYSPARK_SAFETENSORS_CACHE"
 _QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 
 _MODULE = "pyspark_safetensors.spark.class_archive"  # run as a script, __name__ is __main__
+_RECORDER = "pyspark_safetensors.spark.record_classes"  # the recording session, a program
 
 _OWN_FLAGS = ("SharedArchiveFile", "ArchiveClassesAtExit", "-Xshare")
 """Flags of a user's own class-data-sharing set-up, which then wins over ours."""
@@ -92,6 +92,11 @@ def java_options(path: Path | None = None) -> str:
     return f"-XX:SharedArchiveFile={path} {_QUIET}" if is_current(path) else ""
 
 
+def recording_options(out: Path | str) -> str:
+    """The JVM flags of a driver that writes the classes it loads to ``out`` as it exits."""
+    return f"-XX:ArchiveClassesAtExit={out} {_QUIET}"
+
+
 def with_archive(java_options_given: str) -> str:
     """``java_options_given`` (a session's ``spark.driver.extraJavaOptions``, its
     executors', ``SPARK_SUBMIT_OPTS``) with the archive's flags first, unless they set up
@@ -102,15 +107,15 @@ def with_archive(java_options_given: str) -> str:
 
 
 def build(path: Path | None = None, *, timeout: float = 900) -> Path:
-    """Write the archive (replacing one there): a fresh process runs a local session with
-    the jobs of a typical run and the JVM writes the classes it loaded as it exits; the
-    file appears whole or not at all. Returns its path."""
+    """Write the archive (replacing one there): a fresh process (``record_classes``) runs a
+    local session with the jobs of a typical run and the JVM writes the classes it loaded as
+    it exits; the file appears whole or not at all. Returns its path."""
     path = path or archive_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         run = subprocess.run(
-            [sys.executable, "-m", _MODULE, "--record", str(partial)],
+            [sys.executable, "-m", _RECORDER, str(partial)],
             timeout=timeout,
             capture_output=True,
             text=True,
@@ -124,55 +129,9 @@ def build(path: Path | None = None, *, timeout: float = 900) -> Path:
     return path
 
 
-def _record(out: str) -> None:
-    """Run the jobs of a typical session in a driver that writes its classes to ``out``
-    when it exits; returns once the JVM has exited (the archive written)."""
-    from pyspark import SparkContext
-
-    from .session import local_session
-
-    options = f"-XX:ArchiveClassesAtExit={out} {_QUIET}"
-    spark = local_session("local[2]", **{"spark.driver.extraJavaOptions": options})
-    with tempfile.TemporaryDirectory(prefix="class-archive-") as work:
-        _typical_jobs(spark, work)
-    process = SparkContext._gateway.proc
-    spark.stop()
-    # The driver exits when its stdin closes, and writes the archive as it does.
-    process.stdin.close()
-    process.wait()
-    if process.returncode != 0 or not os.path.isfile(out):
-        raise RuntimeError(f"the JVM wrote no class archive (exit code {process.returncode})")
-
-
-def _typical_jobs(spark, work: str) -> None:
-    """SQL with a shuffle, Arrow to and from Python workers, parquet, and this package's
-    sources (the Python one, and the JVM one where the shim jar is loaded)."""
-    from .register import register
-
-    spark.range(1000).selectExpr("id % 7 AS k", "id").groupBy("k").count().collect()
-
-    def identity(batches):
-        yield from batches
-
-    frame = spark.range(64).selectExpr("id", "array(cast(id AS float), 1.0f) AS activation")
-    frame.mapInArrow(identity, frame.schema).toArrow()
-    frame.write.mode("overwrite").parquet(f"{work}/parquet")
-    spark.read.parquet(f"{work}/parquet").count()
-    answers = register(spark)
-    implementations = {answers, "python"} if answers == "jvm" else {"python"}
-    for implementation in sorted(implementations):
-        target = f"{work}/{implementation}"
-        (frame.write.format("safetensors").option("implementation", implementation)
-         .option("batch_size", 16).mode("overwrite").save(target))  # fmt: skip
-        spark.read.format("safetensors").option("implementation", implementation).load(
-            target
-        ).collect()
-
-
 def main(argv: list[str]) -> int:
     """Build the archive where it is missing or stale (``--force``: in any case) and print
-    its path (``--quiet``: only when built). ``--record PATH`` is the recording session ``build``
-    starts."""
+    its path (``--quiet``: only when built)."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -182,11 +141,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--force", action="store_true", help="build it even where it exists")
     parser.add_argument("--quiet", action="store_true", help="print its path only when built")
-    parser.add_argument("--record", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.record:
-        _record(args.record)
-        return 0
     path = archive_path()
     if args.force or not is_current(path):
         started = time.perf_counter()

@@ -6,17 +6,11 @@ import os
 import sys
 from pathlib import Path
 
+from .class_archive import with_archive
 from .shim import packaged_files, shim_jar
 
 CONF_DIR_ENV = "PYSPARK_SAFETENSORS_CONF_DIR"
 """A directory whose ``spark-defaults.conf`` / ``log4j2.properties`` replace the shipped ones."""
-
-
-def spark_home() -> str:
-    """The Spark install a local session runs: ``$SPARK_HOME``, else pip's pyspark."""
-    import pyspark
-
-    return os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
 
 
 def conf_file(name: str) -> Path | None:
@@ -89,8 +83,6 @@ def session_settings(conf: dict[str, str], *, quick_jit: bool = False) -> dict[s
     ``conf``; the driver's and executors' Java options led by the logging configuration,
     the class archive's and (driver, ``quick_jit``) ``QUICK_JIT``, so that options given
     in ``conf`` win."""
-    from .class_archive import with_archive
-
     settings = {**spark_defaults(), **_shim_classpath(), **conf}
     log4j = conf_file("log4j2.properties")
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):

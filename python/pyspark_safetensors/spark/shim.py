@@ -1,5 +1,6 @@
-"""The JVM shim from Python: where its jar is, the files the package ships beside it, and
-how a session loads it (``with_shim``) or tells that it has (``shim_loaded``)."""
+"""The JVM shim from Python: where its jar is, the files the package ships beside it, the
+Spark install and line it is for (``spark_home``, ``spark_line``), and how a session loads
+it (``with_shim``) or tells that it has (``shim_loaded``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def packaged_files(pattern: str, checkout_dir: str) -> list[Path]:
     if (_CHECKOUT / "pyproject.toml").is_file():
         return sorted((_CHECKOUT / checkout_dir).glob(pattern))
     return []
+
+
+def spark_home() -> str:
+    """The Spark install a local session runs: ``$SPARK_HOME``, else pip's pyspark."""
+    import pyspark
+
+    return os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
 
 
 SPARK_LINES: dict[str, tuple[str, str]] = {

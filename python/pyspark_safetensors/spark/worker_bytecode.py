@@ -34,7 +34,7 @@ import warnings
 import zipfile
 from pathlib import Path
 
-from .session import spark_home
+from .shim import spark_home
 
 _MODULE = "pyspark_safetensors.spark.worker_bytecode"
 
@@ -45,7 +45,7 @@ _CHECKED_HASH_PYC = importlib.util.MAGIC_NUMBER + (0b11).to_bytes(4, "little")
 
 def spark_python_zips(home: str | os.PathLike | None = None) -> list[Path]:
     """The zips Spark puts on its Python processes' path: ``python/lib/*.zip`` of the Spark
-    install (default: :func:`~pyspark_safetensors.spark.session.spark_home`)."""
+    install (default: :func:`~pyspark_safetensors.spark.shim.spark_home`)."""
     lib = Path(home or spark_home()) / "python" / "lib"
     return sorted(lib.glob("*.zip")) if lib.is_dir() else []
 
