@@ -17,7 +17,7 @@ from ..format.errors import PysparkSafetensorsError
 TAIL_STRATEGIES = ("write", "drop", "pad")
 DUPLICATE_STRATEGIES = ("fail", "lastWin")
 CHECKSUMS = ("crc32c", "none")
-VIEWS = ("rows", "kv", "tensors", "files")
+VIEWS = ("rows", "kv", "tensors", "files", "index")
 TENSOR_FORMATS = ("array", "struct")
 IMPLEMENTATIONS = ("auto", "jvm", "python")
 IMPLEMENTATION_CONF = "spark.pyspark_safetensors.implementation"
@@ -27,9 +27,6 @@ shim's jar is on the classpath (the option ``implementation`` does it for one re
 MIN_SHARD_MB, DEFAULT_SHARD_MB, MAX_SHARD_MB = 50, 300, 1000
 """Bounds and default of ``target_shard_size_mb`` (KV shards): a task holds up to two
 shards in memory, and smaller shards make more files than readers want to open."""
-
-DEFAULT_ROWS_PER_PARTITION = 65_536
-"""Rows view: shards larger than this are read as several row ranges."""
 
 MAX_ROWS = 2**31 - 1
 """Largest row count or dimension an option may give: Spark arrays, the Tensor Struct's
@@ -326,7 +323,9 @@ class ReaderOptions:
     view: str | None = None
     tensor_format: str = "array"
     include_data: bool = True
-    rows_per_partition: int = DEFAULT_ROWS_PER_PARTITION
+    rows_per_partition: int | None = None
+    """Rows view: one partition per range of this many rows of each shard; None packs
+    shards into partitions of about ``reader.PARTITION_BYTES``."""
     paths: tuple[str, ...] = ()
     """Every path given (``load([p1, p2])``); read as one DataFrame."""
     infer_schema: bool = False

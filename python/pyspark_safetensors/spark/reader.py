@@ -9,17 +9,24 @@ Views:
 - ``files``: any safetensors files; one row per file, one Tensor Struct column per tensor
   name (the read model of the Scala safetensors connector; a file without a tensor gives
   null there).
+- ``index``: datasets; the rows of ``rows``/``kv`` without tensor bytes (``file``, ``row``,
+  the key, and each column's ``dtype`` and ``shape``), from the manifest and the tensor
+  index: counts and metadata without reading shards (a Python data source is never told
+  that a query needs no column).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from pyspark.sql.datasource import DataSourceReader, InputPartition
 from pyspark.sql.types import ArrayType, DataType, LongType, StringType, StructField, StructType
@@ -34,27 +41,26 @@ from ..dataset import (
     load_manifest,
     open_shard,
     read_header,
-    split_kv_name,
+    read_index,
     split_storage_options,
 )
-from ..dataset.layout import SHARD_NAME
+from ..dataset.layout import SHARD_NAME, kv_suffix
 from ..dataset.verify import check_shard
 from ..format.errors import PysparkSafetensorsError, SafetensorsFormatError
 from .compat import pushdown_enabled
 from .dtypes import READ_TYPES
 from .options import OptionError, ReaderOptions
 from .tensor_struct import (
+    MAX_DIMENSION,
     TENSOR_STRUCT_ARROW,
     TENSOR_STRUCT_TYPE,
     TensorStructError,
+    assemble_tensor_structs,
     is_tensor_struct,
+    repeated_string,
     struct_shape,
     tensor_structs_of_rows,
 )
-
-TENSORS_VIEW_PARTITIONS = 64
-"""The tensors and files views group their files into about this many partitions (files
-are small: one task per file would cost more than reading it)."""
 
 MAX_FILES_VIEW_COLUMNS = 10_000
 """The files view makes one column per distinct tensor name: past this many (a KV dataset
@@ -62,6 +68,18 @@ names a tensor per key) the view is refused in favour of ``kv`` or ``tensors``."
 
 FILE_VIEWS = ("tensors", "files")
 """Views that read any safetensors file, with or without a manifest."""
+
+INDEX_ENTRY_TYPE = StructType(
+    [StructField("dtype", StringType()), StructField("shape", ArrayType(LongType()))]
+)
+"""What the index view gives for each tensor column of a row: the tensor without its bytes."""
+
+INDEX_ROWS_PER_PARTITION = 1 << 22
+"""The index view of a batch dataset: rows per partition (made from the manifest alone)."""
+
+
+_DTYPE, _SHAPE, _BEGIN, _END = (operator.itemgetter(i) for i in (1, 2, 3, 4))
+"""A ``TensorInfo``'s fields, for bulk reads of a header's 10^5 entries."""
 
 
 class ReadError(PysparkSafetensorsError, ValueError):
@@ -76,6 +94,8 @@ class Source:
     location: DatasetLocation
     manifest: Manifest | None
     files: tuple[str, ...] = field(default=())
+    sizes: tuple[int, ...] = field(default=())
+    """Bytes of each file (what partitions are packed by)."""
 
 
 def _glob(path: str, storage: Mapping[str, str]) -> Source:
@@ -84,16 +104,16 @@ def _glob(path: str, storage: Mapping[str, str]) -> Source:
     pattern = path[len(base) :]
     location = DatasetLocation.of(base.rstrip("/") or ".", storage_options=storage)
     recursive = "/" in pattern or "**" in pattern
-    files = sorted(
-        name
-        for name, info in location.list(recursive=recursive).items()
+    files = {
+        name: info.size
+        for name, info in sorted(location.list(recursive=recursive).items())
         if info.type == pafs.FileType.File
         and name.endswith(".safetensors")
         and fnmatch.fnmatchcase(name, pattern)
-    )
+    }
     if not files:
         raise ReadError(f"{path!r}: no .safetensors files match")
-    return Source(location, None, tuple(files))
+    return Source(location, None, tuple(files), tuple(files.values()))
 
 
 def resolve(options: ReaderOptions, storage: Mapping[str, str] | None = None) -> Source:
@@ -129,7 +149,12 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
             raise ReadError(
                 f"dataset {location.uri!r} disagrees with its manifest: {'; '.join(problems[:5])}"
             )
-        return Source(location, manifest, tuple(s.shard_path for s in manifest.shards))
+        return Source(
+            location,
+            manifest,
+            tuple(s.shard_path for s in manifest.shards),
+            tuple(s.bytes for s in manifest.shards),
+        )
     if listing:
         leftovers = sorted(n for n in listing if SHARD_NAME.match(n) or n == STAGING)
         if leftovers:
@@ -139,19 +164,20 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
                 "Rewrite it, or read the files anyway with a glob such as "
                 f"'{location.uri.rstrip('/')}/*.safetensors'"
             )
-        files = sorted(
-            name
-            for name, info in location.list(recursive=True).items()
+        files = {
+            name: info.size
+            for name, info in sorted(location.list(recursive=True).items())
             if info.type == pafs.FileType.File
             and name.endswith(".safetensors")
             and not any(part.startswith(("_", ".")) for part in name.split("/"))
-        )
+        }
         if not files:
             raise ReadError(f"{location.uri!r}: no dataset manifest and no .safetensors files")
-        return Source(location, None, tuple(files))
+        return Source(location, None, tuple(files), tuple(files.values()))
     single, name = location.parent()
     try:
-        if name and single.regular_size(name) is not None:
+        size = single.regular_size(name) if name else None
+        if size is not None:
             if not name.endswith(".safetensors"):
                 raise ReadError(
                     f"{location.uri!r} is a file but neither a .safetensors file nor a "
@@ -159,7 +185,7 @@ def resolve_path(path: str, storage: Mapping[str, str] | None = None) -> Source:
                     "a directory or glob of them"
                 )
             read_header(single, name)  # a broken file is refused here, not in a task
-            return Source(single, None, (name,))
+            return Source(single, None, (name,), (size,))
     except (ManifestError, SafetensorsFormatError) as e:
         raise ReadError(str(e)) from None
     raise ReadError(f"{location.uri!r}: no such file or directory")
@@ -171,15 +197,16 @@ def default_view(source: Source, requested: str | None, infer_schema: bool = Fal
     if source.manifest is None:
         if requested not in (None, *FILE_VIEWS):
             raise OptionError(
-                f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files support view=tensors or view=files"
+                f"view={requested!r} needs a dataset directory with {MANIFEST}; plain files "
+                "support view=tensors (include_data=false: no tensor bytes) or view=files"
             )
         return requested or ("files" if infer_schema else "tensors")
     mode_view = "kv" if source.manifest.mode == "kv" else "rows"
     if requested is None:
         return mode_view
-    if requested not in FILE_VIEWS and requested != mode_view:
+    if requested not in (*FILE_VIEWS, "index") and requested != mode_view:
         raise OptionError(
-            f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view}, tensors or files"
+            f"view={requested!r} does not fit a {source.manifest.mode}-mode dataset; use view={mode_view}, index, tensors or files"
         )
     return requested
 
@@ -225,29 +252,60 @@ def infer_schema(source: Source, view: str, options: ReaderOptions) -> StructTyp
             fields.append(StructField("data", TENSOR_STRUCT_TYPE))
         return StructType(fields)
     manifest = source.manifest
-    schema = manifest.schema
-    if not schema and manifest.shards:  # a manifest without a schema: take the first header
+    fields = []
+    if manifest.mode == "kv" and view in ("kv", "index"):
+        fields.append(StructField(manifest.name_col or "key", StringType()))
+    if view == "index":
+        fields += [StructField("file", StringType()), StructField("row", LongType())]
+    for name, col in dataset_columns(source).items():
+        t = (
+            INDEX_ENTRY_TYPE
+            if view == "index"
+            else _column_type(col.dtype, len(col.sample_shape), options.tensor_format)
+        )
+        fields.append(StructField(name, t))
+    return StructType(fields)
+
+
+def dataset_columns(source: Source) -> dict[str, ColumnSchema]:
+    """A dataset's columns: the manifest's schema, or (a manifest without one) the first
+    shard's header."""
+    schema = source.manifest.schema
+    if not schema and source.manifest.shards:
         header = read_header(source.location, source.files[0])
         schema = {t.name: ColumnSchema(t.dtype.name, t.shape, t.shape[1:]) for t in header.tensors}
-    fields = []
-    if view == "kv":
-        fields.append(StructField(manifest.name_col or "key", StringType()))
-    for name, col in schema.items():
-        fields.append(
-            StructField(name, _column_type(col.dtype, len(col.sample_shape), options.tensor_format))
-        )
-    return StructType(fields)
+    return schema
 
 
 # ------------------------------------------------------------------------ partitions
 
+PARTITION_BYTES = 128 << 20
+"""About how many bytes one read task reads: Spark's default
+``spark.sql.files.maxPartitionBytes``. Consecutive shards (and row ranges of larger ones)
+are packed into partitions of about this size, split evenly: each task costs a Python
+worker's round trip (tens of milliseconds), so 20 shards of 10 MB read as 20 tasks took
+1.5-2x as long as the same rows in 2. A Python source cannot learn the cluster's cores,
+so where a small dataset should spread over many of them, ``rows_per_partition`` cuts
+it finer."""
+
+OPEN_COST_BYTES = 4 << 20
+"""What opening one file counts for when files are packed (Spark's default
+``spark.sql.files.openCostInBytes``), so header-only reads of many files still spread."""
+
+BATCH_BYTES = 8 << 20
+"""About how many tensor bytes one Arrow batch holds (at least one row or tensor)."""
+
+MAX_BINARY_BYTES = 2**31 - 1
+"""The most bytes one Spark binary value (a Tensor Struct's ``data``) can hold."""
+
 
 @dataclass(frozen=True)
 class ShardPartition(InputPartition):
-    shard: int
-    """Position in the manifest's shard list."""
-    row_start: int = 0
-    row_stop: int = -1
+    """Row ranges of consecutive shards of one loaded path, read in turn."""
+
+    pieces: tuple[tuple[int, int, int], ...]
+    """(position in the manifest's shard list, first row, row past the last); -1 for the
+    shard's end."""
     source: int = 0
     """Which of the loaded paths."""
 
@@ -256,6 +314,43 @@ class ShardPartition(InputPartition):
 class FilesPartition(InputPartition):
     files: tuple[str, ...]
     source: int = 0
+
+
+def pack(weights: list[int], limit: int) -> list[list[int]]:
+    """Consecutive items of the given weights grouped into about ``total / limit`` groups
+    of even weight: an item starts a new group when adding it would pass the even share
+    by more than half its own weight (so a heavy item is a group of its own)."""
+    total = sum(weights)
+    n = max(1, -(-total // limit))
+    groups: list[list[int]] = [[]]
+    filled = 0
+    for i, w in enumerate(weights):
+        if groups[-1] and (2 * filled + w) * n > 2 * total:
+            groups.append([])
+            filled = 0
+        groups[-1].append(i)
+        filled += w
+    return groups if groups[0] else []
+
+
+def cut_rows(counts: list[int], rows_per_part: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """Shards of ``counts`` rows cut into consecutive partitions of ``rows_per_part`` rows
+    (the last may hold fewer); an empty shard rides along with its neighbours."""
+    parts: list[list[tuple[int, int, int]]] = [[]]
+    room = rows_per_part
+    for shard, count in enumerate(counts):
+        if count == 0:
+            parts[-1].append((shard, 0, 0))
+        start = 0
+        while start < count:
+            if room == 0:
+                parts.append([])
+                room = rows_per_part
+            stop = min(count, start + room)
+            parts[-1].append((shard, start, stop))
+            room -= stop - start
+            start = stop
+    return [tuple(p) for p in parts if p]
 
 
 class SafetensorsReader(DataSourceReader):
@@ -310,22 +405,46 @@ class SafetensorsReader(DataSourceReader):
 
     def _partitions(self, source: Source, i: int) -> list[InputPartition]:
         if self.view in FILE_VIEWS:
-            per = max(1, len(source.files) // TENSORS_VIEW_PARTITIONS)
+            reads_data = self.view == "files" or "data" in self.schema.fieldNames()
+            weights = [OPEN_COST_BYTES + (size if reads_data else 0) for size in source.sizes]
             return [
-                FilesPartition(source.files[a : a + per], i)
-                for a in range(0, len(source.files), per)
+                FilesPartition(tuple(source.files[j] for j in group), i)
+                for group in pack(weights, PARTITION_BYTES)
             ]
-        parts = []
+        entries = source.manifest.shards
+        if self.view == "index":
+            return self._index_partitions(source, i)
+        if self.view == "kv":
+            return [
+                ShardPartition(tuple((j, 0, -1) for j in group), i)
+                for group in pack([e.bytes for e in entries], PARTITION_BYTES)
+            ]
+        counts = [e.samples_count for e in entries]
         step = self.options.rows_per_partition
-        for shard, entry in enumerate(source.manifest.shards):
-            if self.view == "kv" or entry.samples_count <= step:
-                parts.append(ShardPartition(shard, source=i))
-            else:
-                parts += [
-                    ShardPartition(shard, a, min(a + step, entry.samples_count), i)
-                    for a in range(0, entry.samples_count, step)
-                ]
-        return parts
+        if step is not None:  # the user's ranges, one partition each
+            return [
+                ShardPartition(((j, a, min(a + step, n)),), i)
+                for j, n in enumerate(counts)
+                for a in range(0, max(n, 1), step)
+            ]
+        total_rows, total_bytes = sum(counts), sum(e.bytes for e in entries)
+        n_parts = max(1, -(-total_bytes // PARTITION_BYTES))
+        return [
+            ShardPartition(pieces, i)
+            for pieces in cut_rows(counts, max(1, -(-total_rows // n_parts)))
+        ]
+
+    def _index_partitions(self, source: Source, i: int) -> list[InputPartition]:
+        entries = source.manifest.shards
+        if source.manifest.mode != "kv":  # from the manifest alone
+            counts = [e.samples_count for e in entries]
+            return [ShardPartition(p, i) for p in cut_rows(counts, INDEX_ROWS_PER_PARTITION)]
+        if source.manifest.index_file is not None:  # one read of the tensor index
+            return [ShardPartition(tuple((j, 0, -1) for j in range(len(entries))), i)]
+        return [  # headers only
+            ShardPartition(tuple((j, 0, -1) for j in group), i)
+            for group in pack([OPEN_COST_BYTES] * len(entries), PARTITION_BYTES)
+        ]
 
     def read(self, partition) -> Iterator[pa.RecordBatch]:
         batches = self._read(partition)
@@ -339,10 +458,14 @@ class SafetensorsReader(DataSourceReader):
             yield from self._read_tensors(partition)
         elif self.view == "files":
             yield from self._read_files(partition)
+        elif self.view == "index" and isinstance(partition, ShardPartition):
+            yield from self._read_index(partition)
         elif isinstance(partition, ShardPartition):
-            yield from (
-                self._read_rows(partition) if self.view == "rows" else self._read_kv(partition)
-            )
+            for shard, start, stop in partition.pieces:
+                if self.view == "rows":
+                    yield from self._read_rows(partition.source, shard, start, stop)
+                else:
+                    yield from self._read_kv(partition.source, shard)
 
     # -- tensors view
 
@@ -354,8 +477,8 @@ class SafetensorsReader(DataSourceReader):
             if "data" in names:
                 with open_shard(location, file, whole=True) as f:
                     infos = self._keep(f.header.tensors)
-                    data = [_tensor_struct(f.raw(t), t) for t in infos]
-                    yield _batch(names, shown, infos, data)
+                    for a, b in _byte_chunks(infos, shown):
+                        yield _batch(names, shown, infos[a:b], _structs_of(f, infos[a:b], shown))
             else:  # header only: no tensor byte is read
                 yield _batch(names, shown, self._keep(read_header(location, file).tensors), None)
 
@@ -387,6 +510,8 @@ class SafetensorsReader(DataSourceReader):
             yield pa.record_batch(row, names=names)
 
     def _keep(self, infos):
+        if self.wanted_names is None and self.wanted_dtypes is None:
+            return list(infos)
         return [
             t
             for t in infos
@@ -396,11 +521,11 @@ class SafetensorsReader(DataSourceReader):
 
     # -- rows view
 
-    def _open(self, part: ShardPartition, *, whole: bool = False):
-        """The partition's shard, its header checked against the manifest entry (the
-        same check every reader runs: dtypes, sample shapes and the row count)."""
-        source = self.sources[part.source]
-        entry = source.manifest.shards[part.shard]
+    def _open(self, source_index: int, shard: int, *, whole: bool = False):
+        """A shard, its header checked against the manifest entry (the same check every
+        reader runs: dtypes, sample shapes and the row count)."""
+        source = self.sources[source_index]
+        entry = source.manifest.shards[shard]
         location = source.location
         f = open_shard(location, entry.shard_path, whole=whole)
         problems = check_shard(source.manifest, entry, entry.bytes, f.header)
@@ -409,83 +534,149 @@ class SafetensorsReader(DataSourceReader):
             raise ReadError(f"dataset {location.uri!r}: {'; '.join(problems[:5])}")
         return f, location.display(entry.shard_path)
 
-    def _read_rows(self, part: ShardPartition):
-        f, file = self._open(part)
+    def _read_rows(self, source_index: int, shard: int, start: int, stop: int):
+        """Rows ``[start, stop)`` of one shard, in batches of about ``BATCH_BYTES``."""
+        f, file = self._open(source_index, shard)
         with f:
             header = f.header
+            expected_schema = self.sources[source_index].manifest.schema
+            names = [fld.name for fld in self.schema.fields]
             entry_rows = None
-            columns = []
-            for fld in self.schema.fields:
-                if fld.name not in header:
+            for name in names:
+                if name not in header:
                     raise ReadError(
-                        f"file {file!r}: no tensor {fld.name!r}, which the dataset schema lists"
+                        f"file {file!r}: no tensor {name!r}, which the dataset schema lists"
                     )
-                info = header[fld.name]
-                expected = self.sources[part.source].manifest.schema.get(fld.name)
+                info = header[name]
+                expected = expected_schema.get(name)
                 if expected is not None and (
                     info.dtype.name != expected.dtype
                     or tuple(info.shape[1:]) != tuple(expected.sample_shape)
                 ):
                     raise ReadError(
-                        f"file {file!r}: tensor {fld.name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]"
+                        f"file {file!r}: tensor {name!r} is {info.dtype}{list(info.shape)}, the manifest says {expected.dtype}[*, {', '.join(map(str, expected.sample_shape))}]"
                     )
                 rows = info.shape[0] if info.shape else 1
                 entry_rows = rows if entry_rows is None else entry_rows
                 if rows != entry_rows:
                     raise ReadError(
-                        f"file {file!r}: tensor {fld.name!r} has {rows} rows, others have {entry_rows}"
+                        f"file {file!r}: tensor {name!r} has {rows} rows, others have {entry_rows}"
                     )
-                stop = rows if part.row_stop < 0 else part.row_stop
-                chunk = (
-                    f.row_range(fld.name, part.row_start, stop)
-                    if info.shape
-                    else f.tensor(fld.name)
-                )
-                if self.options.tensor_format == "struct":
-                    columns.append(_struct_rows(chunk, info.dtype.name))
-                else:
-                    columns.append(
-                        _uniform_lists(
-                            _convert(chunk, info.dtype.name, file, fld.name), chunk.ndim - 1
+            rows = entry_rows or 0
+            stop = rows if stop < 0 else min(stop, rows)
+            row_bytes = sum(header[n].nbytes for n in names) // max(rows, 1)
+            step = max(1, BATCH_BYTES // max(row_bytes, 1))
+            for a in range(start, stop, step):
+                b = min(a + step, stop)
+                columns = []
+                for name in names:
+                    info = header[name]
+                    chunk = f.row_range(name, a, b) if info.shape else f.tensor(name)
+                    if self.options.tensor_format == "struct":
+                        columns.append(_struct_rows(chunk, info.dtype.name))
+                    else:
+                        columns.append(
+                            _uniform_lists(
+                                _convert(chunk, info.dtype.name, file, name), chunk.ndim - 1
+                            )
                         )
-                    )
-            yield pa.record_batch(columns, names=[fld.name for fld in self.schema.fields])
+                yield pa.record_batch(columns, names=names)
 
     # -- kv view
 
-    def _read_kv(self, part: ShardPartition):
-        manifest = self.sources[part.source].manifest
+    def _read_kv(self, source_index: int, shard: int):
+        """One shard's keys, sorted, with their tensors, in batches of about
+        ``BATCH_BYTES``: the header's names split in bulk, each column's tensors taken as
+        one run of bytes (copied only when its tensors are not laid out in key order)."""
+        manifest = self.sources[source_index].manifest
         key_col = manifest.name_col or "key"
         sep = manifest.kv_separator or "__"
-        columns = [f.name for f in self.schema.fields if f.name != key_col]
-        f, file = self._open(part, whole=True)
+        names = [f.name for f in self.schema.fields]
+        f, file = self._open(source_index, shard, whole=True)
         with f:
-            rows: dict[str, dict[str, object]] = {}
-            for t in f.header.tensors:
-                split = split_kv_name(t.name, manifest.schema, sep)
-                if split is None:
-                    raise ReadError(
-                        f"file {file!r}: tensor {t.name!r} is not '<key>{sep}<column>' for a column of the dataset"
-                    )
-                key, col = split
-                if self.wanted_keys is None or key in self.wanted_keys:
-                    rows.setdefault(key, {})[col] = t
-            keys = sorted(rows)
-            out = {key_col: pa.array(keys, pa.string())}
+            columns = [n for n in names if n != key_col]
+            keys, positions = _kv_rows(
+                pa.array([t.name for t in f.header.tensors], pa.string()),
+                list(manifest.schema),
+                columns,
+                sep,
+                file,
+                self.wanted_keys,
+            )
+            infos = f.header.tensors
+            out = {key_col: keys}
+            sizes = np.zeros(len(keys), dtype=np.int64)
             for col in columns:
-                infos = [rows[k].get(col) for k in keys]
-                if any(i is None for i in infos):
-                    k = keys[infos.index(None)]
-                    raise ReadError(f"file {file!r}: key {k!r} has no tensor for column {col!r}")
-                if self.options.tensor_format == "struct":
-                    out[col] = pa.array(
-                        [_tensor_struct(f.raw(i), i) for i in infos], type=TENSOR_STRUCT_ARROW
+                picked = [infos[i] for i in positions[col].tolist()]
+                out[col], nbytes = _kv_column(
+                    f, picked, col, file, manifest.schema[col], self.options.tensor_format
+                )
+                sizes += nbytes
+            batch = pa.record_batch([out[n] for n in names], names=names)
+            for a, b in _row_chunks(sizes):
+                yield batch.slice(a, b - a)
+
+    # -- index view
+
+    def _read_index(self, part: ShardPartition):
+        """The rows of the data view without their bytes: a batch dataset's from its
+        manifest (no shard opened), a KV dataset's from its tensor index (no shard opened)
+        or, without one, from its shards' headers."""
+        source = self.sources[part.source]
+        manifest, location = source.manifest, source.location
+        names = [f.name for f in self.schema.fields]
+        key_col = manifest.name_col or "key"
+        columns = [n for n in names if n not in ("file", "row") and n != key_col]
+        if manifest.mode != "kv":
+            schema = dataset_columns(source)
+            for shard, start, stop in part.pieces:
+                entry = manifest.shards[shard]
+                stop = entry.samples_count if stop < 0 else stop
+                n = stop - start
+                out = {
+                    "file": repeated_string(location.display(entry.shard_path), n),
+                    "row": pa.array(np.arange(start, stop, dtype=np.int64)),
+                }
+                for col in columns:
+                    sample = np.array(schema[col].sample_shape, dtype=np.int64)
+                    shapes = pa.ListArray.from_arrays(
+                        pa.array(np.arange(n + 1, dtype=np.int32) * len(sample)),
+                        pa.array(np.tile(sample, n), pa.int64()),
                     )
-                else:
-                    arrays = [_convert(f.tensor(i.name), i.dtype.name, file, col) for i in infos]
-                    out[col] = _ragged_lists(arrays, len(manifest.schema[col].sample_shape))
-            names = [f.name for f in self.schema.fields]
-            yield pa.record_batch([out[n] for n in names], names=names)
+                    out[col] = _index_entries(repeated_string(schema[col].dtype, n), shapes)
+                yield pa.record_batch([out[c] for c in names], names=names)
+            return
+        table = None
+        if manifest.index_file is not None:
+            try:
+                table = read_index(location, manifest)
+            except ManifestError as e:
+                raise ReadError(str(e)) from None
+        sep = manifest.kv_separator or "__"
+        for shard, _, _ in part.pieces:
+            entry = manifest.shards[shard]
+            file = location.display(entry.shard_path)
+            if table is not None:
+                rows = table.filter(pc.equal(table["file_name"], entry.shard_path))
+                tensor_names = rows["tensor_key"].combine_chunks()
+                dtypes = rows["dtype"].combine_chunks()
+                shapes = rows["shape"].combine_chunks().cast(pa.list_(pa.int64()))
+            else:
+                tensors = read_header(location, entry.shard_path, entry.bytes).tensors
+                tensor_names = pa.array([t.name for t in tensors], pa.string())
+                dtypes = pa.array([t.dtype.name for t in tensors], pa.string())
+                shapes = pa.array([list(t.shape) for t in tensors], pa.list_(pa.int64()))
+            keys, positions = _kv_rows(
+                tensor_names, list(manifest.schema), columns, sep, file, self.wanted_keys
+            )
+            out = {
+                key_col: keys,
+                "file": repeated_string(file, len(keys)),
+                "row": pa.array(np.arange(len(keys), dtype=np.int64)),
+            }
+            for col in columns:
+                out[col] = _index_entries(dtypes.take(positions[col]), shapes.take(positions[col]))
+            yield pa.record_batch([out[c] for c in names], names=names)
 
 
 class PushdownSafetensorsReader(SafetensorsReader):
@@ -512,7 +703,7 @@ class PushdownSafetensorsReader(SafetensorsReader):
                 self.wanted_names = set(values) & (self.wanted_names or set(values))
             elif self.view == "tensors" and column == "dtype":
                 self.wanted_dtypes = set(values) & (self.wanted_dtypes or set(values))
-            elif self.view == "kv" and column == key_col:
+            elif self.view in ("kv", "index") and key_col and column == key_col:
                 self.wanted_keys = set(values) & (self.wanted_keys or set(values))
             else:
                 yield f
@@ -553,26 +744,184 @@ def _uniform_lists(values: np.ndarray, rank: int) -> pa.Array:
     return arr
 
 
-def _ragged_lists(arrays: list[np.ndarray], rank: int) -> pa.Array:
-    """One nested list per row, rows of different shapes (KV mode)."""
-    if rank == 0:
-        return pa.array(np.array([a.reshape(()) for a in arrays]) if arrays else np.empty(0))
-    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0, np.float32)
-    arr = pa.array(flat)
-    shapes = [a.shape for a in arrays]
-    for depth in range(rank - 1, -1, -1):
-        # lists at this depth: per row, prod(shape[:depth]) lists of length shape[depth]
-        lengths = (
-            np.concatenate(
-                [np.full(math.prod(s[:depth]), s[depth], dtype=np.int64) for s in shapes]
-            )
-            if shapes
-            else np.empty(0, np.int64)
+def _kv_rows(names: pa.StringArray, schema_columns, requested, sep: str, file: str, wanted_keys):
+    """A KV shard's keys (sorted, as Arrow strings; only ``wanted_keys`` when given) and,
+    for each requested column, the positions in ``names`` (the shard's tensor names) of its
+    tensors in key order. Names are split by ``split_kv_name``'s rule (the longest column
+    suffix wins), in bulk."""
+    owner = np.full(len(names), -1, dtype=np.int64)
+    for c in sorted(range(len(schema_columns)), key=lambda c: -len(schema_columns[c])):
+        hit = pc.ends_with(names, kv_suffix(schema_columns[c], sep))
+        owner[hit.to_numpy(zero_copy_only=False) & (owner < 0)] = c
+    if (owner < 0).any():
+        bad = names[int(np.argmax(owner < 0))].as_py()
+        raise ReadError(
+            f"file {file!r}: tensor {bad!r} is not '<key>{sep}<column>' for a column of the dataset"
         )
+    wanted = None if wanted_keys is None else pa.array(sorted(wanted_keys), pa.string())
+    keyed = {}
+    for c, col in enumerate(schema_columns):
+        where = np.flatnonzero(owner == c)
+        keys = pc.utf8_slice_codeunits(names.take(where), 0, -len(kv_suffix(col, sep)))
+        if wanted is not None:
+            keep = pc.is_in(keys, value_set=wanted)
+            where, keys = where[keep.to_numpy(zero_copy_only=False)], keys.filter(keep)
+        order = pc.sort_indices(keys).to_numpy()
+        keyed[col] = (keys.take(order), where[order])
+    every = [k for k, _ in keyed.values()]
+    union = every[0] if every else pa.array([], pa.string())
+    if any(not k.equals(union) for k in every[1:]):
+        union = pc.unique(pa.concat_arrays(every))
+        union = union.take(pc.sort_indices(union))
+    for col in requested:
+        keys = keyed[col][0]
+        if not keys.equals(union):
+            missing = pc.filter(union, pc.invert(pc.is_in(union, value_set=keys)))[0].as_py()
+            raise ReadError(f"file {file!r}: key {missing!r} has no tensor for column {col!r}")
+    return union, {col: keyed[col][1] for col in requested}
+
+
+def _index_entries(dtypes: pa.Array, shapes: pa.Array) -> pa.StructArray:
+    return pa.StructArray.from_arrays([dtypes, shapes], names=["dtype", "shape"])
+
+
+def _gather(f, infos) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of ``infos``' tensors one after another (a view of the shard when they
+    lie so in the file, else a copy) and each one's byte count."""
+    if not infos:
+        return np.empty(0, np.uint8), np.empty(0, np.int64)
+    base = f.header.data_start
+    begins = np.fromiter(map(_BEGIN, infos), np.int64, len(infos))
+    ends = np.fromiter(map(_END, infos), np.int64, len(infos))
+    if (begins[1:] == ends[:-1]).all():
+        data = f.byte_range(base + int(begins[0]), base + int(ends[-1]))
+        return np.frombuffer(data, np.uint8), ends - begins
+    data = np.frombuffer(f.byte_range(base, base + int(ends.max())), np.uint8)
+    pieces = [data[a:b] for a, b in zip(begins.tolist(), ends.tolist(), strict=True)]
+    return np.concatenate(pieces), ends - begins
+
+
+def _kv_column(f, infos, column: str, file: str, expected: ColumnSchema, tensor_format: str):
+    """One KV column's tensors (one per row, in row order) as an Arrow array, and each
+    row's bytes."""
+    rank = len(expected.sample_shape)
+    shapes = list(map(_SHAPE, infos))
+    distinct = set(shapes)
+    if any(len(s) != rank for s in distinct):
+        bad = next(t for t in infos if len(t.shape) != rank)
+        raise ReadError(
+            f"file {file!r}: tensor {bad.name!r} has shape {list(bad.shape)}, the manifest "
+            f"gives column {column!r} {rank} dimension(s)"
+        )
+    dtypes = _dtypes(infos)
+    raw, nbytes = _gather(f, infos)
+    if tensor_format == "struct":
+        return _structs(raw, nbytes, shapes, rank, dtypes, infos, file), nbytes
+    if len(dtypes) > 1:  # mixed dtypes in one column: each tensor converted on its own
+        flat = np.concatenate(
+            [_convert(f.tensor(t.name).reshape(-1), t.dtype.name, file, column) for t in infos]
+        )
+    elif dtypes:
+        dtype = dtypes[0]
+        flat = _convert(raw.view(dtype.numpy), dtype.name, file, column)
+    else:
+        flat = np.empty(0, READ_TYPES[expected.dtype][1])
+    if len(distinct) == 1:  # one shape for every row (the common case): no per-row dims
+        return _uniform_lists(flat.reshape(len(infos), *next(iter(distinct))), rank), nbytes
+    dims = np.array(shapes, dtype=np.int64).reshape(len(infos), rank)
+    return _nested_lists(flat, dims), nbytes
+
+
+def _dtypes(infos) -> list:
+    """The distinct dtypes of ``infos`` (by identity: a header's entries share the
+    table's dtype objects, and hashing 10^5 dataclasses costs more than the read)."""
+    return list({id(d): d for d in map(_DTYPE, infos)}.values())
+
+
+def _nested_lists(values: np.ndarray, dims: np.ndarray) -> pa.Array:
+    """Row i's values (``prod(dims[i])`` of them, rows one after another) as nested lists
+    of shape ``dims[i]``; offsets computed in bulk."""
+    n, rank = dims.shape
+    if rank == 0:
+        return pa.array(values)
+    if n and (dims == dims[0]).all():
+        return _uniform_lists(values.reshape(n, *dims[0].tolist()), rank)
+    arr = pa.array(values)
+    for depth in range(rank - 1, -1, -1):
+        # lists at this depth: per row, prod(dims[:depth]) lists of length dims[depth]
+        lengths = np.repeat(dims[:, depth], np.prod(dims[:, :depth], axis=1))
         offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         arr = pa.ListArray.from_arrays(pa.array(offsets), arr)
     return arr
+
+
+def _structs(raw: np.ndarray, nbytes: np.ndarray, shapes, rank, dtypes, infos, file) -> pa.Array:
+    """Tensor Structs over ``raw`` (the tensors' bytes one after another)."""
+    n = len(infos)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nbytes, out=offsets[1:])
+    if offsets[-1] > MAX_BINARY_BYTES:  # callers cut batches below this
+        raise ReadError(f"file {file!r}: over 2 GiB of tensors in one batch")
+    data = pa.Array.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(raw)]
+    )
+    dims = np.array(shapes, dtype=np.int64).reshape(-1) if rank is not None else None
+    if dims is None:  # tensors of any rank
+        ranks = np.fromiter(map(len, shapes), np.int64, n)
+        dims = np.fromiter((d for s in shapes for d in s), np.int64, int(ranks.sum()))
+    else:
+        ranks = np.full(n, rank, dtype=np.int64)
+    if (dims > MAX_DIMENSION).any():
+        bad = next(t for t in infos if any(d > MAX_DIMENSION for d in t.shape))
+        try:
+            struct_shape(bad.shape, f"tensor {bad.name!r}")
+        except TensorStructError as e:
+            raise ReadError(str(e)) from None
+    shape_offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(ranks, out=shape_offsets[1:])
+    shape_lists = pa.ListArray.from_arrays(
+        pa.array(shape_offsets), pa.array(dims.astype(np.int32), pa.int32())
+    )
+    names = (
+        dtypes[0].name if len(dtypes) == 1 else pa.array([t.dtype.name for t in infos], pa.string())
+    )
+    return assemble_tensor_structs(data, shape_lists, names)
+
+
+def _structs_of(f, infos, file: str) -> pa.Array:
+    """The tensors' Tensor Structs (one Arrow buffer over the shard where they lie in
+    file order, as a whole file's tensors do)."""
+    raw, nbytes = _gather(f, infos)
+    return _structs(raw, nbytes, list(map(_SHAPE, infos)), None, _dtypes(infos), infos, file)
+
+
+def _row_chunks(sizes: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive ranges of rows of the given byte sizes holding about ``BATCH_BYTES``
+    each (at least one row; one empty range when there is no row)."""
+    n = len(sizes)
+    if n == 0:
+        return [(0, 0)]
+    cum = np.cumsum(sizes)
+    bounds = [0]
+    while bounds[-1] < n:
+        base = int(cum[bounds[-1] - 1]) if bounds[-1] else 0
+        nxt = int(np.searchsorted(cum, base + BATCH_BYTES, side="right"))
+        bounds.append(min(n, max(nxt, bounds[-1] + 1)))
+    return list(itertools.pairwise(bounds))
+
+
+def _byte_chunks(infos, file: str) -> list[tuple[int, int]]:
+    """The tensors view's batches of a file; a tensor too large for one Spark value is
+    refused, naming it."""
+    nbytes = np.fromiter((t.end - t.begin for t in infos), np.int64, len(infos))
+    if (nbytes > MAX_BINARY_BYTES).any():
+        bad = infos[int(np.argmax(nbytes > MAX_BINARY_BYTES))]
+        raise ReadError(
+            f"file {file!r}: tensor {bad.name!r} holds {bad.end - bad.begin} bytes, more than one "
+            "Spark value (2 GiB); list it with include_data=false"
+        )
+    return [] if not infos else _row_chunks(nbytes)
 
 
 def _tensor_struct(raw: memoryview, info) -> dict:
@@ -600,7 +949,7 @@ def _batch(names, file, infos, data) -> pa.RecordBatch:
         "shape": pa.array([list(t.shape) for t in infos], pa.list_(pa.int64())),
     }
     if data is not None:
-        cols["data"] = pa.array(data, type=TENSOR_STRUCT_ARROW)
+        cols["data"] = data
     return pa.record_batch([cols[n] for n in names], names=names)
 
 
