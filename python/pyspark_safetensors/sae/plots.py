@@ -1,6 +1,7 @@
 """End-of-training plots (rank 0): FVU, L0, dead latents, learning rate and gradient
-norm over tokens (held-out points beside the training ones), and the histogram of latent
-firing frequencies."""
+norm over tokens (held-out points beside the training ones, and the held-out FVU of each
+Matryoshka prefix or crosscoder hook point), and the histogram of latent firing
+frequencies."""
 
 from __future__ import annotations
 
@@ -47,8 +48,15 @@ def plot_training(
             held = [(h["tokens"], h["val_" + key] * scale) for h in history if "val_" + key in h]
             if held:
                 ax.plot(*zip(*held, strict=True), "o-", markersize=3, label="held-out")
-                ax.legend(fontsize=7, frameon=False)
                 values += [v for _, v in held]
+            if key == "fvu":  # a Matryoshka SAE's prefixes, a crosscoder's hook points
+                for part in _parts(history):
+                    points = [(h["tokens"], h[part]) for h in history if part in h]
+                    ax.plot(*zip(*points, strict=True), ".--", markersize=3, linewidth=0.8,
+                            label=part[len("val_fvu_"):])  # fmt: skip
+                    values += [v for _, v in points]
+            if held:
+                ax.legend(fontsize=6, frameon=False)
             if log and min(values) > 0:
                 ax.set_yscale("log")
             elif key == "dead_fraction":  # a flat zero line on a +-0.04 axis says nothing
@@ -81,3 +89,8 @@ def plot_training(
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     return written
+
+
+def _parts(history: list[dict]) -> list[str]:
+    """The ``val_fvu_<part>`` keys of the log, in first-seen order."""
+    return list(dict.fromkeys(k for h in history for k in h if k.startswith("val_fvu_")))
