@@ -272,7 +272,7 @@ def test_lm_loss_with_the_transcoder_replacing_the_mlp(toy):
     texts = toy_lm_texts(TINY)[1][:6]
     block = "model.layers.1.mlp"
     report = lm_loss_evaluation(model, tokenizer, texts, transcoders={block: tc_path},
-                                lut_dir=lut, max_length=TINY.context, batch_size=3)  # fmt: skip
+                                lut_dir=[lut], max_length=TINY.context, batch_size=3)  # fmt: skip
 
     tc = load_sae_model(tc_path)
     batches = lm_batches(tokenizer, texts, max_length=TINY.context, batch_size=3)
