@@ -305,6 +305,15 @@ def test_lm_loss_with_the_transcoder_replacing_the_mlp(toy):
         assert not module._forward_pre_hooks and not module._forward_hooks
     assert type(model.get_submodule(block)).__name__ == "LlamaMLP"
 
+    # a linear layer's LUT inside the block, from another directory: refused together
+    state = {n: t for n, t in load_sae_model(tc_path).full_state().items() if n != "skip_weight"}
+    save_sae(lut.parent / "sae.safetensors", state, {"k": str(K), "architecture": "topk"})
+    precompute_lut(model_dir, {f"{block}.up_proj": lut.parent / "sae.safetensors"},
+                   out_dir=lut.parent / "lut-up", progress=False)  # fmt: skip
+    with pytest.raises(LUTError, match=r"overlap: layer 'model\.layers\.1\.mlp\.up_proj' lies"):
+        lm_loss_evaluation(model, tokenizer, texts[:1], lut_dir=[lut.parent / "lut-up", lut])
+    assert type(model.get_submodule(block).up_proj).__name__ == "Linear"
+
 
 def test_latency_rows_time_the_dense_llama_block_and_count_its_flops(tiny):
     from pyspark_safetensors.lut.latency import DenseMLP, dense_flops, mlp_latency, time_mlp

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .inference import LUTMLP, LUTLinear, load_layer_file, patch_model
 from .precompute import ModelWeights
-from .spec import MLP, LUTError, entry_kind, validate_lut
+from .spec import LINEAR, MLP, LUTError, check_blocks, entry_kind, validate_lut
 
 
 @torch.no_grad()
@@ -446,7 +446,14 @@ def _lut_modules(model, lut_dirs: list, compensate: int) -> dict[str, torch.nn.M
     out = {}
     for lut_dir in lut_dirs:
         with lut_patched(model, lut_dir, compensate=compensate) as patched:
+            twice = sorted(set(out) & set(patched))
+            if twice:
+                raise LUTError(f"{lut_dir}: {twice} already patched in by another LUT directory")
             out.update(patched)
+    try:  # patched in together, a block would leave another directory's layers unused
+        check_blocks({n: MLP if isinstance(m, LUTMLP) else LINEAR for n, m in out.items()})
+    except LUTError as e:
+        raise LUTError(f"the LUT directories {[str(d) for d in lut_dirs]} overlap: {e}") from None
     return out
 
 
@@ -539,8 +546,8 @@ def swapped_modules(model, modules: Mapping[str, torch.nn.Module]):
     _set_modules(model, modules)
     try:
         yield model
-    finally:
-        _set_modules(model, originals)
+    finally:  # in reverse: a module set inside another one set later is put back last
+        _set_modules(model, dict(reversed(originals.items())))
 
 
 def _set_modules(model, modules: Mapping[str, torch.nn.Module]) -> None:

@@ -82,7 +82,7 @@ def check_blocks(names) -> None:
         if inside:
             raise LUTError(
                 f"layer {name!r} lies inside MLP block {inside[0]!r}, which the LUT replaces "
-                "whole; keep one of them (or put them in two LUT directories)"
+                "whole; keep one of them"
             )
 
 
