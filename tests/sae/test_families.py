@@ -74,6 +74,11 @@ def test_a_transcoder_reads_its_input_uncentred_and_writes_the_target_space():
         assert (out.values > 0).sum(1).eq(5).all()
     plain = TranscoderSAE(D_IN, 40, 5, d_out=D_IN)  # same widths: still an untied start
     assert not torch.equal(plain.encoder_weight, plain.decoder_weight)
+    assert not plain.decoder_weight.any()  # the first step writes it, as sparsify's
+    mean = x.mean(0) + 3
+    plain.center_encoder(mean)  # the trainer's start: the inputs' mean pre-activates at 0
+    torch.testing.assert_close(mean @ plain.encoder_weight.T + plain.encoder_bias,
+                               torch.zeros(40), atol=1e-5, rtol=0)  # fmt: skip
 
 
 def test_a_matryoshka_prefix_decodes_only_its_latents():

@@ -31,7 +31,7 @@ import torch
 
 from ..format.errors import USER_ERRORS, InvalidArgumentError, PysparkSafetensorsError
 from ..torch import ActivationLoader
-from .architectures import CrosscoderSAE, SparseAutoencoder, build_sae
+from .architectures import CrosscoderSAE, SparseAutoencoder, TranscoderSAE, build_sae
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -245,17 +245,26 @@ class Trainer:
     # --- initialisation from data ----------------------------------------------------------
 
     @torch.no_grad()
-    def init_decoder_bias(self, sample: torch.Tensor | None = None) -> None:
-        """Set ``decoder_bias`` from a sample of the targets (an SAE's: its activations)
-        gathered over the data ranks (so every rank computes the same value)."""
+    def init_decoder_bias(
+        self, sample: torch.Tensor | None = None, inputs: torch.Tensor | None = None
+    ) -> None:
+        """Set ``decoder_bias`` from a sample of the targets (an SAE's: its activations),
+        and a transcoder's ``encoder_bias`` from the inputs' mean (``center_encoder``),
+        each gathered over the data ranks (so every rank computes the same value).
+        ``sample`` / ``inputs``: this rank's rows; None = ``init_samples`` read from the
+        data."""
         c = self.config
-        if c.b_dec_init == "zeros":
-            return
+        centers = isinstance(self.sae, TranscoderSAE)
         if sample is None:
             rows = min(len(self.dataset), max(c.init_samples // self.dp, 1))
             rng = np.random.default_rng([c.seed, mesh_rank(self.mesh, DATA)])
             idx = np.sort(rng.choice(len(self.dataset), size=rows, replace=False))
-            sample = self.source.pair(self.loader.batches.read_batch(idx))[1]
+            inputs, sample = self.source.pair(self.loader.batches.read_batch(idx))
+        if centers and inputs is not None:
+            x = all_gather_cat(inputs.to(self.device, torch.float32), self.mesh, DATA)
+            self.sae.center_encoder(x.mean(0))
+        if c.b_dec_init == "zeros":
+            return
         sample = all_gather_cat(sample.to(self.device, torch.float32), self.mesh, DATA)
         center = geometric_median(sample) if c.b_dec_init == "geometric_median" else sample.mean(0)
         self.sae.decoder_bias.copy_(center.to(self.sae.decoder_bias))

@@ -17,7 +17,8 @@ renormalised to unit rows, becomes the decoder, so each latent starts writing th
 direction its first tokens ask for (on the tests' pairs, the FVU after 30 steps is 0.45
 from zero against 0.79 from random unit rows). The rows keep unit norm thereafter as an
 SAE's do (the code's values carry the output's scale). ``skip_weight`` starts at zero,
-as sparsify's does.
+as sparsify's does, and the trainer starts ``b_enc`` at ``-W_enc mean(x)``
+(``center_encoder``) so that the uncentred input's mean does not bias which latents fire.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class TranscoderSAE(TopKSAE):
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.encoder_weight.dtype)
+
+    @torch.no_grad()
+    def center_encoder(self, mean_x: torch.Tensor) -> None:
+        """``b_enc = -W_enc mean(x)``: the pre-activations start centred on the data, as an
+        SAE's are by ``x - b_dec`` (sparsify initialises its transcoders so). Each rank
+        sets its own latents' biases."""
+        self.encoder_bias.copy_(-(self.encoder_weight @ mean_x.to(self.encoder_weight)))
 
     def metadata(self) -> dict[str, str]:
         return super().metadata() | {"d_in": str(self.d), "d_out": str(self.d_out)}
