@@ -378,3 +378,21 @@ def test_validate_lut_checks_the_mlp_kind(tiny, tmp_path, block, change, message
     (tmp_path / "lut" / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(LUTError, match=message):
         validate_lut(tmp_path / "lut")
+
+
+def test_a_sparsify_skip_transcoder_makes_the_same_lut(tiny, tmp_path):
+    """sparsify's layout of the same skip transcoder (``transcode``, ``skip_connection``)
+    gives the same block file, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from pyspark_safetensors.sae.ecosystem import export_sae
+
+    root, transcoders, _ = tiny
+    sparsify = export_sae(transcoders[BLOCKS[1]], tmp_path / "sparsify", "sparsify")
+    precompute_lut(root / "llama", {BLOCKS[1]: sparsify}, out_dir=tmp_path / "lut",
+                   progress=False)  # fmt: skip
+    name = f"{BLOCKS[1]}.lut.safetensors"
+    ours, theirs = load_file(root / "lut" / name), load_file(tmp_path / "lut" / name)
+    assert set(ours) == set(theirs) and "skip_weight" in ours
+    for key, tensor in ours.items():
+        assert torch.equal(tensor, theirs[key]), key
