@@ -1,7 +1,9 @@
 """The research pipeline on a causal LM, through the real CLI: the tiny toy Llama trained
 as the pipeline's first stage, SAEs on the inputs of layer 1's attention and MLP
-projections, LUTs named as the LUT spec names a Llama's layers, and the LM-loss
-evaluation (CE loss recovered, KL) per hook point in the summary and the report."""
+projections, a skip transcoder replacing layer 0's MLP and a crosscoder over the two SAEs'
+hook points, LUTs named as the LUT spec names a Llama's layers (layer 0's MLP block
+whole), and the LM-loss evaluation (CE loss recovered, KL) per hook point and per
+replaced block in the summary and the report."""
 
 import json
 import math
@@ -27,6 +29,11 @@ nproc = 1
 epochs = 1
 ms = [0, 8]
 features = false
+llama3_8b_latency = false
+[pipeline.transcoders]
+"model.layers.0.mlp" = {{ input = "model.layers.0.mlp:input", target = "model.layers.0.mlp:output", skip = true }}
+[pipeline.crosscoders]
+"layer-1-inputs" = ["model.layers.1.self_attn.q_proj:input", "model.layers.1.mlp.gate_proj:input"]
 [pipeline.hooks]
 "{ATTN}" = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
             "model.layers.1.self_attn.v_proj"]
@@ -65,6 +72,7 @@ def test_lut_files_carry_the_spec_llama_names(run):
     assert sorted(meta["layers"]) == sorted(
         [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
         + [f"model.layers.1.mlp.{p}_proj" for p in ("gate", "up")]
+        + ["model.layers.0.mlp"]  # the whole block, from its transcoder
     )
     for layer in meta["layers"]:
         assert (run / "lut" / "lut" / f"{layer}.lut.safetensors").is_file()
@@ -100,3 +108,32 @@ def test_summary_and_report_hold_the_lm_loss_per_hook_point(run):
         assert any(
             line.startswith(f"| `{hook}`") and recovered in line for line in report.splitlines()
         )
+
+
+def test_the_transcoder_replaces_its_mlp_and_the_crosscoder_is_set_beside_the_saes(run):
+    summary = json.loads((run / "summary.json").read_text())
+    block, cross = "model.layers.0.mlp", "layer-1-inputs"
+    assert summary["training"][block]["kind"] == "transcoder"
+    assert summary["stages"]["transcoder-model_layers_0_mlp"]["dir"].startswith("transcoder-")
+    ev = summary["evaluation"]
+    t = ev["transcoders"][block]
+    assert t["target"] == "model.layers.0.mlp:output" and 0 < t["fvu"] < 1 and t["l0"] > 0
+    c = ev["crosscoders"][cross]
+    assert set(c["sae_fvu"]) == {ATTN, MLP}
+    assert all(0 < c[f"fvu_{hook}"] < 1 for hook in (ATTN, MLP))
+    mlp = ev["lm_loss"]["mlp"][block]
+    # the transcoder and its LUT stand in for the block better than ablating it
+    assert mlp["kl_spliced"] < mlp["kl_zero_ablated"] and mlp["kl_lut"] < mlp["kl_zero_ablated"]
+    assert mlp["ce_loss_recovered"] == pytest.approx(
+        (mlp["ce_zero_ablated"] - mlp["ce_spliced"])
+        / (mlp["ce_zero_ablated"] - ev["lm_loss"]["ce_clean"])
+    )
+    assert [r["tokens"] for r in ev["mlp_latency"][block]] == [1, 512]
+    report = (run / "report.md").read_text()
+    for section in ("## Transcoders", "## Crosscoders", "## MLP blocks replaced whole",
+                    "## MLP LUT latency"):  # fmt: skip
+        assert section in report
+    recovered = f"**{mlp['ce_loss_recovered']:.3f}**"
+    assert any(
+        line.startswith(f"| `{block}`") and recovered in line for line in report.splitlines()
+    )

@@ -19,14 +19,21 @@ RARE_FREQUENCY = 1e-4
 """Marked on the frequency plot: latents firing less often than this are nearly dead."""
 
 
-def sae_figures(sae_path: Path, x: torch.Tensor) -> tuple[dict, np.ndarray]:
-    """Held-out FVU, L0, dead (never firing) and dense latents of the SAE at ``sae_path``
-    on ``x [N, d]`` with the trainer's encoding, and each latent's firing frequency."""
+def sae_figures(
+    sae_path: Path, x: torch.Tensor, y: torch.Tensor | None = None
+) -> tuple[dict, np.ndarray]:
+    """Held-out FVU (of ``y`` for a transcoder, else of ``x``; and of each part an
+    architecture reports: a crosscoder's hook points, a Matryoshka SAE's prefixes), L0,
+    dead (never firing) and dense latents of the SAE at ``sae_path`` on ``x [N, d]`` with
+    the trainer's encoding, and each latent's firing frequency."""
     from ..sae import load_sae_model
     from ..sae.evaluate import evaluate_sae
 
     sae = load_sae_model(sae_path)
-    figures = evaluate_sae(sae, x.float().split(4096))
+    xs = x.float().split(4096)
+    figures = evaluate_sae(
+        sae, xs if y is None else list(zip(xs, y.float().split(4096), strict=True))
+    )
     freq = figures.pop("frequency")
     return {**figures, "k": sae.k, "num_latents": sae.n_latents}, freq
 
@@ -93,6 +100,43 @@ def plot_frequencies(freqs: Mapping[str, np.ndarray], tokens: int, out: Path) ->
     return out
 
 
+def family_figures(
+    acts: Mapping[str, torch.Tensor],
+    transcoders: Mapping[str, tuple[str, str, Path]],
+    crosscoders: Mapping[str, tuple[Sequence[str], Path]],
+    saes: Mapping[str, dict],
+) -> tuple[dict, dict, dict[str, np.ndarray]]:
+    """Held-out figures of each transcoder (``{block: (input hook, target hook, file)}``:
+    the FVU of its target) and crosscoder (``{name: (hook points, file)}``: the FVU of all
+    of them and of each, beside each hook point's own SAE's FVU where it has one), and their
+    latents' firing frequencies by name."""
+    freqs: dict[str, np.ndarray] = {}
+    out_transcoders, out_crosscoders = {}, {}
+    for block, (source, target, path) in transcoders.items():
+        figures, freqs[block] = sae_figures(path, acts[source], acts[target])
+        out_transcoders[block] = {**figures, "input": source, "target": target}
+    for name, (hooks, path) in crosscoders.items():
+        figures, freqs[name] = sae_figures(path, torch.cat([acts[h] for h in hooks], dim=1))
+        out_crosscoders[name] = {
+            **figures,
+            "hooks": list(hooks),
+            "sae_fvu": {h: saes[h]["fvu"] for h in hooks if h in saes},
+            "sae_latents": {h: saes[h]["num_latents"] for h in hooks if h in saes},
+        }
+    return out_transcoders, out_crosscoders, freqs
+
+
+def mlp_lut_latency(model, lut_dir: Path, tokens: Sequence[int] = (1, 512)) -> dict:
+    """Per MLP block of ``lut_dir``: ``lut.latency.time_mlp`` of its LUT against the
+    model's own block (rows per token count: seconds, FLOPs per token, their ratios)."""
+    from ..lut import load_lut_mlps
+    from ..lut.latency import time_mlp
+
+    luts = load_lut_mlps(lut_dir)
+    modules = dict(model.named_modules())
+    return {block: time_mlp(lut, modules[block], tuple(tokens)) for block, lut in luts.items()}
+
+
 def evaluate_pipeline(
     *,
     model_dir: str | os.PathLike,
@@ -104,34 +148,48 @@ def evaluate_pipeline(
     ks: Sequence[int],
     ms: Sequence[int],
     out_dir: Path,
+    transcoders: Mapping[str, tuple[str, str, Path]] | None = None,
+    crosscoders: Mapping[str, tuple[Sequence[str], Path]] | None = None,
+    llama3_8b_latency: bool = False,
 ) -> dict:
-    """Every held-out figure of the report, on ``texts``: ``lm_loss`` for a causal LM,
-    ``embedding_cosine`` otherwise; writes ``evaluation.md``/``evaluation.png`` (LUT error
-    against k) and ``latent_frequency.png`` into ``out_dir``."""
+    """Every held-out figure of the report, on ``texts``: each SAE's, transcoder's and
+    crosscoder's (``family_figures``), each LUT layer's and MLP block's, ``lm_loss`` for a
+    causal LM (a transcoder replacing its whole block among them), ``embedding_cosine``
+    otherwise; with ``llama3_8b_latency`` an MLP LUT's latency at Llama-3-8B's shapes
+    (``lut.latency.mlp_latency``: 1.8 GB of random tables). Writes
+    ``evaluation.md``/``evaluation.png`` (LUT error against k) and ``latent_frequency.png``
+    into ``out_dir``."""
     from ..extract import Extractor
     from ..extract.model import is_causal_lm
     from ..lut import embedding_agreement, evaluate, load_lut_layers
     from ..lut.evaluate import evaluate_lm
+    from ..lut.latency import mlp_latency
     from ..lut.precompute import ModelWeights
     from ..lut.spec import validate_lut
 
+    transcoders, crosscoders = dict(transcoders or {}), dict(crosscoders or {})
     texts = list(texts)
-    extractor = Extractor(model_dir, list(hooks), max_length=max_length)
+    needed = [*hooks, *(h for t in transcoders.values() for h in t[:2]),
+              *(h for hs, _ in crosscoders.values() for h in hs)]  # fmt: skip
+    extractor = Extractor(model_dir, list(dict.fromkeys(needed)), max_length=max_length)
     windows = extractor.run(texts)
     acts = {
         hook: torch.cat([torch.from_numpy(w.activations[hook].astype(np.float32)) for w in windows])
-        for hook in hooks
+        for hook in dict.fromkeys(needed)
     }
     saes, freqs = {}, {}
     for hook, path in sae_files.items():
         saes[hook], freqs[hook] = sae_figures(path, acts[hook])
+    families = family_figures(acts, transcoders, crosscoders, saes)
+    freqs.update(families[2])
     plot_frequencies(freqs, min(len(x) for x in acts.values()), out_dir / "latent_frequency.png")
 
     k_active = validate_lut(lut_dir)["sae_config"]["k_active"]
     layer_inputs = {layer: acts[hook] for hook, layers in hooks.items() for layer in layers}
-    rows = evaluate(
-        lut_dir, model_dir, layer_inputs, ks=list(ks) or None, ms=list(ms), out_dir=out_dir
-    )
+    rows = (
+        evaluate(lut_dir, model_dir, layer_inputs, ks=list(ks) or None, ms=list(ms), out_dir=out_dir)
+        if layer_inputs else []
+    )  # fmt: skip
     weights = ModelWeights(model_dir)
     latency = {  # per hook point: what a patched model runs for that input
         hook: lut_latency(
@@ -145,15 +203,22 @@ def evaluate_pipeline(
         "held_out_texts": len(texts),
         "held_out_tokens": {hook: len(x) for hook, x in acts.items()},
         "sae": saes,
+        "transcoders": families[0],
+        "crosscoders": families[1],
         "lut": rows,
         "k_active": k_active,
         "latency": latency,
     }
+    if transcoders:
+        figures["mlp_latency"] = mlp_lut_latency(extractor.model, lut_dir)
+    if transcoders and llama3_8b_latency:
+        figures["mlp_latency_llama3_8b"] = mlp_latency()
     if is_causal_lm(model_dir):
         # the extractor's length: max_length 0 resolved to the model's context
         lm = evaluate_lm(
             model_dir, texts, saes=dict(sae_files), lut_dir=lut_dir, compensate=list(ms),
             max_length=extractor.max_length,
+            transcoders={block: path for block, (_, _, path) in transcoders.items()},
         )  # fmt: skip
         figures["lm_loss"] = {**lm, "lut": {str(m): v for m, v in lm["lut"].items()}}
     else:

@@ -14,22 +14,45 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
-    sections = (_overview, _stages, _extraction, _saes, _lm_loss, _lut_errors, _lut_latency,
+    sections = (_overview, _stages, _extraction, _saes, _transcoders, _crosscoders, _lm_loss,
+                _mlp_replacement, _classifier, _lut_errors, _lut_latency, _mlp_latency,
                 _embeddings, _features, _configuration)  # fmt: skip
     return "\n".join(line for section in sections for line in section(summary))
 
 
 def _overview(summary: dict) -> list[str]:
     c, ev = summary["config"], summary["evaluation"]
+    if "held_out_images" in ev:
+        corpus = (f"{c['images']} training images, {ev['held_out_images']} held-out images "
+                  "the model never saw")  # fmt: skip
+    else:
+        corpus = (f"{c['texts']} training passages, {ev['held_out_texts']} held-out passages "
+                  "never seen by any stage")  # fmt: skip
     return [
         "# Pipeline report",
         "",
-        f"Model `{summary['source_model']}`; {c['texts']} training passages, "
-        f"{ev['held_out_texts']} held-out passages never seen by any stage; "
+        f"Model `{summary['source_model']}`; {corpus}; "
         f"SAEs trained on {c['nproc']} process(es) ({c['parallel']} parallel). "
         f"Created {summary['created_at']}, {summary['seconds']:.0f} s in all.",
         "",
         *_toy_lm(summary),
+        *_toy_vit(summary),
+    ]
+
+
+def _toy_vit(summary: dict) -> list[str]:
+    """The toy ViT the run trained, when it trained one."""
+    t = summary.get("toy_vit")
+    if not t:
+        return []
+    c = t["config"]
+    return [
+        f"The model is a toy ViT trained by the pipeline's `model` stage to tell the {t['task']} "
+        f"of synthetic images ({', '.join(t['labels'])}): {t['parameters']:,} parameters "
+        f"({c['num_layers']} layers, hidden {c['hidden_size']}, {c['image_size']}-pixel images "
+        f"in patches of {c['patch_size']}), {c['steps']} steps; held-out accuracy "
+        f"{t['held_out_accuracy']:.1%} against {t['chance_accuracy']:.1%} by chance.",
+        "",
     ]
 
 
@@ -60,6 +83,15 @@ def _stages(summary: dict) -> list[str]:
 
 def _extraction(summary: dict) -> list[str]:
     ex = summary["extraction"]
+    if ex.get("modality") == "image":
+        return [
+            "## Extraction",
+            "",
+            f"{ex['texts']:,} images → {ex['tokens']:,} tokens per hook point (CLS and every "
+            f"patch), {ex['bytes'] / 1e9:.3f} GB, {ex['texts'] / max(ex['seconds'], 1e-9):,.1f} "
+            f"images/s ({ex['seconds']:.1f} s); our datasets and a saev dump (`saev/`).",
+            "",
+        ]
     return [
         "## Extraction",
         "",
@@ -80,7 +112,7 @@ def _saes(summary: dict) -> list[str]:
         "",
     ]
     rows = []
-    for hook, t in summary["training"].items():
+    for hook, t in _trained(summary, "sae").items():
         h = ev["sae"][hook]
         rows.append([
             f"`{hook}`", f"{h['num_latents']} / k={h['k']}", f"{t['fvu']:.4f}", f"{h['fvu']:.4f}",
@@ -94,9 +126,166 @@ def _saes(summary: dict) -> list[str]:
         rows,
     )  # fmt: skip
     lines += [""]
-    for hook in summary["training"]:
+    for hook in _trained(summary, "sae"):
         lines += [f"![training {hook}]({summary['sae_runs'][hook]}/training.png)", ""]
     return [*lines, f"![latent frequency]({summary['evaluation_dir']}/latent_frequency.png)", ""]
+
+
+def _trained(summary: dict, kind: str) -> dict:
+    """The training figures of the runs of one kind ("sae" where a summary names none)."""
+    return {n: t for n, t in summary["training"].items() if t.get("kind", "sae") == kind}
+
+
+def _transcoders(summary: dict) -> list[str]:
+    """Each transcoder's figures: the FVU of its target, L0, dead latents."""
+    runs = _trained(summary, "transcoder")
+    if not runs:
+        return []
+    ev = summary["evaluation"]["transcoders"]
+    rows = []
+    for block, t in runs.items():
+        h = ev[block]
+        rows.append([
+            f"`{block}`", f"`{h['input']}` → `{h['target']}`", f"{h['num_latents']} / k={h['k']}",
+            f"{t['fvu']:.4f}", f"{h['fvu']:.4f}", f"{h['l0']:.1f}", f"{h['dead_fraction']:.1%}",
+            f"{t.get('tokens_per_s', 0):,.0f}",
+        ])  # fmt: skip
+    lines = [
+        "## Transcoders",
+        "",
+        "A transcoder reads its input hook point and reconstructs its target (the block's "
+        "output): the FVU is the target's. Held-out figures on the held-out passages' tokens.",
+        "",
+        *_table(
+            [
+                "block",
+                "input → target",
+                "latents / k",
+                "FVU (train)",
+                "FVU (held-out)",
+                "L0 (held-out)",
+                "never fired (held-out)",
+                "tokens/s",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    for block in runs:
+        lines += [f"![training {block}]({summary['sae_runs'][block]}/training.png)", ""]
+    return lines
+
+
+def _crosscoders(summary: dict) -> list[str]:
+    """Each crosscoder's FVU over all its hook points and per hook point, beside the hook
+    point's own SAE."""
+    runs = _trained(summary, "crosscoder")
+    if not runs:
+        return []
+    ev = summary["evaluation"]["crosscoders"]
+    lines = [
+        "## Crosscoders",
+        "",
+        "One code read from every hook point of the set, a decoder per hook point; each hook "
+        "point's held-out FVU beside that of the hook point's own SAE (when the run trained "
+        "one; its latents in brackets).",
+        "",
+    ]
+    rows = []
+    for name in runs:
+        h = ev[name]
+        rows.append([f"`{name}` (all)", f"{h['num_latents']} / k={h['k']}", f"{h['fvu']:.4f}",
+                     "", f"{h['l0']:.1f}", f"{h['dead_fraction']:.1%}"])  # fmt: skip
+        for hook in h["hooks"]:
+            own = h["sae_fvu"].get(hook)
+            sae = f"{own:.4f} ({h['sae_latents'][hook]})" if own is not None else ""
+            rows.append([f"`{hook}`", "", _num(h.get(f"fvu_{hook}"), ".4f"), sae, "", ""])
+    lines += _table(["crosscoder / hook point", "latents / k", "FVU (held-out)",
+                     "its SAE's FVU", "L0", "never fired"], rows)  # fmt: skip
+    return [*lines, ""]
+
+
+def _mlp_replacement(summary: dict) -> list[str]:
+    """A causal LM's loss with each MLP block replaced whole by its transcoder and LUT."""
+    lm = summary["evaluation"].get("lm_loss") or {}
+    if not lm.get("mlp"):
+        return []
+    rows = []
+    for block, h in lm["mlp"].items():
+        rows.append([
+            f"`{block}`", _num(h.get("ce_spliced"), ".4f"), _num(h.get("ce_lut"), ".4f"),
+            f"{h['ce_zero_ablated']:.4f}", f"{h['ce_mean_ablated']:.4f}",
+            f"**{_num(h.get('ce_loss_recovered'), '.3f')}**",
+            _num(h.get("ce_loss_recovered_mean"), ".3f"), _num(h.get("ce_loss_recovered_lut"), ".3f"),
+            _num(h.get("kl_spliced"), ".3g"), _num(h.get("kl_lut"), ".3g"),
+        ])  # fmt: skip
+    return [
+        "## MLP blocks replaced whole",
+        "",
+        "Each block's output replaced at every real token by its transcoder's output from the "
+        "block's input (transcoder), by the block's LUT (LUT, at every position, as in use), by "
+        "zeros or by its mean; CE loss recovered against zero (and mean) ablation, KL to the "
+        f"clean next-token distributions (clean CE {lm['ce_clean']:.4f}).",
+        "",
+        *_table(
+            [
+                "block",
+                "CE transcoder",
+                "CE LUT",
+                "CE zero-abl.",
+                "CE mean-abl.",
+                "CE loss recovered",
+                "recovered vs mean",
+                "recovered (LUT)",
+                "KL transcoder",
+                "KL LUT",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _mlp_latency(summary: dict) -> list[str]:
+    """Each MLP LUT against its dense block, and at Llama-3-8B's shapes when measured."""
+    ev = summary["evaluation"]
+    if not ev.get("mlp_latency"):
+        return []
+    rows = []
+    shapes = [(block, rows_) for block, rows_ in ev["mlp_latency"].items()]
+    if ev.get("mlp_latency_llama3_8b"):
+        big = ev["mlp_latency_llama3_8b"]
+        shapes.append((f"Llama-3-8B shapes ({big[0]['d_model']} → {big[0]['d_ff']}, "
+                       f"{big[0]['num_basis']:,} latents, k={big[0]['k']}; random)", big))  # fmt: skip
+    for name, timings in shapes:
+        for r in timings:
+            rows.append([
+                name if name.startswith("Llama") else f"`{name}`", r["tokens"],
+                f"{r['lut_s'] * 1e3:.3f}", f"{r['dense_s'] * 1e3:.3f}", f"{r['speedup']:.2f}×",
+                f"{r['lut_flops']:,}", f"{r['dense_flops']:,}", f"{r['flop_ratio']:.2f}×",
+            ])  # fmt: skip
+    return [
+        "## MLP LUT latency",
+        "",
+        "The patched block (`LUTMLP`: encode, top-k, k rows gathered) against the dense block "
+        "(gate, up, activation, down) on the same inputs, float32 on this machine's CPU; FLOPs "
+        "per token (docs/lut.md); above 1× the LUT is faster.",
+        "",
+        *_table(
+            [
+                "block",
+                "tokens",
+                "LUT ms",
+                "dense ms",
+                "dense / LUT",
+                "LUT FLOPs",
+                "dense FLOPs",
+                "dense / LUT FLOPs",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def _lm_loss(summary: dict) -> list[str]:
@@ -151,8 +340,43 @@ def _num(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def _classifier(summary: dict) -> list[str]:
+    """An image classifier's loss and accuracy with each SAE spliced in: the vision
+    analogue of CE loss recovered."""
+    cl = summary["evaluation"].get("classifier")
+    if not cl:
+        return []
+    rows = []
+    for name, h in cl["saes"].items():
+        rows.append([
+            f"`{name}`", h["tokens"], f"{h['ce_spliced']:.4f}", f"{h['accuracy_spliced']:.1%}",
+            f"{h['ce_zero_ablated']:.4f}", f"{h['accuracy_zero_ablated']:.1%}",
+            f"{h['ce_mean_ablated']:.4f}", f"{h['accuracy_mean_ablated']:.1%}",
+            f"**{h['loss_recovered']:.3f}**", f"{h['loss_recovered_mean']:.3f}",
+            f"{h['kl_spliced']:.3g}",
+        ])  # fmt: skip
+    header = ["SAE", "tokens", "CE spliced", "acc. spliced", "CE zero-abl.", "acc. zero-abl.",
+              "CE mean-abl.", "acc. mean-abl.", "loss recovered", "recovered vs mean",
+              "KL spliced"]  # fmt: skip
+    return [
+        "## Classifier with the SAEs spliced in",
+        "",
+        f"Cross-entropy (nats per image) and accuracy of the classifier on {cl['images']:,} "
+        f"held-out images; clean: CE **{cl['ce_clean']:.4f}**, accuracy "
+        f"**{cl['accuracy_clean']:.1%}**. At its hook point each SAE's reconstruction replaces "
+        "the tokens it was trained on (`image`: every patch, `cls`: the CLS token), against "
+        "the same tokens zero- or mean-ablated; loss recovered = (CE zero − CE spliced) / "
+        "(CE zero − CE clean); KL of the class distributions to the clean ones.",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
 def _lut_errors(summary: dict) -> list[str]:
     ev = summary["evaluation"]
+    if not ev.get("lut"):  # no linear layers' LUTs: an image run, or MLP blocks only
+        return []
     lines = [
         "## LUT layers",
         "",
@@ -180,6 +404,8 @@ def _lut_errors(summary: dict) -> list[str]:
 
 
 def _lut_latency(summary: dict) -> list[str]:
+    if not summary["evaluation"].get("latency"):
+        return []
     rows = []
     for name, t in summary["evaluation"]["latency"].items():
         # per hook point since the layers sharing an encode are timed together; older
@@ -243,7 +469,30 @@ def _features(summary: dict) -> list[str]:
     for hook, f in summary["features"].items():
         if f.get("screenshot"):
             lines += [f"![feature browser {hook}]({f['dir']}/feature-browser.png)", ""]
+        lines += _ground_truth(hook, f.get("ground_truth"))
     return lines
+
+
+def _ground_truth(hook: str, rows: list | None) -> list[str]:
+    """Each generative factor value's best detector latent, patch by patch (AUROC)."""
+    if not rows:
+        return []
+    table = [
+        [r["factor"], r["value"], r["latent"], f"**{r['auroc']:.3f}**", f"{r['second_auroc']:.3f}",
+         f"{r['fires_inside']:.1%}", f"{r['fires_outside']:.1%}"]
+        for r in rows
+    ]  # fmt: skip
+    return [
+        f"Ground truth of `{hook}`: for each generative factor value of the synthetic images, "
+        "the single latent that best tells the patches inside a shape of that value from all "
+        "other patches (AUROC), the runner-up's AUROC, and how often it fires inside and outside.",
+        "",
+        *_table(
+            ["factor", "value", "latent", "AUROC", "runner-up", "fires inside", "fires outside"],
+            table,
+        ),
+        "",
+    ]
 
 
 def _configuration(summary: dict) -> list[str]:

@@ -45,6 +45,9 @@ from ..format.errors import PysparkSafetensorsError
 MARKER = ".pyspark-safetensors-pipeline"
 TOY_LLAMA = "toy-llama"
 """``PipelineConfig.model`` value: train the toy Llama (``extract.toy_lm``) as a stage."""
+TOY_VIT = "toy-vit"
+"""``PipelineConfig.model`` value: the image pipeline, on the toy ViT (``extract.toy_vit``)
+trained as a stage and its synthetic image set."""
 DEFAULT_HOOKS = {
     "encoder.layer.0.attention.self.query:input": (
         "encoder.layer.0.attention.self.query",
@@ -60,6 +63,36 @@ class PipelineError(PysparkSafetensorsError, ValueError):
 
 
 @dataclass(frozen=True)
+class TrainingRun:
+    """One dictionary the pipeline trains (``docs/sae.md``'s families): ``kind`` "sae" (its
+    ``name`` the hook point it reads and reconstructs), "transcoder" (``name`` the block it
+    replaces; ``hooks`` = (input, target)) or "crosscoder" (``name`` from the config;
+    ``hooks`` those it reads and reconstructs)."""
+
+    kind: str
+    name: str
+    hooks: tuple[str, ...]
+    skip: bool = False
+    tokens: str = ""
+    """An image run's tokens, as saev's views name them: "image" (the patches) or "cls"
+    (its ``name`` then ``{hook} (CLS)``); "" = every token of the hook point's dataset."""
+
+    @property
+    def stage(self) -> str:
+        """Its stage name: ``sae-{hook}`` (``sae-{hook}-cls``), ``transcoder-{block}``,
+        ``crosscoder-{name}``."""
+        cls = "-cls" if self.tokens == "cls" else ""
+        return f"{self.kind}-{hook_slug(self.hooks[0] if cls else self.name)}{cls}"
+
+    @property
+    def architecture(self) -> str | None:
+        """The trainer's architecture this kind fixes (None: ``[sae]``'s, an SAE's)."""
+        if self.kind == "transcoder":
+            return "skip_transcoder" if self.skip else "transcoder"
+        return "crosscoder" if self.kind == "crosscoder" else None
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     out: str = "runs/pipeline"
     """Output directory: created by the pipeline, reused by its reruns, never a directory
@@ -71,7 +104,16 @@ class PipelineConfig:
     max_length: int = 128
     """Tokens per model input (longer passages are cut into windows)."""
     hooks: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_HOOKS))
-    """Hook point -> the linear layers it feeds (each gets a LUT from that hook's SAE)."""
+    """Hook point -> the linear layers it feeds: one SAE per hook point, and a LUT from it
+    for each of those layers."""
+    transcoders: dict[str, dict] = field(default_factory=dict)
+    """MLP block -> ``{input = hook, target = hook, skip = false}``: a transcoder (a skip
+    transcoder with ``skip = true``) reading the input hook point and reconstructing the
+    target; its LUT replaces the whole block, and the evaluation splices it in for the
+    block's output."""
+    crosscoders: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Name -> hook points (of one width): one crosscoder reading and reconstructing them
+    all, with each hook point's FVU set against its own SAE's where ``hooks`` has one."""
     model: str = ""
     """A Hugging Face model directory or model id (from the local Hub cache); empty = the
     packaged all-MiniLM-L6-v2; "toy-llama" = a small Llama trained on the demo corpus as
@@ -79,6 +121,16 @@ class PipelineConfig:
     toy_lm: dict = field(default_factory=dict)
     """With ``model = "toy-llama"``: ``preset`` ("default" or "tiny", the tests' size) and
     any ``ToyLMConfig`` fields over it (e.g. ``steps``, ``hidden_size``)."""
+    toy_vit: dict = field(default_factory=dict)
+    """With ``model = "toy-vit"``: ``preset`` ("default" or "tiny") and any ``ToyViTConfig``
+    fields over it."""
+    images: int = 2000
+    """With ``model = "toy-vit"``: images of the model's training set extracted and trained on."""
+    held_out_images: int = 200
+    """With ``model = "toy-vit"``: images the model never saw, for the evaluation."""
+    cls_sae: bool = True
+    """With ``model = "toy-vit"``: also an SAE on the CLS token of the last hook point
+    (the others train on the patches)."""
     master: str = "local[*]"
     """Spark master of the extraction."""
     nproc: int = 2
@@ -96,6 +148,9 @@ class PipelineConfig:
     """k values of the LUT evaluation; empty = k/4, k/2, k, 2k of the trained k."""
     ms: tuple[int, ...] = (0, 32)
     """Compensation sizes m of the LUT evaluation."""
+    llama3_8b_latency: bool = True
+    """With transcoders: time an MLP LUT against the dense block at Llama-3-8B's shapes
+    too (random weights, 1.8 GB, about a minute on 2 cores), beside the model's own blocks."""
     features: bool = True
     """Compute each SAE's latent statistics and contexts and its feature browser."""
     features_top_n: int = 20
@@ -106,35 +161,99 @@ class PipelineConfig:
             raise PipelineError("texts, held_out_texts, epochs and nproc must be >= 1")
         if self.parallel not in ("data", "model"):
             raise PipelineError(f"parallel must be 'data' or 'model', got {self.parallel!r}")
-        if not self.hooks:
-            raise PipelineError("hooks is empty: name at least one hook point and its layers")
+        if not (self.hooks or self.transcoders or self.crosscoders):
+            raise PipelineError(
+                "hooks, transcoders and crosscoders are all empty: name at least one hook "
+                "point and its layers"
+            )
         for hook, layers in self.hooks.items():
-            if not layers:
+            if not layers and not self.vision:
                 raise PipelineError(f"hook {hook!r} names no linear layer to build a LUT for")
+        if self.vision and (self.transcoders or self.crosscoders):
+            raise PipelineError(
+                "the image pipeline trains SAEs only: leave transcoders and crosscoders out"
+            )
+        if self.toy_vit and not self.vision:
+            raise PipelineError(f"toy_vit is set but model is {self.model!r}, not {TOY_VIT!r}")
+        if self.vision:
+            if self.images < 1 or self.held_out_images < 1:
+                raise PipelineError("images and held_out_images must be >= 1")
+            self.vit_config()  # a bad preset or field fails here, before any stage
+        for block, spec in self.transcoders.items():
+            unknown = sorted(set(spec) - {"input", "target", "skip"})
+            if unknown or not {"input", "target"} <= set(spec):
+                raise PipelineError(
+                    f"transcoder {block!r}: give input and target hook points (and optionally "
+                    f"skip), got {sorted(spec)}"
+                )
+            if not isinstance(spec.get("skip", False), bool):
+                raise PipelineError(f"transcoder {block!r}: skip must be true or false")
+        for name, hooks in self.crosscoders.items():
+            if len(set(hooks)) < 2 or len(set(hooks)) != len(hooks):
+                raise PipelineError(
+                    f"crosscoder {name!r}: name two or more distinct hook points, got {list(hooks)}"
+                )
         if self.toy_lm:
             if self.model != TOY_LLAMA:
                 raise PipelineError(f"toy_lm is set but model is {self.model!r}, not {TOY_LLAMA!r}")
             self.toy_config()  # a bad preset or field fails here, before any stage
-        reserved = {"dataset", "out_dir", "tokens", "data_parallel_size", "model_parallel_size"}
+        reserved = {"dataset", "out_dir", "tokens", "data_parallel_size", "model_parallel_size",
+                    "target_dataset", "datasets", "val_dataset", "val_target_dataset",
+                    "val_datasets"}  # fmt: skip
         if reserved & set(self.sae):
             raise PipelineError(
                 f"[sae] may not set {sorted(reserved & set(self.sae))}: the pipeline sets them"
             )
 
+    @property
+    def vision(self) -> bool:
+        """Whether this is the image pipeline."""
+        return self.model == TOY_VIT
+
+    def vit_config(self):
+        """The ``ToyViTConfig`` that ``toy_vit`` describes."""
+        from ..extract.toy_vit import TINY_VIT, ToyViTConfig
+
+        return _preset(self.toy_vit, {"default": ToyViTConfig(), "tiny": TINY_VIT}, "toy_vit")
+
+    @property
+    def runs(self) -> tuple[TrainingRun, ...]:
+        """Every dictionary the pipeline trains: the SAEs, then the transcoders, then the
+        crosscoders; an image run's SAEs read the patches, and one more the last hook
+        point's CLS token (``cls_sae``)."""
+        if self.vision:
+            last = list(self.hooks)[-1:] if self.cls_sae else []
+            return (
+                *(TrainingRun("sae", hook, (hook,), tokens="image") for hook in self.hooks),
+                *(TrainingRun("sae", f"{h} (CLS)", (h,), tokens="cls") for h in last),
+            )
+        return (
+            *(TrainingRun("sae", hook, (hook,)) for hook in self.hooks),
+            *(
+                TrainingRun(
+                    "transcoder",
+                    block,
+                    (spec["input"], spec["target"]),
+                    skip=spec.get("skip", False),
+                )
+                for block, spec in self.transcoders.items()
+            ),
+            *(
+                TrainingRun("crosscoder", name, tuple(hooks))
+                for name, hooks in self.crosscoders.items()
+            ),
+        )
+
+    @property
+    def extracted_hooks(self) -> tuple[str, ...]:
+        """Every hook point a run reads, in first-use order: the extraction's."""
+        return tuple(dict.fromkeys(h for run in self.runs for h in run.hooks))
+
     def toy_config(self):
         """The ``ToyLMConfig`` that ``toy_lm`` describes."""
         from ..extract.toy_lm import TINY, ToyLMConfig
 
-        settings = dict(self.toy_lm)
-        presets = {"default": ToyLMConfig(), "tiny": TINY}
-        preset = settings.pop("preset", "default")
-        if preset not in presets:
-            raise PipelineError(f"toy_lm preset {preset!r} is not one of {sorted(presets)}")
-        known = {f.name for f in dataclasses.fields(ToyLMConfig)}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise PipelineError(f"unknown toy_lm setting(s) {unknown}; known: {sorted(known)}")
-        return replace(presets[preset], **settings)
+        return _preset(self.toy_lm, {"default": ToyLMConfig(), "tiny": TINY}, "toy_lm")
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, **overrides) -> PipelineConfig:
@@ -145,7 +264,7 @@ class PipelineConfig:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
             values.update(data.get("pipeline", {}))
-            for table in ("sae", "toy_lm"):
+            for table in ("sae", "toy_lm", "toy_vit"):
                 if table in data:
                     values[table] = data[table]
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -155,6 +274,8 @@ class PipelineConfig:
             raise PipelineError(f"unknown pipeline setting(s) {unknown}; known: {sorted(known)}")
         if "hooks" in values:
             values["hooks"] = {h: tuple(layers) for h, layers in values["hooks"].items()}
+        if "crosscoders" in values:
+            values["crosscoders"] = {n: tuple(hooks) for n, hooks in values["crosscoders"].items()}
         for name in ("ks", "ms"):
             if name in values:
                 values[name] = tuple(values[name])
@@ -162,6 +283,19 @@ class PipelineConfig:
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def _preset(table: dict, presets: dict, name: str):
+    """A toy model's config: ``table``'s ``preset`` with its other fields over it."""
+    settings = dict(table)
+    preset = settings.pop("preset", "default")
+    if preset not in presets:
+        raise PipelineError(f"{name} preset {preset!r} is not one of {sorted(presets)}")
+    known = {f.name for f in dataclasses.fields(presets[preset])}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise PipelineError(f"unknown {name} setting(s) {unknown}; known: {sorted(known)}")
+    return replace(presets[preset], **settings)
 
 
 def digest(*parts) -> str:
@@ -269,22 +403,32 @@ class Pipeline:
             self.model_dir = self.toy_model()
             self.model_source = ModelSource(self.model_dir.name, str(self.model_dir))
             self.extract_config = ExtractConfig(
-                model=str(self.model_dir), hooks=tuple(c.hooks), max_texts=c.texts,
+                model=str(self.model_dir), hooks=c.extracted_hooks, max_texts=c.texts,
                 max_length=c.max_length, passage_chars=self.toy.passage_chars,
+            )  # fmt: skip
+        elif c.vision:
+            self.model_dir = self.toy_vision_model()
+            self.model_source = ModelSource(self.model_dir.name, str(self.model_dir))
+            self.images_dir = self.image_set()
+            self.extract_config = ExtractConfig(
+                model=str(self.model_dir), hooks=c.extracted_hooks,
+                images=str(self.images_dir / "train" / "images"), saev_dump=True,
             )  # fmt: skip
         else:
             self.model_source = resolve_model(c.model)
             self.model_dir = Path(self.model_source.path)
             self.extract_config = ExtractConfig(
-                model=c.model, hooks=tuple(c.hooks), max_texts=c.texts, max_length=c.max_length
+                model=c.model, hooks=c.extracted_hooks, max_texts=c.texts, max_length=c.max_length
             )
         self.model_hash = weights_hash(self.model_dir)
         extract_dir = self.extract()
-        sae_files = self.train(extract_dir)
-        lut_dir = self.lut(sae_files)
-        self.evaluate(sae_files, lut_dir)
+        trained = self.train(extract_dir)
+        if c.vision:
+            self.evaluate_images(trained)
+        else:
+            self.evaluate(trained, self.lut(trained))
         if c.features:
-            self.features(sae_files, extract_dir)
+            self.features(trained, extract_dir)
         self.summary["seconds"] = time.perf_counter() - started
         self.write_report()
         return self.summary
@@ -325,6 +469,35 @@ class Pipeline:
         self.summary["toy_lm"] = json.loads((model_dir / "toy_lm.json").read_text())
         return model_dir
 
+    def toy_vision_model(self) -> Path:
+        """The toy ViT (stage ``model``), trained on the first ``n_train`` images of its set."""
+        from ..extract.toy_vit import toy_vit, toy_vit_hash
+
+        t = self.config.vit_config()
+        self.announce(
+            f"model: a toy ViT ({t.num_layers} layers, hidden {t.hidden_size}, {t.steps} steps) "
+            "trained on its synthetic image set"
+        )
+        path = self.stage("model", toy_vit_hash(t)[:12], lambda tmp: toy_vit(tmp, t, progress=True))
+        model_dir = toy_vit(path, t)  # the trained directory inside the stage, never retrained
+        self.summary["toy_vit"] = json.loads((model_dir / "toy_vit.json").read_text())
+        return model_dir
+
+    def image_set(self) -> Path:
+        """Stage ``images``: ``images`` of the toy ViT's training images (the extraction's
+        corpus) and ``held_out_images`` it never saw (the evaluation's), with their factors."""
+        from ..extract.toy_vit import toy_vit_hash
+        from .vision import image_set
+
+        c = self.config
+        t = c.vit_config()
+        self.announce(f"images: {c.images} training and {c.held_out_images} held-out images drawn")
+        key = digest(toy_vit_hash(t), c.images, c.held_out_images)
+        return self.stage(
+            "images", key,
+            lambda tmp: image_set(tmp, t, images=c.images, held_out=c.held_out_images),
+        )  # fmt: skip
+
     def extract(self) -> Path:
         from ..extract import config_hash, run_extraction
         from ..spark.session import local_session
@@ -332,10 +505,14 @@ class Pipeline:
         c = self.config
         # the toy model's path names the output directory; its weights hash names the model
         named = replace(self.extract_config, model=self.source_model)
-        key = config_hash(named if c.model == TOY_LLAMA else self.extract_config, self.model_hash)
-        key = key[:12]
+        toy = c.model in (TOY_LLAMA, TOY_VIT)
+        key = config_hash(named if toy else self.extract_config, self.model_hash)
+        # the saev dump is left out of an extraction's config hash; the image run makes one
+        key = digest(key, "saev") if c.vision else key[:12]
+        corpus = f"{c.images} images" if c.vision else f"{c.texts} passages"
         self.announce(
-            f"extract: {c.texts} passages, {len(c.hooks)} hook points, in Spark ({c.master})"
+            f"extract: {corpus}, {len(c.extracted_hooks)} hook points, in Spark ({c.master})"
+            + (" (and a saev dump)" if c.vision else "")
         )
 
         def build(tmp: Path) -> None:
@@ -350,67 +527,106 @@ class Pipeline:
         self.summary["extraction"] = info["summary"]
         return path / "data"
 
-    def sae_settings(self, hook: str, extract_dir: Path) -> dict:
+    def sae_settings(self, run: TrainingRun, extract_dir: Path) -> dict:
+        """The trainer's settings of one run: ``[sae]`` over the pipeline's defaults, the
+        run's datasets and architecture, the tokens and the mesh set by the pipeline."""
         c = self.config
         tokens = self.summary["extraction"]["tokens"]
-        settings = {
+        data = {hook: str(extract_dir / "activations" / hook_slug(hook)) for hook in run.hooks}
+        if run.tokens:  # an image run: the saev dump's view of the hook point's layer
+            from ..extract.vision import hook_layer
+
+            layout = json.loads((extract_dir / "extraction.json").read_text())
+            per_image = (
+                1
+                if run.tokens == "cls"
+                else layout["tokens_per_image"] - layout["n_cls"] - layout["n_registers"]
+            )
+            tokens = self.summary["extraction"]["texts"] * per_image
+            datasets = {"dataset": str(extract_dir / "saev"), "saev_patches": run.tokens,
+                        "saev_layer": str(hook_layer(run.hooks[0]))}  # fmt: skip
+        elif run.kind == "sae":
+            datasets = {"dataset": data[run.name]}
+        elif run.kind == "transcoder":
+            datasets = {"dataset": data[run.hooks[0]], "target_dataset": data[run.hooks[1]]}
+        else:
+            datasets = {"datasets": [data[hook] for hook in run.hooks]}
+        return {
             "batch_size": 1024,
             **c.sae,
-            "dataset": str(extract_dir / "activations" / hook_slug(hook)),
-            "hook_point": hook,
+            **({"architecture": run.architecture} if run.architecture else {}),
+            **datasets,
+            "hook_point": run.hooks[0],
             "tokens": tokens * c.epochs,
             "data_parallel_size": c.nproc if c.parallel == "data" else 1,
             "model_parallel_size": c.nproc if c.parallel == "model" else 1,
         }
-        return settings
 
-    def train(self, extract_dir: Path) -> dict[str, Path]:
-        """One SAE per hook point, a stage each; those not reused train in one launch, one
-        after another (torchrun starts its processes, and they import torch, once), and
-        a failure keeps the SAEs finished before it. Returns each hook point's SAE file."""
+    def train(self, extract_dir: Path) -> dict[TrainingRun, Path]:
+        """Every run (``PipelineConfig.runs``), a stage each; those not reused train in one
+        launch, one after another (torchrun starts its processes, and they import torch,
+        once), and a failure keeps the runs finished before it. Returns each run's
+        ``sae.safetensors``."""
         from ..sae import SAEConfig
         from ..sae.train import launch
 
         c = self.config
-        names = {hook: f"sae-{hook_slug(hook)}" for hook in c.hooks}
+        runs = {run.stage: run for run in c.runs}
         configs = {
-            hook: SAEConfig.from_dict({**self.sae_settings(hook, extract_dir), "out_dir": "."})
-            for hook in c.hooks
+            name: SAEConfig.from_dict({**self.sae_settings(run, extract_dir), "out_dir": "."})
+            for name, run in runs.items()
         }
         extract_key = self.summary["stages"]["extract"]["hash"]
-        keys = {names[h]: digest(extract_key, h, configs[h].config_hash()) for h in c.hooks}
+        keys = {
+            name: digest(extract_key, *run.hooks, configs[name].config_hash())
+            if run.kind == "sae" else digest(extract_key, run.stage, configs[name].config_hash())
+            for name, run in runs.items()
+        }  # fmt: skip
+        counts = {
+            kind: sum(r.kind == kind for r in c.runs)
+            for kind in ("sae", "transcoder", "crosscoder")
+        }
+        trained = ", ".join(f"{n} {kind}{'s' * (n > 1)}" for kind, n in counts.items() if n)
         self.announce(
-            f"train: one TopK SAE per hook point ({len(c.hooks)}), on {c.nproc} process(es) "
-            f"launched once ({c.parallel} parallel)"
+            f"train: {trained}, on {c.nproc} process(es) launched once ({c.parallel} parallel)"
         )
 
         def build(tmp: dict[str, Path]) -> None:
-            runs = {
-                h: replace(configs[h], out_dir=str(tmp[n])) for h, n in names.items() if n in tmp
-            }
-            code = launch(list(runs.values()), c.nproc)
+            todo = {name: replace(configs[name], out_dir=str(tmp[name])) for name in tmp}
+            code = launch(list(todo.values()), c.nproc)
             if code != 0:
                 raise PipelineError(
-                    f"training the SAEs of {', '.join(runs)} failed (exit code {code}; those "
-                    "finished before are kept); see above"
+                    f"training {', '.join(todo)} failed (exit code {code}; those finished "
+                    "before are kept); see above"
                 )
 
         # a run's sae.safetensors is written last: the runs before a failure are kept
         paths = self.stages(keys, build, finished=lambda tmp: (tmp / "sae.safetensors").is_file())
-        for hook, name in names.items():
-            self.summary["stages"][name]["hook"] = hook
+        for name, run in runs.items():
+            self.summary["stages"][name]["hook"] = run.name
             lines = (paths[name] / "metrics.jsonl").read_text().splitlines()
-            self.summary.setdefault("training", {})[hook] = json.loads(lines[-1])
-        return {hook: paths[name] / "sae.safetensors" for hook, name in names.items()}
+            self.summary.setdefault("training", {})[run.name] = {
+                **json.loads(lines[-1]),
+                "kind": run.kind,
+                "hooks": list(run.hooks),
+            }
+        return {run: paths[name] / "sae.safetensors" for name, run in runs.items()}
 
-    def lut(self, sae_files: dict[str, Path]) -> Path:
+    def lut(self, trained: dict[TrainingRun, Path]) -> Path:
         from ..lut import precompute_lut
 
         c = self.config
+        sae_files = {run.name: path for run, path in trained.items() if run.kind == "sae"}
         layers = {layer: sae_files[hook] for hook, names in c.hooks.items() for layer in names}
-        sae_keys = [self.summary["stages"][f"sae-{hook_slug(h)}"]["hash"] for h in c.hooks]
-        key = digest(sae_keys, sorted(layers), c.lut_dtype, self.model_hash)
-        self.announce(f"lut: {len(layers)} linear layers from {len(sae_files)} SAEs")
+        blocks = {run.name: path for run, path in trained.items() if run.kind == "transcoder"}
+        keys = [
+            self.summary["stages"][run.stage]["hash"] for run in trained if run.kind != "crosscoder"
+        ]
+        # the key of a LUT without MLP blocks is the one it had before transcoders existed
+        key = digest(keys, sorted({**layers, **blocks}), c.lut_dtype, self.model_hash)
+        whole = f" and {len(blocks)} whole MLP block(s) from their transcoders" if blocks else ""
+        self.announce(f"lut: {len(layers)} linear layers from {len(sae_files)} SAEs{whole}")
+        layers = {**layers, **blocks}
 
         def build(tmp: Path) -> None:
             precompute_lut(
@@ -425,13 +641,19 @@ class Pipeline:
         """One id for the model in every artifact: the extraction's."""
         return self.model_source.name
 
-    def evaluate(self, sae_files: dict[str, Path], lut_dir: Path) -> None:
+    def evaluate(self, trained: dict[TrainingRun, Path], lut_dir: Path) -> None:
         from ..extract import passages_by_key
         from ..extract.model import is_causal_lm
         from .evaluation import evaluate_pipeline
 
         c = self.config
-        parts = [self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.ks, c.ms]
+        sae_files = {run.name: path for run, path in trained.items() if run.kind == "sae"}
+        families = [
+            self.summary["stages"][run.stage]["hash"] for run in trained if run.kind != "sae"
+        ]
+        latency = [c.llama3_8b_latency] if families else []
+        parts = [self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.ks, c.ms, *families,
+                 *latency]  # fmt: skip
         causal = is_causal_lm(self.model_dir)
         key = digest(*parts, "lm_loss") if causal else digest(*parts)
         # the toy model's own held-out passages; for any other model those after the SAEs'
@@ -443,6 +665,35 @@ class Pipeline:
             figures = evaluate_pipeline(
                 model_dir=self.model_dir, hooks=c.hooks, sae_files=sae_files, lut_dir=lut_dir,
                 texts=texts, max_length=c.max_length, ks=c.ks, ms=c.ms, out_dir=tmp,
+                transcoders={r.name: (*r.hooks, path) for r, path in trained.items()
+                             if r.kind == "transcoder"},
+                crosscoders={r.name: (r.hooks, path) for r, path in trained.items()
+                             if r.kind == "crosscoder"},
+                llama3_8b_latency=c.llama3_8b_latency,
+            )  # fmt: skip
+            (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+        path = self.stage("evaluation", key, build)
+        self.summary["evaluation"] = json.loads((path / "figures.json").read_text())
+        self.summary["evaluation_dir"] = path.name
+
+    def evaluate_images(self, trained: dict[TrainingRun, Path]) -> None:
+        """Stage ``evaluation`` of an image run (``vision.evaluate_vision``): each SAE on the
+        held-out images' tokens it reads, the classifier with each spliced in."""
+        from .vision import evaluate_vision
+
+        c = self.config
+        keys = [self.summary["stages"][run.stage]["hash"] for run in trained]
+        key = digest(keys, self.summary["stages"]["images"]["hash"])
+        self.announce(
+            f"evaluate on {c.held_out_images} held-out images (SAEs, the classifier's loss)"
+        )
+
+        def build(tmp: Path) -> None:
+            figures = evaluate_vision(
+                model_dir=self.model_dir, held_out_dir=self.images_dir / "held_out",
+                saes={r.name: (r.hooks[0], r.tokens, path) for r, path in trained.items()},
+                out_dir=tmp,
             )  # fmt: skip
             (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -453,11 +704,16 @@ class Pipeline:
     @property
     def steps(self) -> int:
         c = self.config
+        if c.vision:  # model, images, extract, train, evaluate, (features), report
+            return 6 + c.features
         return 3 + c.features + (c.model == TOY_LLAMA) + 1
 
-    def features(self, sae_files: dict[str, Path], extract_dir: Path) -> None:
-        """One feature browser per SAE (``features-{hook}/features/index.html``), computed
-        in Spark over every extracted token, with a screenshot when Chromium is here."""
+    def features(self, trained: dict[TrainingRun, Path], extract_dir: Path) -> None:
+        """One feature browser per SAE and transcoder (``features-{hook}`` and
+        ``features-transcoder-{block}``, each with ``features/index.html``), computed in
+        Spark over every extracted token of the hook point it reads, with a screenshot when
+        Chromium is here. A crosscoder reads several hook points at once, which the feature
+        job's one-dataset scan does not: it has none."""
         from ..features import FeaturesConfig, run_features
         from ..features.screenshot import screenshot
         from ..spark.session import local_session
@@ -471,24 +727,36 @@ class Pipeline:
             return sessions[0]
 
         try:
-            for hook, sae_file in sae_files.items():
-                slug = hook_slug(hook)
-                sae_key = self.summary["stages"][f"sae-{slug}"]["hash"]
+            # an image run's ground truth: the factors of the images it extracted
+            factors = str(self.images_dir / "train" / "labels.parquet") if c.vision else ""
+            for run, sae_file in trained.items():
+                # the job encodes every token of a hook point: a CLS SAE would meet patches
+                if run.kind == "crosscoder" or run.tokens == "cls":
+                    continue
+                hook = run.hooks[0]
+                sae_key = self.summary["stages"][run.stage]["hash"]
                 key = digest(self.summary["stages"]["extract"]["hash"], sae_key, c.features_top_n)
+                key = digest(key, "factors") if factors else key
                 config = FeaturesConfig(extraction=str(extract_dir), sae=str(sae_file), hook=hook,
-                                        top_n=c.features_top_n)  # fmt: skip
+                                        top_n=c.features_top_n, factors=factors)  # fmt: skip
 
                 def build(tmp: Path, config=config) -> None:
                     summary = run_features(spark(), replace(config, out=str(tmp / "features")))
                     shot = screenshot(tmp / "features" / "index.html", tmp / "feature-browser.png")
                     figures = {"tokens": summary.tokens, "latents": summary.latents,
                                "dead": summary.dead, "dense": summary.dense,
-                               "screenshot": shot is not None}  # fmt: skip
+                               "screenshot": shot is not None, "modality": summary.modality,
+                               "ground_truth": summary.ground_truth}  # fmt: skip
                     (tmp / "features.json").write_text(json.dumps(figures, indent=2) + "\n")
 
-                path = self.stage(f"features-{slug}", key, build)
+                stage = run.stage.removeprefix("sae-")  # an SAE's keeps its former name
+                path = self.stage(f"features-{stage}", key, build)
                 figures = json.loads((path / "features.json").read_text())
-                self.summary.setdefault("features", {})[hook] = {**figures, "dir": path.name}
+                self.summary.setdefault("features", {})[run.name] = {
+                    **figures,
+                    "dir": path.name,
+                    "kind": run.kind,
+                }
         finally:
             for session in sessions:
                 session.stop()
@@ -501,7 +769,7 @@ class Pipeline:
         self.summary["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.summary["source_model"] = self.source_model
         self.summary["sae_runs"] = {
-            h: self.summary["stages"][f"sae-{hook_slug(h)}"]["dir"] for h in self.config.hooks
+            run.name: self.summary["stages"][run.stage]["dir"] for run in self.config.runs
         }
         with publishing(self.out / "summary.json", directory=False) as tmp:
             tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
