@@ -189,3 +189,92 @@ def test_refusals_before_the_model_stage():
     assert out.target_refusal("/tmp/x", True) is None
     assert [block_index(h) for h in HOOKS] == [1, 3]
     assert block_index("vision_model.encoder.layers.11.mlp.fc1:input") == 11
+
+
+def _sample_rows(image_tokens):
+    from pyspark_safetensors.extract.model import Hook
+    from pyspark_safetensors.extract.outputs import SampleRows
+
+    hooks = tuple(Hook(*h.split(":")) for h in HOOKS)
+    metadata = {"model": "tiny", "corpus": "imgs", "config_hash": "ab"}
+    return SampleRows(None, hooks, {h.name: 3 for h in hooks}, "F16", 21, 64, metadata, {},
+                      image_tokens)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type, n_cls, family", [("clip_vision_model", 1, "clip"), ("siglip", 0, "siglip"),
+                                  ("dinov2_with_registers", 1, "dinov2"), ("vit", 1, "dinov2")],
+)  # fmt: skip
+def test_the_plan_from_the_jobs_sample_rows(tmp_path, model_type, n_cls, family):
+    from pyspark_safetensors.extract.vision import ImageTokens
+
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    rows = _sample_rows(ImageTokens(n_cls, 4, (2, 2), 16, (32, 32)))
+    output = SaevDumpOutput(str(tmp_path), max_patches_per_shard=3 * 2 * (n_cls + 4))
+    plan = output.plan(rows)
+    assert (plan.vit_family, plan.cls_token, plan.n_registers) == (family, bool(n_cls), 4)
+    assert (plan.layers, plan.columns) == ((1, 3), COLUMNS)
+    assert (plan.seq_len, plan.n_tokens_per_img) == (n_cls + 8, n_cls + 4)  # registers out
+    assert output.images_per_partition_multiple(rows) == plan.n_imgs_per_shard == 3
+    meta = plan.metadata(5)
+    assert meta.doc["data"] == {"type": "SparkImages", "corpus": "imgs", "config_hash": "ab"}
+    assert meta.vit_ckpt == "tiny" and meta.n_patches_per_img == 4
+
+
+def test_the_plan_refuses_a_text_corpus_a_hub_id_and_unknown_models(tmp_path):
+    from pyspark_safetensors.extract.vision import ImageTokens
+
+    with pytest.raises(DumpError, match="saev_dump needs an image corpus"):
+        SaevDumpOutput(str(tmp_path)).plan(_sample_rows(None))
+    image = _sample_rows(ImageTokens(1, 0, (2, 2), 16, (32, 32)))
+    with pytest.raises(DumpError, match="'openai/clip-vit-base-patch16' is not one: give"):
+        SaevDumpOutput("openai/clip-vit-base-patch16").plan(image)
+    (tmp_path / "config.json").write_text('{"model_type": "beit"}')
+    with pytest.raises(DumpError, match="no saev vit_family for a 'beit' model"):
+        SaevDumpOutput(str(tmp_path)).plan(image)
+
+
+@pytest.mark.spark
+def test_an_image_extraction_writes_what_our_writer_writes_from_its_datasets(
+    spark, tmp_path_factory
+):
+    """The toy ViT on 11 images in two Spark tasks (4 images a shard: the job cuts the
+    images there, not at 6, else two tasks would write shard 1): the dump equals,
+    file for file, ``write_dump`` of the activations read back from the run's own
+    token-level datasets, and the views read it."""
+    pytest.importorskip("transformers")
+    from pyspark_safetensors.extract import ExtractConfig, run_extraction
+    from pyspark_safetensors.extract.toy_vit import TINY_VIT, toy_vit, write_image_set
+    from pyspark_safetensors.interop.saev import open_saev
+    from pyspark_safetensors.torch import open_dataset
+
+    toy = toy_vit(tmp_path_factory.getbasetemp() / "toy-vit", TINY_VIT)
+    shapes = tmp_path_factory.mktemp("shapes")
+    write_image_set(shapes, 11, TINY_VIT)
+    hooks = ("vit.layers.0:output", "vit.layers.1:output")
+    config = ExtractConfig(
+        images=str(shapes / "images"), model=str(toy), hooks=hooks, batch_size=4,
+        rows_per_shard=64, saev_dump=True, max_patches_per_shard=4 * 2 * 17,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("vit") / "out"
+    summary = run_extraction(spark, config, out)
+
+    acts = np.zeros((11, 2, 17, TINY_VIT.hidden_size), np.float32)
+    for layer, hook in enumerate(hooks):
+        ds = open_dataset(out / "activations" / hook.replace(":", ".").replace(".", "_"))
+        for shard in range(len(ds.paths)):
+            image, pos = ds.shard_view(shard, "image_id"), ds.shard_view(shard, "token_pos")
+            acts[image, layer, pos] = ds.shard_view(shard, "activation").astype(np.float32)
+    meta = ds.metadata
+    ours = write_dump(
+        tmp_path_factory.mktemp("ours"), acts, vit_family="dinov2", vit_ckpt=meta["model"],
+        layers=[0, 1], n_patches_per_img=16, cls_token=True, seed=0,
+        max_patches_per_shard=4 * 2 * 17,
+        data={"type": "SparkImages", "corpus": meta["corpus"], "config_hash": meta["config_hash"]},
+    )  # fmt: skip
+    dump = SaevDump(out / "saev")
+    _same_files(dump.path, ours)
+    assert dump.meta.n_shards == 3 and meta["config_hash"] == summary.config_hash
+    patches = open_saev(out / "saev", patches="image", layer=1)
+    assert len(patches) == 11 * 16
+    assert np.array_equal(patches[5 * 16 + 2]["activation"].numpy(), acts[5, 1, 3])

@@ -6,11 +6,11 @@ the token axis is the CLS token (when the model has one) and then the image patc
 the model's scan order. Register tokens are not written: protocol v1's token axis is
 ``[CLS] + n_patches_per_img`` image patches and has no place for them (they stay in the
 token-level datasets, ``token_kind`` "register"). Image ``i`` of the dump is
-``image_id`` ``i``: shard ``i // S``, slot ``i % S``, with ``S = n_imgs_per_shard``
-(protocol §3): the extraction numbers the readable images ``0 .. n - 1``. The job cuts the images into Spark partitions at multiples of ``S``
-(``images_per_partition_multiple``), so each shard file is written by the one task that
-owns its images: under a task-attempt name, moved into the dump's staging directory
-whole when the task ends. The driver checks that every image landed once, writes
+``image_id`` ``i`` (the extraction numbers the readable images ``0 .. n - 1``): shard
+``i // S``, slot ``i % S``, with ``S = n_imgs_per_shard`` (protocol §3). The job cuts
+the images into Spark partitions at multiples of ``S`` (``images_per_partition_multiple``),
+so each shard file is written by the one task that owns its images: under a
+task-attempt name, moved into the dump's staging directory whole when the task ends. The driver checks that every image landed once, writes
 ``metadata.json`` last and renames the staging directory to the hash: the dump appears
 whole or not at all. Shards are padded with zeros to the full shard shape, as saev's
 writer (and ours, ``DumpWriter``) leaves them, so the dump is byte for byte what
@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -75,7 +75,7 @@ def layers_refusal(hooks: list[str]) -> str | None:
         return (
             f"saev_dump records each hook point as its transformer block's index (the "
             f"protocol's 'layers'); {loose} are in no numbered block: hook the blocks' modules "
-            "(e.g. 'vit.encoder.layer.*.output:output')"
+            "(e.g. 'encoder.layer.*:output', the residual stream after each block)"
         )
     shared = sorted({b for b in blocks if blocks.count(b) > 1})
     if shared:
@@ -104,7 +104,7 @@ class SaevPlan:
     max_patches_per_shard: int
     vit_family: str
     vit_ckpt: str
-    data: dict = field(hash=False)
+    data: dict
     seed: int = 0
     """The extraction has no randomness; saev's key records 0."""
 
