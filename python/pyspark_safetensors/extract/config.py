@@ -111,7 +111,7 @@ class ExtractConfig:
 
     @property
     def modality(self) -> str:
-        """"image" for an image corpus, else "text"."""
+        """ "image" for an image corpus, else "text"."""
         return "image" if self.images else "text"
 
     def to_dict(self) -> dict:

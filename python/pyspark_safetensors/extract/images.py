@@ -211,10 +211,11 @@ def _png_of_raw(data: bytes, height: int, width: int, channels: int) -> bytes:
 
 def number_images(images, config, partitions: int):
     """``images`` (``load_images``' columns) checked and numbered: returns ``(numbered,
-    stored, bad)``. ``numbered``: ``image_id, key, path, label, content, width, height``
+    stored, bad, count)``. ``numbered``: ``image_id, key, path, label, content, width, height``
     of the readable images, ``image_id`` their rank by key, in ``partitions`` contiguous
     ranges each in order; ``stored``: the checked rows, persisted once (the caller
-    unpersists them); ``bad``: the unreadable images' ``key, path, error`` (Arrow).
+    unpersists them); ``bad``: the unreadable images' ``key, path, error`` (Arrow);
+    ``count``: the readable images.
     A duplicate key is an error; ``config.max_texts`` keeps the first images by key."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
@@ -251,7 +252,7 @@ def number_images(images, config, partitions: int):
         numbered = good.withColumn("image_id", image_id).select(
             "image_id", "key", "path", "label", "content", "width", "height"
         )
-        return numbered, checked, bad
+        return numbered, checked, bad, offset
     except BaseException:
         checked.unpersist()
         raise

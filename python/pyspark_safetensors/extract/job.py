@@ -112,6 +112,8 @@ class _Corpus:
     """The persisted rows to unpersist afterwards, or None."""
     bad_images: pa.Table | None = None
     """The unreadable images skipped: key, path, error."""
+    n_images: int = 0
+    """The readable images (an image corpus)."""
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,7 @@ class _Extraction:
         texts = self.corpus.rows
         if self.plan.image_tokens is not None:  # partitions on the outputs' multiples
             multiple = partition_multiple(self.outputs, rows)
-            texts = aligned_partitions(texts, multiple, self.cores, self._n_images())
+            texts = aligned_partitions(texts, multiple, self.cores, self.corpus.n_images)
         writes = []
         try:
             for output in self.outputs:
@@ -388,10 +390,6 @@ class _Extraction:
         finally:
             if run.samples is not None:
                 run.samples.unpersist()
-
-    def _n_images(self) -> int:
-        """The readable images (their ids are 0 .. n-1): one small job."""
-        return self.corpus.rows.count()
 
     def _base_metadata(self) -> dict[str, str]:
         """What every dataset's manifest metadata says about the extraction."""

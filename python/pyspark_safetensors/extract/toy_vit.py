@@ -58,13 +58,13 @@ class ToyViTConfig:
     patch_size: int = 8
     hidden_size: int = 64
     intermediate_size: int = 128
-    num_layers: int = 3
+    num_layers: int = 2
     num_heads: int = 4
-    n_train: int = 3000
+    n_train: int = 4000
     """Images 0 .. n_train-1 train the model; the ones after are held out."""
     n_held_out: int = 500
     """Held-out images the record's accuracy is measured on."""
-    steps: int = 400
+    steps: int = 600
     batch_size: int = 64
     learning_rate: float = 2e-3
     warmup_steps: int = 30
@@ -83,10 +83,8 @@ class ToyViTConfig:
         return self.image_size // self.patch_size
 
 
-TINY_VIT = ToyViTConfig(
-    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, n_train=800,
-    n_held_out=200, steps=150, batch_size=32, learning_rate=3e-3, warmup_steps=10,
-)  # fmt: skip
+TINY_VIT = ToyViTConfig(n_train=2000, n_held_out=200, steps=300, learning_rate=3e-3,
+                        warmup_steps=20)  # fmt: skip
 """A config that trains in a few seconds (tests, the docs' examples)."""
 
 
@@ -132,10 +130,11 @@ def draw_image(index: int, config: ToyViTConfig = ToyViTConfig()):
     rgb = np.array(COLOURS[colour], np.uint8)
     fill = np.broadcast_to(rgb, (n, n, 3)).copy()
     rows, cols = np.mgrid[0:n, 0:n]
+    marks = rgb // 2 + 64  # the texture's second tone: the colour, paler
     if texture == "stripes":
-        fill[(rows + cols) // 3 % 2 == 1] = rgb // 3
+        fill[(rows + cols) // 3 % 2 == 1] = marks
     elif texture == "dots":
-        fill[(rows % 4 < 2) & (cols % 4 < 2)] = rgb // 3
+        fill[(rows % 4 < 2) & (cols % 4 < 2)] = marks
     image.paste(Image.fromarray(fill), (0, 0), mask)
 
     inside = np.asarray(mask, np.float32) / 255

@@ -240,8 +240,11 @@ _EXTRACTORS: dict = {}
 
 
 def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int):
-    """One model per Python worker process (Spark reuses workers between tasks)."""
-    key = (model_dir, config, threads)  # the config is frozen, hence hashable
+    """One model per Python worker process (Spark reuses workers between tasks), kept
+    while the next extraction asks for the same model the same way (the fields the
+    extractor reads; not the corpus or the outputs)."""
+    key = (model_dir, threads, config.modality, config.hooks, config.batch_size, config.dtype,
+           config.max_length, config.long_texts, config.keep_bos)  # fmt: skip
     if key not in _EXTRACTORS:
         _EXTRACTORS.clear()
         _EXTRACTORS[key] = extractor_for(model_dir, config, threads)
