@@ -11,6 +11,9 @@
 # version its jars were built with. Sources: src/main/scala (every line) plus the one
 # folder of what differs on that line, src/spark-{line} when it exists, else
 # src/spark-{major}. Rebuilds only when a source, the Spark jars or this script changed.
+# Every jar built is kept in the cache (${PYSPARK_SAFETENSORS_CACHE:-~/.cache/pyspark-safetensors}/jars),
+# by the hash of everything it is built from: another checkout of the same sources (a
+# clone a wheel is built from) takes it from there instead of compiling it again.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
@@ -34,6 +37,13 @@ RESOURCES=$HERE/src/main/resources
 STAMP=$HERE/target/.$NAME.sha256
 want=$(cat $SOURCES $(find "$RESOURCES" -type f | sort) "$0" | sha256sum | cut -d' ' -f1)-$(basename "$(ls "$JARS"/spark-sql_*.jar)")
 if [ -f "$JAR" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+CACHED=${PYSPARK_SAFETENSORS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pyspark-safetensors}/jars/$want/$NAME.jar
+mkdir -p "$HERE/target"
+if [ -f "$CACHED" ]; then
+  cp "$CACHED" "$JAR.tmp" && mv "$JAR.tmp" "$JAR"
+  echo "$want" >"$STAMP"
   exit 0
 fi
 
@@ -63,4 +73,7 @@ os.replace(jar + ".tmp", jar)
 PY
 rm -rf "$CLASSES"
 echo "$want" >"$STAMP"
+# The cache is a convenience: a read-only or full one leaves the build as it is.
+{ mkdir -p "$(dirname "$CACHED")" && cp "$JAR" "$CACHED.$$" && mv "$CACHED.$$" "$CACHED"; } 2>/dev/null ||
+  rm -f "$CACHED.$$"
 echo "built $JAR" >&2
