@@ -1,10 +1,12 @@
-"""Activation extraction: a Hugging Face transformer run inside Spark (``mapInArrow``),
-its hook points' activations written as safetensors datasets. Imports torch and
-transformers lazily (inside the job and the workers).
+"""Activation extraction: a Hugging Face transformer run inside Spark (``mapInArrow``)
+over texts or images, its hook points' activations written as safetensors datasets.
+Imports torch and transformers lazily (inside the job and the workers).
 
 ``config.py`` (what to extract), ``model.py`` (the transformer and its hook points),
-``corpus.py`` (the texts), ``workers.py`` (what Spark's workers run), ``outputs.py``
-(the output formats), ``job.py`` (the driver: ``run_extraction``)."""
+``vision.py`` (vision encoders: every token of an image), ``corpus.py`` (the texts),
+``images.py`` (the images: read, checked, numbered), ``workers.py`` (what Spark's
+workers run), ``outputs.py`` (the output formats), ``job.py`` (the driver:
+``run_extraction``); ``toy_lm.py`` and ``toy_vit.py``: toy models trained here."""
 
 from .config import ExtractConfig, ExtractionSummary, config_hash
 from .corpus import demo_passages, load_corpus, passages_by_key
@@ -19,6 +21,7 @@ from .model import (
     resolve_hooks,
     resolve_model,
 )
+from .vision import ImageTokens, VisionExtractor
 
 __all__ = [
     "DEFAULT_MODEL_ID",
@@ -27,7 +30,9 @@ __all__ = [
     "ExtractionSummary",
     "Extractor",
     "Hook",
+    "ImageTokens",
     "ModelSource",
+    "VisionExtractor",
     "config_hash",
     "default_model_dir",
     "demo_passages",
