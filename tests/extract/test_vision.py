@@ -304,3 +304,28 @@ def test_an_image_table_needs_a_key(spark):
         load_images(spark, ExtractConfig(images="dataframe"), frame)
     with pytest.raises(ExtractionError, match="no column 'png'"):
         load_images(spark, ExtractConfig(images="dataframe", image_column="png"), frame)
+
+
+def test_spark_image_source_frames_are_taken_as_their_pixels(spark, image_dir):
+    """Spark's image source (raw BGR pixels, invalid files as empty rows): the pixels
+    decoded by the JVM are the ones the model gets; the invalid files are reported."""
+    frame = (
+        spark.read.format("image")
+        .option("recursiveFileLookup", "true")
+        .load(str(image_dir / "images"))
+    )
+    config = ExtractConfig(images="dataframe")
+    numbered, stored, bad, count = number_images(load_images(spark, config, frame), config, 2)
+    try:
+        assert count == N_IMAGES
+        assert sorted(p.rpartition("/")[2] for p in bad.column("path").to_pylist()) == [
+            "broken.png",
+            "notes.txt",
+        ]
+        first = numbered.orderBy("image_id").first()
+        assert first.key == first.path and first.path.endswith(".png")
+        name = first.path.rpartition("images/")[2]
+        original = np.asarray(Image.open(image_dir / "images" / name).convert("RGB"))
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(first.content))), original)
+    finally:
+        stored.unpersist()
