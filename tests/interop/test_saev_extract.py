@@ -145,9 +145,12 @@ def test_a_retried_task_replaces_its_shards_and_an_aborted_job_leaves_nothing(tm
     failed = job.partition(0, 0)
     failed.add(_batch(np.zeros_like(acts), [0, 1]))
     failed.add(_batch(np.zeros_like(acts), [2]))
-    failed.discard()  # the attempt died: its files are gone
+    failed.discard()  # the attempt died: its unfinished shard is gone, its full one
+    assert not list(job.tasks.iterdir())  # was published at once (a retry replaces it)
+    assert [p.name for p in job.staging.iterdir()] == ["acts000000.bin"]
     first = job.partition(1, 0)
-    first.add(_batch(np.ones_like(acts), [2, 3]))
+    first.add(_batch(np.ones_like(acts), [3, 2]))
+    assert sorted(p.name for p in job.staging.iterdir()) == ["acts000000.bin", "acts000001.bin"]
     first.finish()  # a speculative attempt that finished, then lost to the retry
     results = _write(job, acts, [[[0, 1]], [[2, 3]]])
     assert sorted(p.name for p in job.tasks.iterdir()) == []

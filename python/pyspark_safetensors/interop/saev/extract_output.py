@@ -232,6 +232,8 @@ class SaevShardWriter:
                 raise DumpError(f"image {int(ids[run[0]])}: two sample rows of one image_id")
             taken[slot[run]] = True
             _pwrite(self._fd(s), acts[run[0] : run[-1] + 1], first * plan.img_nbytes)
+            if taken.all():  # a full shard is done: a task may own thousands, fds are few
+                self._publish(s)
 
     def _taken(self, shard: int) -> np.ndarray:
         if shard not in self._slots:
@@ -247,16 +249,22 @@ class SaevShardWriter:
             os.ftruncate(fd, self.job.plan.n_imgs_per_shard * self.job.plan.img_nbytes)
         return self._files[shard][0]
 
-    def finish(self) -> ShardsWritten:
-        """Sync every shard file and move it into the staging directory; returns what
-        was written, for the driver's commit."""
-        for s, (fd, path) in list(self._files.items()):
+    def _publish(self, shard: int) -> None:
+        """Sync a shard's file and move it into the staging directory."""
+        fd, path = self._files.pop(shard)
+        try:
             os.fsync(fd)
+        finally:
             os.close(fd)
-            # a retried attempt replaces the shard whole; after the commit the staging
-            # directory is gone and a late attempt fails here, leaving nothing behind
-            os.replace(path, self.job.staging / shard_file(s))
-            del self._files[s]
+        # a retried attempt replaces the shard whole; after the commit the staging
+        # directory is gone and a late attempt fails here, leaving nothing behind
+        os.replace(path, self.job.staging / shard_file(shard))
+
+    def finish(self) -> ShardsWritten:
+        """Publish the shards still open (the last, partial one); returns what was
+        written, for the driver's commit."""
+        for s in list(self._files):
+            self._publish(s)
         return ShardsWritten(self.task_id, {s: np.packbits(t) for s, t in self._slots.items()})
 
     def discard(self) -> None:
