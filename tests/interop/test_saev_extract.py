@@ -191,6 +191,17 @@ def test_refusals_before_the_model_stage():
     assert out.target_refusal("s3://b/x", False).startswith("saev_dump writes to a local")
     assert out.target_refusal("/tmp/x", True) is None
     assert [block_index(h) for h in HOOKS] == [1, 3]
+
+
+def test_the_config_turns_it_on_with_the_protocols_budget():
+    from pyspark_safetensors.extract import ExtractConfig
+    from pyspark_safetensors.extract.outputs import outputs_for
+    from pyspark_safetensors.interop.saev.protocol import MAX_PATCHES_PER_SHARD
+
+    assert SaevDumpOutput.for_config(ExtractConfig()) is None
+    on = ExtractConfig(model="m", saev_dump=True)
+    assert SaevDumpOutput.for_config(on) == SaevDumpOutput("m", MAX_PATCHES_PER_SHARD)
+    assert [o.name for o in outputs_for(on)] == ["activations", "saev"]
     assert block_index("vision_model.encoder.layers.11.mlp.fc1:input") == 11
 
 

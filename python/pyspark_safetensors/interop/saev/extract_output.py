@@ -37,7 +37,15 @@ import pyarrow as pa
 from ...dataset.publish import publish, staging_path
 from ...format import get_dtype
 from .dump import check_shards, metadata_text, write_metadata
-from .protocol import VIT_FAMILIES, DumpError, Metadata, imgs_per_shard, new_metadata, shard_file
+from .protocol import (
+    MAX_PATCHES_PER_SHARD,
+    VIT_FAMILIES,
+    DumpError,
+    Metadata,
+    imgs_per_shard,
+    new_metadata,
+    shard_file,
+)
 
 SAEV_DIR = "saev"
 """The dump's ``dump_to`` directory in the extraction's output."""
@@ -387,7 +395,7 @@ class SaevDumpOutput:
 
     model: str
     """The extraction's model: its ``config.json`` gives ``vit_family``."""
-    max_patches_per_shard: int = 2_400_000
+    max_patches_per_shard: int = MAX_PATCHES_PER_SHARD
     name: str = SAEV_DIR
     reads_rows: bool = False
 

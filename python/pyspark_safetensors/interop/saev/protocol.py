@@ -22,6 +22,8 @@ from ..convert import ConversionError
 METADATA = "metadata.json"
 SHARDS_JSON = "shards.json"
 VIT_FAMILIES = ("clip", "siglip", "dinov2")
+MAX_PATCHES_PER_SHARD = 2_400_000
+"""The protocol's default shard budget ("~2.4 M": about 10 GiB float32 at d_vit 1024)."""
 BUDGET_KEYS = ("max_patches_per_shard", "n_patches_per_shard")
 """The shard budget: its seed name, and the name of the PyPI release 0.1.0."""
 REQUIRED_KEYS = (
@@ -213,7 +215,7 @@ def new_metadata(
     d_vit: int,
     seed: int,
     n_imgs: int,
-    max_patches_per_shard: int = 2_400_000,
+    max_patches_per_shard: int = MAX_PATCHES_PER_SHARD,
     data: str | Mapping | object,
 ) -> Metadata:
     """The seed's ten keys, in its order, checked. ``data``: a string (kept as given), a
