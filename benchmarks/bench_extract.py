@@ -10,6 +10,12 @@ demo corpus cut four ways into passages, as a parquet table: the path a user's o
 corpus takes). A straight line through each side's three times gives its fixed cost and
 its per-token slope; the slopes' ratio is where the job's ratio to the loop tends on
 larger corpora. The job's writes the loop does not make (the KV dataset) are timed apart.
+
+Images (``python -m benchmarks.bench_extract --images [N ...]``, also part of ``run``):
+the CLI's ``extract --images`` on folders of the toy ViT's synthetic PNGs against a plain
+loop over the same files (``VisionExtractor``: the same model, batches, hook points and
+F16 token shards with the image columns, and ``images.parquet`` with the thumbnails; the
+job's KV dataset off), the same fit of fixed cost and per-image slope.
 """
 
 from __future__ import annotations
@@ -108,6 +114,131 @@ def loop(corpus: str, out: str, max_texts: int) -> None:
     Path(out, "tokens").write_text(str(tokens))
 
 
+IMAGE_COUNTS = (500, 2000)
+"""Images per folder of the image case (a small configuration: two cores, shared)."""
+
+
+def image_loop(folder: str, model: str, out: str) -> None:
+    """The researcher's loop over a folder of images: files in key order (relative path),
+    unreadable ones left out, the model on batches, F16 token shards per hook point with
+    the image columns, and an images table with thumbnails."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.numpy import save_file
+
+    from pyspark_safetensors.extract import ExtractConfig
+    from pyspark_safetensors.extract.vision import VisionExtractor, decode_image
+
+    config = ExtractConfig()
+    root = Path(folder)
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    extractor = VisionExtractor(model, list(config.hooks), batch_size=config.batch_size,
+                                dtype=config.dtype)  # fmt: skip
+    layout = extractor.layout
+    per_image = {"patch_row": layout.patch_rows(), "patch_col": layout.patch_cols(),
+                 "token_kind": layout.kinds()}  # fmt: skip
+    pending = {h.name: [] for h in extractor.hooks}
+    table, shards, image_id = [], 0, 0
+    rows_per_shard = config.rows_per_shard // layout.n_tokens * layout.n_tokens
+
+    def flush(ids):
+        nonlocal shards
+        n = len(ids)
+        for hook in extractor.hooks:
+            folder = Path(out) / hook.column
+            folder.mkdir(parents=True, exist_ok=True)
+            tensors = {
+                "activation": np.concatenate(pending[hook.name]),
+                "sample_id": np.repeat(np.asarray(ids, np.int64), layout.n_tokens),
+                "token_pos": np.tile(np.arange(layout.n_tokens, dtype=np.int32), n),
+                **{k: np.tile(v, n) for k, v in per_image.items()},
+            }
+            save_file(tensors, str(folder / f"part-{shards:05d}.safetensors"))
+            pending[hook.name] = []
+        shards += 1
+
+    ids = []
+    for start in range(0, len(files), TEXTS_PER_CALL):
+        images, names = [], []
+        for name in files[start : start + TEXTS_PER_CALL]:
+            try:
+                images.append(decode_image((root / name).read_bytes()))
+                names.append(name)
+            except Exception:  # an unreadable file: left out, as the job's "skip"
+                continue
+        acts, thumbs = extractor.run(images, thumbnails=True)
+        for name, image, a, thumb in zip(names, images, acts, thumbs, strict=True):
+            for hook, activation in a.items():
+                pending[hook].append(activation)
+            table.append((image_id, name, *image.size, thumb))
+            ids.append(image_id)
+            image_id += 1
+            if len(ids) * layout.n_tokens >= rows_per_shard:
+                flush(ids)
+                ids = []
+    if ids:
+        flush(ids)
+    columns = list(zip(*table, strict=True))
+    pq.write_table(pa.table({"image_id": columns[0], "key": columns[1], "width": columns[2],
+                             "height": columns[3], "thumbnail": columns[4]}),
+                   str(Path(out) / "images.parquet"))  # fmt: skip
+    Path(out, "tokens").write_text(str(image_id * layout.n_tokens))
+
+
+def _image_pair(folder: Path, model: Path, tmp: Path, name: str) -> dict:
+    """The loop's and the job's runs on one folder of images, equal token counts checked."""
+    python = sys.executable
+    loop_s, loop_cpu = _timed([python, "-m", "benchmarks.bench_extract", "--image-loop",
+                               str(folder), str(model), str(tmp / f"{name}-loop")])  # fmt: skip
+    cli = [python, "-m", "pyspark_safetensors.cli", "extract", "--images", str(folder),
+           "--model", str(model), "--no-kv-dataset", "--out", str(tmp / f"{name}-job")]  # fmt: skip
+    job_s, job_cpu = _timed(cli)
+    doc = json.loads((tmp / f"{name}-job" / "extraction.json").read_text())["summary"]
+    tokens = int((tmp / f"{name}-loop" / "tokens").read_text())
+    if tokens != doc["tokens"]:
+        raise RuntimeError(f"{name}: the loop stored {tokens} tokens, the job {doc['tokens']}")
+    return {"images": doc["texts"], "tokens": tokens, "loop_s": loop_s, "loop_cpu": loop_cpu,
+            "job_s": job_s, "job_cpu": job_cpu, "model_s": doc["seconds"]}  # fmt: skip
+
+
+def run_images(counts: tuple[int, ...] = IMAGE_COUNTS) -> str:
+    """The image case: the toy ViT (default config) over folders of ``counts`` images."""
+    from pyspark_safetensors.extract.toy_vit import ToyViTConfig, toy_vit, write_image_set
+
+    # the model trained once and kept between runs (a minute or two of CPU)
+    model = toy_vit(Path(tempfile.gettempdir()) / "pyspark-safetensors-bench", ToyViTConfig())
+    with tempfile.TemporaryDirectory(prefix="bench-extract-images-") as tmp:
+        tmp = Path(tmp)
+        runs = {}
+        for count in counts:
+            print(f"   {count} images", flush=True)
+            write_image_set(tmp / f"set-{count}", count, ToyViTConfig())
+            runs[count] = _image_pair(tmp / f"set-{count}" / "images", model, tmp, f"i{count}")
+    rows = [
+        [f"{r['images']:,}", f"{r['tokens']:,}", f"{r['loop_s']:.1f}", f"{r['job_s']:.1f}",
+         f"{r['model_s']:.1f}", f"{r['loop_s'] / r['job_s']:.2f}x",
+         f"{r['loop_cpu']:.0f} / {r['job_cpu']:.0f}"]
+        for r in runs.values()
+    ]  # fmt: skip
+    images = [r["images"] for r in runs.values()]
+    fits = {who: _fit(images, [r[f"{who}_s"] for r in runs.values()]) for who in ("loop", "job")}
+    lines = [[who, f"{fixed:.1f} s", f"{slope * 1e3:.2f} ms", f"{1 / slope:,.0f}"]
+             for who, (fixed, slope) in fits.items()]  # fmt: skip
+    header = ["images", "tokens", "loop s", "job s", "job's model stage s",
+              "job / loop (images/s)", "CPU s loop / job"]  # fmt: skip
+    return (
+        "The CLI's `extract --images` (embedded `local[*]` Spark; the default toy ViT: 32-pixel "
+        "PNGs, patch 8, 17 tokens per image, every block's output, F16, batch 32; token "
+        "datasets with the image columns, images.parquet with thumbnails; `--no-kv-dataset`) "
+        "against a plain loop over the same files (`VisionExtractor`: the same model, hook "
+        "points, batches and outputs). Fresh processes, timed from start to exit. One run each.\n\n"
+        + table(header, rows)
+        + "\n\n"
+        + table(["", "fixed cost", "per-image slope", "images/s at the slope"], lines)
+        + f"\n\nThe slopes' ratio (loop / job): {fits['loop'][1] / fits['job'][1]:.2f}x."
+    )
+
+
 def _large_corpus(path: Path) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -177,7 +308,7 @@ def run() -> str:
     ]
     header = ["corpus", "tokens", "loop s", "job s", "job's model stage s",
               "job / loop (tokens/s)", "CPU s loop / job", "CPU per token, job / loop"]  # fmt: skip
-    return (
+    text = (
         "The CLI's `extract` with its defaults (embedded `local[*]` Spark: 2 cores here; "
         "MiniLM-L6, 2 hook points, F16, max_length 128, batch 32; token datasets, KV dataset, "
         "tables) against a plain Python loop over the same texts (one process, all cores: the "
@@ -192,10 +323,15 @@ def run() -> str:
         f"loop writes none): the whole demo corpus took {min(with_kv):.1f} s with it and "
         f"{min(without_kv):.1f} s with `--no-kv-dataset` (the faster of two runs each)."
     )
+    return text + "\n\n" + run_images()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--loop"]:
         loop(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1:2] == ["--image-loop"]:
+        image_loop(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1:2] == ["--images"]:
+        print(run_images(tuple(int(n) for n in sys.argv[2:]) or IMAGE_COUNTS))
     else:
         print(run())
