@@ -87,7 +87,10 @@ def _line_python(line: str, release: str) -> tuple[str, dict[str, str]]:
                 f"install ({last}): run './dev jars' where PyPI is reachable, or put that "
                 f"pyspark in .venv-spark/{line}"
             )
-        partial.rename(target)
+        try:
+            partial.rename(target)
+        except OSError:  # another build installed it meanwhile
+            shutil.rmtree(partial, ignore_errors=True)
     return sys.executable, {**env, "PYTHONPATH": str(target)}
 
 
