@@ -7,6 +7,12 @@ on the same texts.
 
     python -m benchmarks sae_quality            # SAE_QUALITY_DATA=dataset dir to reuse one
 
+A second table compares transcoders (plain and skip) with sparsify's ``transcode=True``
+(and ``skip_connection=True``) on synthetic MLP-like pairs (``synthetic_pairs``), both
+read through the same pair loader and scored by the same evaluator (FVU of the target)::
+
+    python -c "from benchmarks.bench_sae_quality import run_transcoders; print(run_transcoders())"
+
 Each trainer sees the same batches (our loader, same seed) and its own initialisation and
 optimiser defaults: ours (Adam with betas 0.8/0.98 — and, for comparison, 0.9/0.999 —,
 lr 2.8e-3/sqrt(n/16384), warm-up 5 %, decay 20 %,
@@ -155,6 +161,162 @@ def lut_error(sae_path: Path, x: torch.Tensor, *, fold: bool = True) -> float:
     return row["rel_l2"]
 
 
+# --- transcoders on synthetic pairs -----------------------------------------------------
+
+#: The transcoder comparison's default size: MiniLM's width at 8x, the SAE table's k and
+#: batch, 64 steps.
+PAIRS = dict(d=384, n_latents=3072, k=32, batch=4096, tokens=262_144, val_tokens=16_384)
+
+
+def synthetic_pairs(root: Path, *, d: int, tokens: int, seed: int = 0) -> dict[str, Path]:
+    """An MLP's input and output hook points with known structure, written as two
+    row-aligned datasets per split (``train_in``, ``train_out``, ``val_in``, ``val_out``):
+    a dictionary of ``4 d`` unit atoms for the input and another for the output (the
+    MLP's output per feature); each token draws 8 atoms uniformly with heavy-tailed
+    magnitudes (log-normal, sigma 1), so ``x = code @ atoms_in + 0.05 noise + a mean
+    offset`` and ``y = code @ atoms_out + x @ A^T + 0.05 noise``, with ``A`` a dense
+    linear map of norm ~0.5 per output coordinate (what a skip path can take and a sparse
+    code can only approximate)."""
+    from pyspark_safetensors.dataset import write_batch_dataset
+
+    rng = np.random.default_rng(seed)
+    atoms = 4 * d
+
+    def unit(rows):
+        m = rng.standard_normal((rows, d)).astype(np.float32)
+        return m / np.linalg.norm(m, axis=1, keepdims=True)
+
+    atoms_in, atoms_out = unit(atoms), unit(atoms)
+    offset = rng.standard_normal(d).astype(np.float32)
+    linear = (0.5 * rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
+    paths = {}
+    for split, n in (("train", tokens), ("val", PAIRS["val_tokens"])):
+        xs, ys = [], []
+        for start in range(0, n, 16384):
+            rows = min(16384, n - start)
+            idx = np.argsort(rng.random((rows, atoms)), axis=1)[:, :8]
+            mags = rng.lognormal(0.0, 1.0, (rows, 8)).astype(np.float32)
+            code = np.zeros((rows, atoms), np.float32)
+            np.put_along_axis(code, idx, mags, axis=1)
+            x = code @ atoms_in + 0.05 * rng.standard_normal((rows, d)).astype(np.float32) + offset
+            y = code @ atoms_out + x @ linear.T + 0.05 * rng.standard_normal((rows, d)).astype(np.float32)
+            xs.append(x)
+            ys.append(y)
+        ids = {"sample_id": np.arange(n, dtype=np.int64) // 128,
+               "token_pos": np.arange(n, dtype=np.int32) % 128}  # fmt: skip
+        for name, arrays in (("in", xs), ("out", ys)):
+            paths[f"{split}_{name}"] = root / f"{split}_{name}"
+            write_batch_dataset(paths[f"{split}_{name}"],
+                                {"activation": np.concatenate(arrays), **ids},
+                                rows_per_shard=16384, metadata={"hook_point": f"mlp:{name}"})  # fmt: skip
+    return paths
+
+
+def _pair_config(paths, arch, size, seed, out):
+    from pyspark_safetensors.sae import SAEConfig
+
+    return SAEConfig(architecture=arch, dataset=str(paths["train_in"]),
+                     target_dataset=str(paths["train_out"]), n_latents=size["n_latents"],
+                     k=size["k"], batch_size=size["batch"], tokens=size["tokens"], seed=seed,
+                     out_dir=str(out), checkpoints=0, progress=False, plots=False,
+                     log_every=1000)  # fmt: skip
+
+
+def train_ours_pairs(paths, arch, size, seed, out) -> Path:
+    from pyspark_safetensors.sae.train import Trainer
+
+    Trainer(_pair_config(paths, arch, size, seed, out)).fit()
+    return out / "sae.safetensors"
+
+
+def train_sparsify_pairs(paths, arch, size, seed, out) -> Path:
+    """sparsify's ``Trainer`` step for a transcoder on the same batches: Signum in
+    ScheduleFree at its default lr, ``encoder.bias = -mean(x) W^T`` and ``b_dec =
+    mean(y)`` from the first batch, no decoder normalisation (sparsify skips it for
+    transcoders), no AuxK (its default ``auxk_alpha = 0``)."""
+    from schedulefree import ScheduleFreeWrapper
+    from sparsify import SparseCoder, SparseCoderConfig
+    from sparsify.sign_sgd import SignSGD
+
+    from pyspark_safetensors.sae.sources import open_source
+    from pyspark_safetensors.torch import ActivationLoader
+
+    torch.manual_seed(seed)
+    n = size["n_latents"]
+    cfg = SparseCoderConfig(num_latents=n, k=size["k"], transcode=True,
+                            skip_connection=arch == "skip_transcoder")  # fmt: skip
+    sae = SparseCoder(size["d"], cfg, device="cpu")
+    lr = 5e-3 / (n / 2**14) ** 0.5
+    opt = ScheduleFreeWrapper(SignSGD([{"params": sae.parameters(), "lr": lr}]), momentum=0.95)
+    opt.train()
+    source = open_source(_pair_config(paths, arch, size, seed, out))
+    loader = ActivationLoader(source.dataset, size["batch"], columns=source.columns, seed=seed,
+                              drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
+    for step, batch in zip(range(size["tokens"] // size["batch"]), loader):
+        x, y = source.pair(batch)
+        if step == 0:
+            sae.encoder.bias.data = -x.mean(0) @ sae.encoder.weight.data.T
+            sae.b_dec.data = y.mean(0)
+        sae(x, y).fvu.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.eval()  # ScheduleFree: the averaged weights are the model
+    sae.save_to_disk(out)
+    return out
+
+
+PAIR_HEADER = ["trainer", "architecture", "held-out FVU (of y)", "L0", "dead", "train tokens/s"]
+
+
+def run_transcoders(size: dict | None = None, seeds=(0,)) -> str:
+    """The transcoder table (ours against sparsify when installed) at ``size``
+    (``PAIRS`` by default)."""
+    import importlib.util
+
+    from pyspark_safetensors.sae import load_sae_model
+    from pyspark_safetensors.sae.evaluate import evaluate_sae
+    from pyspark_safetensors.sae.sources import open_source
+
+    size = {**PAIRS, **(size or {})}
+    trainers = {"ours": train_ours_pairs}
+    if importlib.util.find_spec("sparsify") is not None:
+        trainers["sparsify"] = train_sparsify_pairs
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = synthetic_pairs(Path(tmp) / "pairs", d=size["d"], tokens=size["tokens"])
+        for arch in ("transcoder", "skip_transcoder"):
+            for name, fn in trainers.items():
+                for seed in seeds:
+                    out = Path(tmp) / f"{name}-{arch}-{seed}"
+                    started = time.perf_counter()
+                    path = fn(paths, arch, size, seed, out)
+                    seconds = time.perf_counter() - started
+                    sae = load_sae_model(path)
+                    config = _pair_config(paths, arch, size, seed, out)
+                    val = open_source(replace_val(config, paths), held_out=True)
+                    m = evaluate_sae(sae, val.batches(batch=size["batch"]))
+                    rows.append([f"{name} (seed {seed})", arch, f"{m['fvu']:.4f}",
+                                 f"{m['l0']:.1f}", f"{m['dead_fraction']:.1%}",
+                                 f"{size['tokens'] / seconds:,.0f}"])  # fmt: skip
+                    print(rows[-1], flush=True)
+    missing = "" if "sparsify" in trainers else " sparsify is not installed: not measured."
+    return (
+        f"Transcoders on synthetic MLP-like pairs (`synthetic_pairs`: d = {size['d']}, "
+        f"{4 * size['d']} atoms, 8 active per token with log-normal magnitudes, a dense "
+        f"linear part in y): {size['n_latents']} latents, k = {size['k']}, batch "
+        f"{size['batch']}, {size['tokens']:,} training tokens, held-out FVU of the target on "
+        f"{size['val_tokens']:,} other tokens, every transcoder read by `load_sae_model` and "
+        f"scored by `evaluate_sae`.{missing}\n\n" + table(PAIR_HEADER, rows)
+    )
+
+
+def replace_val(config, paths):
+    import dataclasses
+
+    return dataclasses.replace(config, val_dataset=str(paths["val_in"]),
+                               val_target_dataset=str(paths["val_out"]))  # fmt: skip
+
+
 def run() -> str:
     import importlib.util
 
@@ -198,4 +360,5 @@ def run() -> str:
         f"LUT error: query layer, k = {K}, no compensation, first 8,192 held-out tokens; "
         f"for ours also with the encoder bias the LUT stored before the fold.{note}\n\n"
         + table(HEADER, rows)
+        + "\n\n" + run_transcoders()
     )

@@ -50,8 +50,10 @@ def _config(data, out, architecture, **kw):
         "matryoshka": dict(dataset=data["train_in"], val_dataset=data["val_in"]),
     }  # fmt: skip
     base = dict(architecture=architecture, n_latents=96, k=4, batch_size=256, tokens=256 * 30,
-                warmup_steps=2, lr=5e-3, out_dir=str(out), log_every=5, checkpoints=1,
+                warmup_steps=2, out_dir=str(out), log_every=5, checkpoints=1,
                 progress=False, plots=False, val_tokens=512)  # fmt: skip
+    if "transcoder" not in architecture:  # transcoders: their own default (half an SAE's)
+        base["lr"] = 5e-3
     base |= pairs["transcoder" if "transcoder" in architecture else architecture]
     return SAEConfig(**{**base, **kw})
 
@@ -159,7 +161,7 @@ def test_a_transcoder_trains_on_pairs_and_loads_back(family_data, tmp_path, arch
     assert (trainer.config.d, trainer.config.d_out) == (D_IN, D_OUT)
     metrics = trainer.fit()
     first = trainer.history[0]["fvu"]
-    assert metrics["fvu"] < 0.7 * first and metrics["val_fvu"] < 0.5, (first, metrics)
+    assert metrics["fvu"] < 0.5 * first and metrics["val_fvu"] < 0.4, (first, metrics)
     tensors, meta = load_sae(tmp_path / "run" / "sae.safetensors")
     assert meta["architecture"] == architecture
     assert (meta["hook_point"], meta["target_hook_point"]) == ("mlp:input", "mlp:output")
