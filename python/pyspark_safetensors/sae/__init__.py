@@ -1,6 +1,6 @@
-"""Sparse autoencoders (TopK, BatchTopK, JumpReLU: ``architectures/``) trained on
-activation datasets, on one process or a ("data", "model") DeviceMesh. Imports torch on
-first use of any name but ``SAEConfig``."""
+"""Sparse autoencoders (TopK, BatchTopK, JumpReLU, Matryoshka), transcoders and
+crosscoders (``architectures/``) trained on activation datasets, on one process or a
+("data", "model") DeviceMesh. Imports torch on first use of any name but ``SAEConfig``."""
 
 import importlib
 
@@ -10,7 +10,8 @@ from .config import SAEConfig
 # (``SAEConfig``) and its --help come without it.
 _SUBMODULE = {
     **dict.fromkeys(
-        ("ARCHITECTURES", "BatchTopKSAE", "JumpReLUSAE", "SparseAutoencoder", "TopKSAE"),
+        ("ARCHITECTURES", "BatchTopKSAE", "CrosscoderSAE", "JumpReLUSAE", "MatryoshkaSAE",
+         "SkipTranscoderSAE", "SparseAutoencoder", "TopKSAE", "TranscoderSAE"),  # fmt: skip
         "architectures",
     ),
     **dict.fromkeys(("CheckpointError", "load_sae", "save_sae"), "checkpoint"),

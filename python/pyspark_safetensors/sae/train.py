@@ -303,10 +303,10 @@ class Trainer:
         # x dp: gradients are averaged over the data ranks, so each rank's share of the
         # global FVU is scaled up by dp.
         scale = self.dp / var_x.clamp_min(TINY).float()
+        recon_sq = sq  # what the loss's reconstruction term sums
         if out.x_hats:  # Matryoshka: every prefix's FVU, averaged (the last is x_hat)
-            loss = sum((h.float() - y).pow(2).sum() for h in out.x_hats) * (scale / len(out.x_hats))
-        else:
-            loss = sq * scale
+            recon_sq = sum((h.float() - y).pow(2).sum() for h in out.x_hats) / len(out.x_hats)
+        loss = recon_sq * scale
         aux_sq = torch.zeros((), device=self.device)
         if use_aux:
             aux_sq = aux_err.pow(2).sum()
@@ -316,7 +316,8 @@ class Trainer:
             loss = loss + sparsity
         sae.after_step()
         l0 = (out.values > 0).sum()
-        totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double()])
+        totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double(),
+                              recon_sq.detach().double()])  # fmt: skip
         all_reduce(totals, self.mesh, DATA)
         l0_total = all_reduce(totals[2:3].clone(), self.mesh, MODEL)[0]
         fvu = float(totals[0] / var_x)
@@ -338,7 +339,7 @@ class Trainer:
         return extra | {
             "step": self.step,
             "tokens": self.tokens_seen,
-            "loss": float(totals[0] / var_x + c.aux_coef * (totals[1] / var_e if use_aux else 0)),
+            "loss": float(totals[3] / var_x + c.aux_coef * (totals[1] / var_e if use_aux else 0)),
             "fvu": fvu,
             "mse": float(totals[0] / (n_tokens * d)),
             "aux_loss": float(totals[1] / var_e) if use_aux else 0.0,
