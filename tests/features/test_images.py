@@ -135,7 +135,7 @@ def test_factor_tables_it_refuses(image_run, tmp_path):
             read_factors(bad.factors, plan_features(bad).layout)
 
 
-def test_the_image_browser_in_headless_chromium(image_run, repo_root):
+def test_the_image_browser_in_headless_chromium(image_run, tmp_path):
     from pyspark_safetensors.features.screenshot import chromium, chromium_missing
 
     missing = chromium_missing()
@@ -152,7 +152,7 @@ def test_the_image_browser_in_headless_chromium(image_run, repo_root):
         assert "shape" in truth[0].text and "1.00" in truth[0].text
         truth[0].find_element(By.TAG_NAME, "a").click()  # the detector of circles
         WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".tile"))
-        assert "detects shape = circle" in driver.find_element(By.CSS_SELECTOR, ".detects").text
+        assert "best latent for shape = circle" in driver.find_element(By.CSS_SELECTOR, ".detects").text
         tops = driver.find_elements(By.CSS_SELECTOR, '.tiles[data-kind="top"] .tile')
         assert len(tops) == config.top_n
         assert all("circle" in t.find_element(By.CLASS_NAME, "caption").text for t in tops)
@@ -165,8 +165,7 @@ def test_the_image_browser_in_headless_chromium(image_run, repo_root):
         assert driver.execute_script(
             "return [...document.querySelectorAll('.tile img')].every(i => i.naturalWidth > 0)"
         )
-        png = repo_root / "docs" / "img" / "feature-browser-images.png"
-        png.parent.mkdir(parents=True, exist_ok=True)
+        png = tmp_path / "browser.png"  # the docs' screenshot is the toy ViT's (test_toy_vit)
         assert driver.save_screenshot(str(png)) and png.stat().st_size > 10_000
         driver.find_element(By.CSS_SELECTOR, f'tr.latent-row[data-latent="{CLS}"]').click()
         WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".marker"))

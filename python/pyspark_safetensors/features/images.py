@@ -55,8 +55,8 @@ class ImageLayout:
 
 def layout_of(doc: dict, where: str) -> ImageLayout:
     """The layout an image extraction's ``extraction.json`` (``doc``, read at ``where``)
-    records: ``patch_grid``, ``n_registers`` and, when the model has no CLS token (SigLIP),
-    ``tokens_per_image``."""
+    records: ``patch_grid``, ``n_registers`` and ``n_cls`` (0 for a model without a CLS
+    token, such as SigLIP; 1 when absent), or ``tokens_per_image``."""
     try:
         rows, cols = (int(v) for v in doc["patch_grid"])
     except (KeyError, TypeError, ValueError):
@@ -64,7 +64,8 @@ def layout_of(doc: dict, where: str) -> ImageLayout:
             f"{where}: an image extraction without patch_grid [rows, cols]"
         ) from None
     n_registers = int(doc.get("n_registers", 0))
-    tokens = int(doc.get("tokens_per_image", 1 + n_registers + rows * cols))
+    n_cls = int(doc.get("n_cls", 1))
+    tokens = int(doc.get("tokens_per_image", n_cls + n_registers + rows * cols))
     if tokens < n_registers + rows * cols or rows < 1 or cols < 1:
         raise FeaturesError(f"{where}: {tokens} tokens per image cannot hold {n_registers} "
                             f"registers and a {rows}x{cols} patch grid")  # fmt: skip
