@@ -152,7 +152,10 @@ def test_the_image_browser_in_headless_chromium(image_run, tmp_path):
         assert "shape" in truth[0].text and "1.00" in truth[0].text
         truth[0].find_element(By.TAG_NAME, "a").click()  # the detector of circles
         WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".tile"))
-        assert "best latent for shape = circle" in driver.find_element(By.CSS_SELECTOR, ".detects").text
+        assert (
+            "best latent for shape = circle"
+            in driver.find_element(By.CSS_SELECTOR, ".detects").text
+        )
         tops = driver.find_elements(By.CSS_SELECTOR, '.tiles[data-kind="top"] .tile')
         assert len(tops) == config.top_n
         assert all("circle" in t.find_element(By.CLASS_NAME, "caption").text for t in tops)
