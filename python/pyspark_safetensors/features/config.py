@@ -55,10 +55,12 @@ class FeaturesConfig:
     overwrite: bool = False
     """Replace an existing output directory."""
     factors: str = ""
-    """An image extraction's ground truth: a parquet table of per-patch factor labels
-    (``image_id`` or ``key``, ``patch_row``, ``patch_col``, one string column per generative
-    factor holding the value of the shape the patch lies in, null outside); the job adds
-    ``ground_truth.parquet``: each factor value's best latent by AUROC."""
+    """An image extraction's ground truth: a parquet table of factor labels, one row per
+    patch (``patch_row``, ``patch_col``, one string column per generative factor holding
+    the value of the shape the patch lies in, null outside) or per image (``patch_mask``,
+    a bool per patch, and the factors: the toy ViT's ``labels.parquet``), images named by
+    ``image_id``, ``key`` or ``path``; the job adds ``ground_truth.parquet``: each factor
+    value's best latent by patch AUROC."""
 
     def __post_init__(self):
         if self.top_n <= 0:
