@@ -3,6 +3,7 @@ images (a truncated file and a non-image among them) on the shared local[2] sess
 checked against running the model directly; the token layouts of tiny CLIP, SigLIP and
 DINOv2 models made here."""
 
+import dataclasses
 import io
 import json
 import warnings
@@ -189,6 +190,16 @@ def test_unreadable_images_are_refused_with_bad_images_fail(spark, toy, image_di
                            bad_images="fail")  # fmt: skip
     with pytest.raises(ExtractionError, match=r"image file:\S*/broken\.png cannot be read"):
         run_extraction(spark, config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # nothing readable at all: said after the unreadable files are reported
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "notes.txt").write_text("not an image")
+    none = dataclasses.replace(config, images=str(tmp_path / "none"), bad_images="skip")
+    with (
+        pytest.warns(UserWarning, match="notes.txt"),
+        pytest.raises(ExtractionError, match="no readable image"),
+    ):
+        run_extraction(spark, none, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

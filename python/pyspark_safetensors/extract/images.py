@@ -246,9 +246,9 @@ def number_images(images, config, partitions: int):
         for p, n in sorted(counts.items()):
             shift += [F.lit(p), F.lit(offset - (p << MONOTONIC_ID_PARTITION_SHIFT))]
             offset += n
-        if not shift:
-            raise ExtractionError(f"images {config.images!r}: no readable image")
-        image_id = (F.col("_row") + F.element_at(F.create_map(*shift), part)).cast("long")
+        # no readable image: no ids (the job says so after reporting the unreadable ones)
+        offsets = F.element_at(F.create_map(*shift), part) if shift else F.lit(None)
+        image_id = (F.col("_row") + offsets).cast("long")
         numbered = good.withColumn("image_id", image_id).select(
             "image_id", "key", "path", "label", "content", "width", "height"
         )

@@ -194,6 +194,8 @@ def run_extraction(
     numbered = numbering.result()
     try:
         _report_bad_images(numbered.bad_images, config)
+        if config.modality == "image" and not numbered.n_images:
+            raise ExtractionError(f"images {config.images!r}: no readable image")
         # max_length 0 (the model's context) is recorded and hashed as the number it means;
         # the workers keep the config as planned: their loaded model is keyed by it
         recorded = dataclasses.replace(config, max_length=plan.max_length)
