@@ -199,7 +199,11 @@ def synthetic_pairs(root: Path, *, d: int, tokens: int, seed: int = 0) -> dict[s
             code = np.zeros((rows, atoms), np.float32)
             np.put_along_axis(code, idx, mags, axis=1)
             x = code @ atoms_in + 0.05 * rng.standard_normal((rows, d)).astype(np.float32) + offset
-            y = code @ atoms_out + x @ linear.T + 0.05 * rng.standard_normal((rows, d)).astype(np.float32)
+            y = (
+                code @ atoms_out
+                + x @ linear.T
+                + 0.05 * rng.standard_normal((rows, d)).astype(np.float32)
+            )
             xs.append(x)
             ys.append(y)
         ids = {"sample_id": np.arange(n, dtype=np.int64) // 128,
@@ -252,7 +256,7 @@ def train_sparsify_pairs(paths, arch, size, seed, out) -> Path:
     source = open_source(_pair_config(paths, arch, size, seed, out))
     loader = ActivationLoader(source.dataset, size["batch"], columns=source.columns, seed=seed,
                               drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
-    for step, batch in zip(range(size["tokens"] // size["batch"]), loader):
+    for step, batch in zip(range(size["tokens"] // size["batch"]), loader, strict=False):
         x, y = source.pair(batch)
         if step == 0:
             sae.encoder.bias.data = -x.mean(0) @ sae.encoder.weight.data.T
@@ -360,5 +364,6 @@ def run() -> str:
         f"LUT error: query layer, k = {K}, no compensation, first 8,192 held-out tokens; "
         f"for ours also with the encoder bias the LUT stored before the fold.{note}\n\n"
         + table(HEADER, rows)
-        + "\n\n" + run_transcoders()
+        + "\n\n"
+        + run_transcoders()
     )

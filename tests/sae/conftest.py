@@ -35,7 +35,6 @@ def activations(tmp_path_factory):
     return make_activation_dataset(tmp_path_factory.mktemp("acts") / "acts")
 
 
-
 @pytest.fixture(scope="module")
 def family_data(tmp_path_factory):
     """The SAE families' hook points (``family_data.make_family_data``)."""

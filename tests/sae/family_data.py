@@ -6,7 +6,6 @@ import numpy as np
 
 from pyspark_safetensors.dataset import write_batch_dataset
 
-
 D_IN, D_OUT, N_ROWS = 16, 12, 4096
 
 

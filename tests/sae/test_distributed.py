@@ -332,9 +332,7 @@ def test_torchrun_jumprelu_tensor_parallel_matches_one_process_and_rank_0_report
     torch.testing.assert_close(a.threshold, b.threshold, rtol=1e-4, atol=1e-6)
 
 
-def test_torchrun_skip_transcoder_from_the_command_line_matches_one_process(
-    tmp_path, family_data
-):
+def test_torchrun_skip_transcoder_from_the_command_line_matches_one_process(tmp_path, family_data):
     """``pyspark-safetensors train --nproc 2`` of a skip transcoder over two model ranks,
     with held-out pairs, logs what one process logs and stores the same transcoder."""
     from pyspark_safetensors.cli import main as cli_main

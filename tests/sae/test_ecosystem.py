@@ -150,7 +150,7 @@ def test_foreign_layouts_that_encode_differently_are_refused(tmp_path):
     sp = sparsify_dir(tmp_path / "sp", w)
     cfg = json.loads((sp / "cfg.json").read_text())
     (sp / "cfg.json").write_text(json.dumps({**cfg, "skip_connection": True}))
-    with pytest.raises(CheckpointError, match="skip connection .* has no architecture here"):
+    with pytest.raises(CheckpointError, match=r"skip connection .* has no architecture here"):
         read_sae(sp)
     with pytest.raises(CheckpointError, match="not an SAE directory"):
         read_sae(tmp_path)

@@ -4,11 +4,11 @@ computation, a short real training run on pairs with structure to find, the pair
 loader's alignment checks, and the stored files loading back as the same module."""
 
 import json
-from dataclasses import replace
+import re
 
-import numpy as np
 import pytest
 import torch
+from family_data import D_IN, D_OUT
 
 from pyspark_safetensors.sae import SAEConfig, load_sae, load_sae_model
 from pyspark_safetensors.sae.architectures import (
@@ -20,8 +20,6 @@ from pyspark_safetensors.sae.architectures import (
 from pyspark_safetensors.sae.train import Trainer, main
 from pyspark_safetensors.torch import ShuffledBatches, open_dataset
 from pyspark_safetensors.torch.loader import AlignedDatasets, MisalignedDatasetsError
-
-from family_data import D_IN, D_OUT, N_ROWS
 
 
 def _perturbed(sae, seed=0):
@@ -115,7 +113,9 @@ def test_a_crosscoder_decodes_a_block_per_hook_point_with_norms_summing_to_one()
     cc.normalize_decoder()
     norms = cc.decoder_weight.view(48, 2, D_IN).norm(dim=2)
     torch.testing.assert_close(norms.sum(1), torch.ones(48))
-    assert float(norms.detach().min()) < 0.45 < 0.55 < float(norms.detach().max())  # blocks differ in norm
+    assert (
+        float(norms.detach().min()) < 0.45 < 0.55 < float(norms.detach().max())
+    )  # blocks differ in norm
     # the projected gradient leaves the sum of block norms unchanged to first order
     w = cc.decoder_weight.detach().clone()
     cc.decoder_weight.grad = torch.randn_like(w)
@@ -148,7 +148,7 @@ def test_misaligned_datasets_are_refused_naming_both(family_data, tmp_path):
         SAEConfig(dataset=x, architecture="transcoder")
     with pytest.raises(ValueError, match="target_dataset is for transcoders"):
         SAEConfig(dataset=x, target_dataset=x)
-    with pytest.raises(ValueError, match="datasets = \\[...\\] is for crosscoders"):
+    with pytest.raises(ValueError, match=re.escape("datasets = [...] is for crosscoders")):
         SAEConfig(datasets=(x, x))
 
 

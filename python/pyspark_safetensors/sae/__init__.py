@@ -10,8 +10,17 @@ from .config import SAEConfig
 # (``SAEConfig``) and its --help come without it.
 _SUBMODULE = {
     **dict.fromkeys(
-        ("ARCHITECTURES", "BatchTopKSAE", "CrosscoderSAE", "JumpReLUSAE", "MatryoshkaSAE",
-         "SkipTranscoderSAE", "SparseAutoencoder", "TopKSAE", "TranscoderSAE"),  # fmt: skip
+        (
+            "ARCHITECTURES",
+            "BatchTopKSAE",
+            "CrosscoderSAE",
+            "JumpReLUSAE",
+            "MatryoshkaSAE",
+            "SkipTranscoderSAE",
+            "SparseAutoencoder",
+            "TopKSAE",
+            "TranscoderSAE",
+        ),
         "architectures",
     ),
     **dict.fromkeys(("CheckpointError", "load_sae", "save_sae"), "checkpoint"),

@@ -217,7 +217,7 @@ class SAEConfig:
         self._check_data()
         n = self.n_latents or self.expansion_factor * self.d
         if self.d and self.matryoshka_prefixes:
-            self.prefixes  # refuses ill-formed prefixes once the size is known
+            _ = self.prefixes  # refuses ill-formed prefixes once the size is known
         if self.d and self.k > n:
             raise InvalidArgumentError(f"k {self.k} exceeds n_latents {n}")
         if self.d and n % self.model_parallel_size:

@@ -180,7 +180,7 @@ def open_source(config, *, held_out: bool = False) -> TrainingSource | None:
     ds = open_dataset(path) if held_out else open_activation_source(path, **view)
     _column(ds, path, c.column)
     source = TrainingSource(ds, (c.column,), None, (_hook(ds),))
-    source.widths  # refuses rows that are not vectors
+    _ = source.widths  # refuses rows that are not vectors
     return source
 
 

@@ -16,8 +16,15 @@ from .transcoder import SkipTranscoderSAE, TranscoderSAE
 
 ARCHITECTURES: dict[str, type[SparseAutoencoder]] = {
     cls.ARCHITECTURE: cls
-    for cls in (TopKSAE, BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, TranscoderSAE,
-                SkipTranscoderSAE, CrosscoderSAE)  # fmt: skip
+    for cls in (
+        TopKSAE,
+        BatchTopKSAE,
+        JumpReLUSAE,
+        MatryoshkaSAE,
+        TranscoderSAE,
+        SkipTranscoderSAE,
+        CrosscoderSAE,
+    )
 }
 
 

@@ -43,7 +43,9 @@ class CrosscoderSAE(TopKSAE):
     def __init__(self, d: int, n_latents: int, k: int, *, blocks: int = 2, hook_points=(),
                  **kwargs):  # fmt: skip
         if blocks < 1 or d % blocks:
-            raise InvalidArgumentError(f"a crosscoder's width {d} does not split into {blocks} blocks")
+            raise InvalidArgumentError(
+                f"a crosscoder's width {d} does not split into {blocks} blocks"
+            )
         super().__init__(d, n_latents, k, **kwargs)
         self.blocks = blocks
         self.hook_points = tuple(hook_points)
@@ -92,10 +94,9 @@ class CrosscoderSAE(TopKSAE):
         return list(t.chunk(self.blocks, dim=1))
 
     def evaluation_parts(self, out: SAEOutput, y: torch.Tensor) -> dict:
+        hats, parts = self.split(out.x_hat), self.split(y)
         return {
-            name: (hat, part)
-            for name, hat, part in zip(self.block_names, self.split(out.x_hat), self.split(y),
-                                       strict=True)  # fmt: skip
+            name: (hat, part) for name, hat, part in zip(self.block_names, hats, parts, strict=True)
         }
 
     def metadata(self) -> dict[str, str]:

@@ -95,4 +95,3 @@ class SkipTranscoderSAE(TranscoderSAE):
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         return super().full_shapes() | {"skip_weight": (self.d_out, self.d)}
-
