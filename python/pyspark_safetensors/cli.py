@@ -254,7 +254,8 @@ class LutCommand:
 
 
 def lut(argv: list[str]) -> int:
-    """Precompute lookup tables (docs/lut.md) for linear layers from SAE checkpoints:
+    """Precompute lookup tables (docs/lut.md) for linear layers from SAE checkpoints, and
+    for whole MLP blocks from transcoders (LAYER = the block, e.g. model.layers.0.mlp):
     pyspark-safetensors lut MODEL_DIR --sae LAYER[,LAYER...]=SAE_FILE [--sae ...]."""
     positional = [a for a in argv[:1] if not a.startswith("-")]
     args = _parse(LutCommand, argv[len(positional) :], "lut", lut.__doc__, positionals="MODEL_DIR")
@@ -275,7 +276,12 @@ def lut(argv: list[str]) -> int:
     meta = precompute_lut(
         positional[0], saes, out_dir=args.out or None, dtype=args.dtype, overwrite=args.overwrite
     )
-    print(f"{len(meta['layers'])} layers, {meta['timing']['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    blocks = sum(entry.get("kind") == "mlp" for entry in meta["layers"].values())
+    linear = len(meta["layers"]) - blocks
+    # a block's tables are its transcoder's own: only linear layers' products are computed
+    speed = f", {meta['timing']['flops_per_s'] / 1e9:.1f} GFLOP/s" if linear else ""
+    whole = f" and {blocks} whole MLP block(s)" if blocks else ""
+    print(f"{linear} linear layers{whole}{speed}")
     return 0
 
 

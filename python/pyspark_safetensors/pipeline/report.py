@@ -108,7 +108,12 @@ def _saes(summary: dict) -> list[str]:
         "## SAEs",
         "",
         "Training figures are the last logged step; held-out figures are measured on the "
-        "held-out passages' tokens with the trained encoding.",
+        + (
+            "held-out images' tokens (each SAE's own: the patches, or the CLS token)"
+            if "held_out_images" in ev
+            else "held-out passages' tokens"
+        )
+        + " with the trained encoding.",
         "",
     ]
     rows = []
@@ -337,7 +342,10 @@ def _lm_loss(summary: dict) -> list[str]:
 
 
 def _num(value, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+    """A figure, blank when absent and "—" when undefined (NaN)."""
+    if value is None:
+        return ""
+    return "—" if value != value else format(value, spec)
 
 
 def _classifier(summary: dict) -> list[str]:
@@ -352,7 +360,7 @@ def _classifier(summary: dict) -> list[str]:
             f"`{name}`", h["tokens"], f"{h['ce_spliced']:.4f}", f"{h['accuracy_spliced']:.1%}",
             f"{h['ce_zero_ablated']:.4f}", f"{h['accuracy_zero_ablated']:.1%}",
             f"{h['ce_mean_ablated']:.4f}", f"{h['accuracy_mean_ablated']:.1%}",
-            f"**{h['loss_recovered']:.3f}**", f"{h['loss_recovered_mean']:.3f}",
+            f"**{_num(h['loss_recovered'], '.3f')}**", _num(h["loss_recovered_mean"], ".3f"),
             f"{h['kl_spliced']:.3g}",
         ])  # fmt: skip
     header = ["SAE", "tokens", "CE spliced", "acc. spliced", "CE zero-abl.", "acc. zero-abl.",
@@ -366,7 +374,9 @@ def _classifier(summary: dict) -> list[str]:
         f"**{cl['accuracy_clean']:.1%}**. At its hook point each SAE's reconstruction replaces "
         "the tokens it was trained on (`image`: every patch, `cls`: the CLS token), against "
         "the same tokens zero- or mean-ablated; loss recovered = (CE zero − CE spliced) / "
-        "(CE zero − CE clean); KL of the class distributions to the clean ones.",
+        "(CE zero − CE clean); KL of the class distributions to the clean ones. Where "
+        "ablating the tokens leaves the classifier unchanged (patches after the last block "
+        "that reads them: the classifier reads the CLS token), nothing is left to recover.",
         "",
         *_table(header, rows),
         "",

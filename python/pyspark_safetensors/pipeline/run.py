@@ -45,6 +45,8 @@ from ..format.errors import PysparkSafetensorsError
 MARKER = ".pyspark-safetensors-pipeline"
 TOY_LLAMA = "toy-llama"
 """``PipelineConfig.model`` value: train the toy Llama (``extract.toy_lm``) as a stage."""
+SAEV_ROWS_PER_SHARD = 1 << 16
+"""The image run's saev dump: token rows (images x layers x tokens) per shard file."""
 TOY_VIT = "toy-vit"
 """``PipelineConfig.model`` value: the image pipeline, on the toy ViT (``extract.toy_vit``)
 trained as a stage and its synthetic image set."""
@@ -413,6 +415,9 @@ class Pipeline:
             self.extract_config = ExtractConfig(
                 model=str(self.model_dir), hooks=c.extracted_hooks,
                 images=str(self.images_dir / "train" / "images"), saev_dump=True,
+                # a saev shard is a file of its full size: at the protocol's 2.4M token rows
+                # the toy's few thousand images would sit in a 0.6 GB file of zeros
+                max_patches_per_shard=SAEV_ROWS_PER_SHARD,
             )  # fmt: skip
         else:
             self.model_source = resolve_model(c.model)
@@ -524,7 +529,7 @@ class Pipeline:
 
         path = self.stage("extract", key, build)
         info = json.loads((path / "data" / "extraction.json").read_text())
-        self.summary["extraction"] = info["summary"]
+        self.summary["extraction"] = {**info["summary"], "modality": info.get("modality", "text")}
         return path / "data"
 
     def sae_settings(self, run: TrainingRun, extract_dir: Path) -> dict:
@@ -537,14 +542,14 @@ class Pipeline:
             from ..extract.vision import hook_layer
 
             layout = json.loads((extract_dir / "extraction.json").read_text())
-            per_image = (
-                1
-                if run.tokens == "cls"
-                else layout["tokens_per_image"] - layout["n_cls"] - layout["n_registers"]
-            )
-            tokens = self.summary["extraction"]["texts"] * per_image
+            patches = layout["tokens_per_image"] - layout["n_cls"] - layout["n_registers"]
+            tokens = self.summary["extraction"]["texts"] * (1 if run.tokens == "cls" else patches)
             datasets = {"dataset": str(extract_dir / "saev"), "saev_patches": run.tokens,
                         "saev_layer": str(hook_layer(run.hooks[0]))}  # fmt: skip
+            if run.tokens == "cls":  # one token per image: a batch may hold them all
+                ranks = c.nproc if c.parallel == "data" else 1
+                batch = min(c.sae.get("batch_size", 1024), tokens // ranks * ranks)
+                datasets["batch_size"] = max(batch, ranks)
         elif run.kind == "sae":
             datasets = {"dataset": data[run.name]}
         elif run.kind == "transcoder":
