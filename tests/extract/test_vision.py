@@ -340,3 +340,19 @@ def test_spark_image_source_frames_are_taken_as_their_pixels(spark, image_dir):
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(first.content))), original)
     finally:
         stored.unpersist()
+
+
+def test_file_corpora_are_keyed_below_their_root(tmp_path):
+    from pyspark_safetensors.extract.images import _is_table, _root_uri
+
+    assert _root_uri(str(tmp_path / "images")) == f"file:{tmp_path}/images"
+    assert _root_uri(str(tmp_path / "images" / "*" / "*.png")) == f"file:{tmp_path}/images"
+    assert _root_uri("s3://bucket/photos/") == "s3://bucket/photos"
+    assert _root_uri("s3://bucket/photos/2024-*/x.jpg") == "s3://bucket/photos"
+    (tmp_path / "table").mkdir()
+    (tmp_path / "table" / "part-0.parquet").write_bytes(b"")
+    (tmp_path / "table" / "_SUCCESS").write_bytes(b"")
+    (tmp_path / "pngs").mkdir()
+    (tmp_path / "pngs" / "a.png").write_bytes(b"")
+    assert _is_table(str(tmp_path / "table")) and _is_table("s3://b/images.parquet")
+    assert not _is_table(str(tmp_path / "pngs")) and not _is_table("s3://bucket/photos/")
