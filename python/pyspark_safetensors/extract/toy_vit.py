@@ -83,9 +83,9 @@ class ToyViTConfig:
         return self.image_size // self.patch_size
 
 
-TINY_VIT = ToyViTConfig(n_train=2000, n_held_out=200, steps=300, learning_rate=3e-3,
-                        warmup_steps=20)  # fmt: skip
-"""A config that trains in a few seconds (tests, the docs' examples)."""
+TINY_VIT = ToyViTConfig(n_train=2000, n_held_out=200, steps=400, warmup_steps=20)
+"""A config that trains in a few seconds (tests, the docs' examples): 0.59 held-out
+accuracy against 0.33 chance (the default: 0.67)."""
 
 
 # -- the image set ---------------------------------------------------------------------------
