@@ -147,36 +147,57 @@ def check_fn():
     Spark's image source become PNG bytes here, so the model stage decodes one kind."""
 
     def check(batches):
+        import pyarrow.compute as pc
+
         from .vision import check_image
 
         previous = None
         for batch in batches:
-            cols = batch.to_pydict()
-            raw = "raw_channels" in cols
-            out = {
-                name: [] for name in ("key", "path", "label", "content", "width", "height", "error")
-            }
-            for i, key in enumerate(cols["key"]):
-                content, width, height, error = cols["content"][i], None, None, None
+            keys = batch.column("key").to_pylist()
+            contents = batch.column("content")  # read one image at a time, not all copied
+            raw = "raw_channels" in batch.schema.names
+            shapes = (
+                zip(*(batch.column(f"raw_{n}").to_pylist() for n in ("height", "width", "channels")),
+                    strict=True)
+                if raw else None
+            )  # fmt: skip
+            sizes, errors, pngs = [], [], []
+            for i, key in enumerate(keys):
+                width = height = error = png = None
+                shape = next(shapes) if raw else None
                 try:
                     if key is None:
                         raise ValueError("no key (a null id or path)")
+                    content = contents[i].as_py()
                     if content is None:
                         raise ValueError("no image bytes (null)")
                     if raw:
-                        content = _png_of_raw(content, cols["raw_height"][i], cols["raw_width"][i],
-                                              cols["raw_channels"][i])  # fmt: skip
+                        content = png = _png_of_raw(content, *shape)
                     width, height = check_image(content)
                 except Exception as e:  # every decoder error: reported by path, never raised here
-                    content, error = None, _error_text(e)
+                    error = _error_text(e)
                 if key is not None and key == previous:
-                    content, error = None, DUPLICATE
+                    error = DUPLICATE
                 previous = key
-                for name, value in (("key", key), ("path", cols["path"][i]),
-                                    ("label", cols["label"][i]), ("content", content),
-                                    ("width", width), ("height", height), ("error", error)):  # fmt: skip
-                    out[name].append(value)
-            yield pa.RecordBatch.from_pydict(out, schema=_CHECKED_ARROW)
+                sizes.append((width, height))
+                errors.append(error)
+                pngs.append(png if error is None else None)
+            ok = pa.array([e is None for e in errors])
+            content = (
+                pa.array(pngs, pa.binary()) if raw
+                else pc.if_else(ok, contents.cast(pa.binary()), pa.scalar(None, pa.binary()))
+            )  # fmt: skip
+            # (cast: a session may hand Arrow's large string and binary types)
+            text = [batch.column(n).cast(pa.string()) for n in ("key", "path", "label")]
+            yield pa.RecordBatch.from_arrays(
+                [
+                    *text, content,
+                    pa.array([w for w, _ in sizes], pa.int32()),
+                    pa.array([h for _, h in sizes], pa.int32()),
+                    pa.array(errors, pa.string()),
+                ],
+                schema=_CHECKED_ARROW,
+            )  # fmt: skip
 
     return check
 

@@ -188,13 +188,20 @@ def _images_batch(extractor, batch: pa.RecordBatch, dtype: str) -> pa.RecordBatc
     from .vision import decode_image
 
     paths = batch.column("path").to_pylist()
-    images = []
-    for path, data in zip(paths, batch.column("content").to_pylist(), strict=True):
-        try:
-            images.append(decode_image(data))
-        except Exception as e:  # read whole by the check pass: a file changed since
-            raise ExtractionError(f"image {path} can no longer be read ({e})") from e
-    acts, thumbnails = extractor.run(images, thumbnails=True)
+    contents = batch.column("content")
+    acts, thumbnails = [], []
+    # decoded one model batch at a time: a photo decodes to many times its file's size
+    for start in range(0, batch.num_rows, extractor.batch_size):
+        images = []
+        chunk = contents.slice(start, extractor.batch_size).to_pylist()
+        for path, data in zip(paths[start : start + len(chunk)], chunk, strict=True):
+            try:
+                images.append(decode_image(data))
+            except Exception as e:  # read whole by the check pass: a file changed since
+                raise ExtractionError(f"image {path} can no longer be read ({e})") from e
+        batch_acts, batch_thumbnails = extractor.run(images, thumbnails=True)
+        acts += batch_acts
+        thumbnails += batch_thumbnails
     n, tokens = batch.num_rows, extractor.layout.n_tokens
     columns = {
         "sample_id": batch.column("image_id"),
