@@ -37,7 +37,8 @@ class ExtractConfig:
     model_dir: str = ""
     """The former name of ``model`` (a local directory or a model id); set one of them."""
     hooks: tuple[str, ...] = DEFAULT_HOOKS
-    """Module globs with ":input" (the input of e.g. a linear layer) or ":output"."""
+    """Module globs with ":input" (the input of e.g. a linear layer) or ":output". An
+    image corpus left with this default takes every transformer block's output."""
     max_length: int = 128
     """Tokens per model input, special tokens included; 0 = the model's context (the
     job records the number it resolved)."""
@@ -57,7 +58,7 @@ class ExtractConfig:
     passage_chars: int = 400
     """Passage size of the demo corpus."""
     max_texts: int = 0
-    """Use only the first N texts (by key); 0 = all."""
+    """Use only the first N texts (or images) by key; 0 = all."""
     kv_dataset: bool = True
     partition_by_hook: bool = False
     """Write the token-level activations as one dataset partitioned by hook point
