@@ -356,3 +356,16 @@ def test_file_corpora_are_keyed_below_their_root(tmp_path):
     (tmp_path / "pngs" / "a.png").write_bytes(b"")
     assert _is_table(str(tmp_path / "table")) and _is_table("s3://b/images.parquet")
     assert not _is_table(str(tmp_path / "pngs")) and not _is_table("s3://bucket/photos/")
+
+
+def test_the_extract_command_takes_an_image_corpus():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pyspark_safetensors.cli", "extract", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for option in ("--images", "--image-column", "--label-column", "--id-column", "--bad-images"):
+        assert option in result.stdout
