@@ -174,6 +174,14 @@ def test_the_image_browser_in_headless_chromium(image_run, tmp_path):
         WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".marker"))
         marked = driver.find_elements(By.CSS_SELECTOR, '.tiles[data-kind="top"] .frame.whole')
         assert len(marked) == config.top_n  # CLS examples: the whole image, marked
+        driver.find_element(By.ID, "show-overview").click()  # saev's distributions
+        charts = driver.find_elements(By.CSS_SELECTOR, "#detail svg.overview-hist")
+        assert len(charts) == 2
+        for chart in charts:  # every live latent counted once
+            titles = [
+                t.get_attribute("textContent") for t in chart.find_elements(By.TAG_NAME, "title")
+            ]
+            assert sum(int(t.rsplit(": ", 1)[1]) for t in titles) == 12
         search = driver.find_element(By.ID, "search")
         search.send_keys("square")
         rows = driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
@@ -228,3 +236,31 @@ def test_a_layout_the_tokens_do_not_follow_is_refused(image_run, tmp_path):
     (bad / "extraction.json").write_text(json.dumps({**doc, "modality": "text"}))
     with pytest.raises(FeaturesError, match="not an image extraction"):
         plan_features(text)
+
+
+def test_token_kinds_choose_the_tokens_studied(spark, image_run, tmp_path):
+    """``token_kinds=("cls",)``: only the CLS tokens enter the statistics and the
+    examples (an SAE of the CLS token), in the job as in the reference; the examples'
+    heat maps still hold every token of their image. ``("patch",)`` in the reference:
+    the patches only."""
+    config, _, _ = image_run
+    cls = dataclasses.replace(config, token_kinds=("cls",), factors="",
+                              out=str(tmp_path / "cls"))  # fmt: skip
+    summary = run_features(spark, cls)
+    plan = plan_features(cls)
+    z = dense_code(plan)
+    assert summary.tokens == len(z)
+    got = pq.read_table(summary.out / "latents.parquet").to_pandas().sort_values("latent")
+    assert got["count"].tolist() == (z[:, 0] > 0).sum(0).tolist()
+    assert_latents_match(got, latents_table(reference_state(plan, cls), cls).to_pandas())
+    contexts = pq.read_table(summary.out / "contexts.parquet").to_pandas()
+    assert set(contexts.token_kind) == {"cls"} and set(contexts.token_pos) == {0}
+    for r in contexts.itertuples():
+        np.testing.assert_allclose(r.acts, z[r.image_id, :, r.latent], rtol=1e-5, atol=1e-6)
+    patches = dataclasses.replace(cls, token_kinds=("patch",))
+    state = reference_state(plan_features(patches), patches)
+    assert state.tokens == len(z) * GRID * GRID
+    counts = latents_table(state, patches).column("count").to_pylist()
+    assert counts == (z[:, 1 + REGISTERS :] > 0).sum((0, 1)).tolist()
+    with pytest.raises(FeaturesError, match="token_kinds"):
+        FeaturesConfig(token_kinds=("patches",))

@@ -74,6 +74,7 @@ def vit_run(spark, toy, tmp_path_factory):
     pq.write_table(held_out, root / "held-out.parquet")
     config = FeaturesConfig(extraction=str(root / "acts"), sae=str(root / "sae"), hook=HOOK,
                             out=str(root / "features"), top_n=8, samples_per_band=3,
+                            token_kinds=("patch",),
                             factors=str(root / "held-out.parquet"))  # fmt: skip
     return config, run_features(spark, config), held_out
 

@@ -54,6 +54,10 @@ class FeaturesConfig:
     """Torch device of the encoding; empty = cuda when available, else cpu."""
     overwrite: bool = False
     """Replace an existing output directory."""
+    token_kinds: tuple[str, ...] = ()
+    """An image extraction's tokens to study: "cls", "register", "patch" (empty: all). An
+    SAE trained on the patches is studied on the patches (``("patch",)``), one trained on
+    the CLS token on it; the examples' heat maps still show every patch."""
     factors: str = ""
     """An image extraction's ground truth: a parquet table of factor labels, one row per
     patch (``patch_row``, ``patch_col``, one string column per generative factor holding
@@ -71,6 +75,11 @@ class FeaturesConfig:
             raise FeaturesError("hist_bins must be >= 1 and 0 < hist_min < hist_max")
         if list(self.bands) != sorted(self.bands) or not all(0 <= b <= 1 for b in self.bands):
             raise FeaturesError(f"bands must be increasing quantiles in [0, 1], got {self.bands}")
+        unknown = set(self.token_kinds) - {"cls", "register", "patch"}
+        if unknown:
+            raise FeaturesError(
+                f"token_kinds: {sorted(unknown)}; choose among cls, register, patch"
+            )
         if self.batch_tokens < 1:
             raise FeaturesError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
 

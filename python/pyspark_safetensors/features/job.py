@@ -125,11 +125,20 @@ class FeaturesPlan:
     """For a URI: ``endpoint_url``, ``region``, ... (``DatasetLocation.of``)."""
     layout: ImageLayout | None = None
     """An image extraction's token layout; None for text."""
+    token_kinds: tuple[str, ...] = ()
+    """An image extraction's kinds of token that enter the statistics and the examples
+    (empty: all)."""
 
     @property
     def span(self) -> int:
         """Tokens of an image (an example's window), 0 for text."""
         return self.layout.tokens if self.layout else 0
+
+    def positions(self) -> torch.Tensor | None:
+        """A bool per token position: those of ``token_kinds`` (None: every token)."""
+        if not self.token_kinds:
+            return None
+        return torch.tensor([kind in self.token_kinds for kind in self.layout.kinds()])
 
     def extraction_location(self) -> DatasetLocation:
         return DatasetLocation.of(self.extraction, storage_options=self.storage_options)
@@ -151,8 +160,11 @@ def plan_features(
         raise FeaturesError(f"{doc_path}: no extraction here (run `pyspark-safetensors extract`)")
     doc = json.loads(src.read_bytes(EXTRACTION_DOC))
     image = doc.get("modality", "text") == "image"
-    if config.factors and not image:
-        raise FeaturesError(f"factors: {doc_path} is not an image extraction (modality 'image')")
+    for option in ("factors", "token_kinds"):
+        if getattr(config, option) and not image:
+            raise FeaturesError(
+                f"{option}: {doc_path} is not an image extraction (modality 'image')"
+            )
     for table in (IMAGES_TABLE,) if image else (SAMPLES_TABLE, TEXTS_TABLE):
         if not src.has(table):
             raise FeaturesError(f"{src.display(table)}: missing token table; re-run the extraction")
@@ -201,6 +213,7 @@ def plan_features(
         k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
         max_length=int(cfg.get("max_length", 0)), long_texts=cfg.get("long_texts", "window"),
         extraction=src.root if src.is_local else src.uri, storage_options=options, layout=layout,
+        token_kinds=tuple(config.token_kinds),
     )  # fmt: skip
 
 
@@ -266,12 +279,13 @@ def new_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
 
 def scan_range(state: LatentState, reader: RowReader, start: int, stop: int, sae,
                config: FeaturesConfig, device: str, *, span: int = 0,
-               codes: PatchCodes | None = None) -> None:  # fmt: skip
+               codes: PatchCodes | None = None, positions=None) -> None:  # fmt: skip
     """Rows ``[start, stop)`` of the dataset encoded and folded into ``state`` (``span``:
-    an image's tokens, for an image extraction); ``codes`` keeps the code of its tokens."""
+    an image's tokens, for an image extraction; ``positions``: the token positions that
+    enter it, ``FeaturesPlan.positions``); ``codes`` keeps the code of its tokens."""
     chunks = encoded_chunks(reader, start, stop, sae, chunk=config.batch_tokens,
                             margin=config.context, device=device, span=span)  # fmt: skip
-    fold(state, chunks if codes is None else map(codes.tap, chunks))
+    fold(state, chunks if codes is None else map(codes.tap, chunks), positions)
 
 
 def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig, dataset, ranges, labelled=None):
@@ -288,7 +302,7 @@ def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig, dataset, ranges, labe
         for batch in batches:
             for task in batch.column("id").to_pylist():
                 scan_range(state, reader, *ranges[task], sae, config, device, span=plan.span,
-                           codes=codes)  # fmt: skip
+                           codes=codes, positions=plan.positions())  # fmt: skip
         yield from state_rows(state, codes)
 
     return run

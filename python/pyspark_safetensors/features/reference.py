@@ -33,7 +33,8 @@ def reference_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
     device = pick_device(config)
     sae = load_encoder(plan.sae, device, config.threads)
     state = new_state(plan, config)
-    scan_range(state, RowReader(ds, plan.width), 0, len(ds), sae, config, device, span=plan.span)
+    scan_range(state, RowReader(ds, plan.width), 0, len(ds), sae, config, device, span=plan.span,
+               positions=plan.positions())  # fmt: skip
     return state
 
 

@@ -161,9 +161,17 @@ def encoded_chunks(
                     span)  # fmt: skip
 
 
-def fold(state, chunks) -> None:
+def fold(state, chunks, positions: torch.Tensor | None = None) -> None:
     """Fold encoded chunks into a ``LatentState``: statistics, candidates and their
-    windows, and the count of chunks out of token order."""
+    windows, and the count of chunks out of token order. ``positions``: a bool per
+    ``token_pos``, the tokens that enter the state (an image's CLS, or its patches, ...);
+    the others still lend their activations to the windows."""
     for c in chunks:
-        state.update(c.values, c.indices, c.ids, c.contexts)
+        if positions is None:
+            state.update(c.values, c.indices, c.ids, c.contexts)
+        else:
+            rows = torch.nonzero(positions[c.ids.cpu() & ((1 << POS_BITS) - 1)]).flatten()
+            state.update(c.values[rows.to(c.values.device)], c.indices[rows.to(c.values.device)],
+                         c.ids[rows.to(c.ids.device)],
+                         lambda r, latents, rows=rows, c=c: c.contexts(rows[r], latents))  # fmt: skip
         state.out_of_order += not c.in_order
