@@ -74,7 +74,9 @@ def test_index_view_of_a_batch_dataset_reads_no_shard(spark, tmp_path):
     index.createOrReplaceTempView("ds_index")
     assert spark.sql("SELECT count(*) AS n FROM ds_index").first().n == 10
     rows = index.collect()
-    assert sorted((r.file, r.row) for r in rows) == [(f, i) for f, n in zip(files, (4, 4, 2)) for i in range(n)]
+    assert sorted((r.file, r.row) for r in rows) == [
+        (f, i) for f, n in zip(files, (4, 4, 2), strict=True) for i in range(n)
+    ]
     assert {(r.x.dtype, tuple(r.x.shape), r.id.dtype, tuple(r.id.shape)) for r in rows} == {
         ("F32", (2, 3), "I64", ())
     }

@@ -289,7 +289,7 @@ so where a small dataset should spread over many of them, ``rows_per_partition``
 it finer."""
 
 OPEN_COST_BYTES = 4 << 20
-"""What opening one file counts for when files are packed (Spark's default
+"""What a file counts for at least when files are packed (Spark's default
 ``spark.sql.files.openCostInBytes``), so header-only reads of many files still spread."""
 
 BATCH_BYTES = 8 << 20
@@ -406,7 +406,7 @@ class SafetensorsReader(DataSourceReader):
     def _partitions(self, source: Source, i: int) -> list[InputPartition]:
         if self.view in FILE_VIEWS:
             reads_data = self.view == "files" or "data" in self.schema.fieldNames()
-            weights = [OPEN_COST_BYTES + (size if reads_data else 0) for size in source.sizes]
+            weights = [max(size if reads_data else 0, OPEN_COST_BYTES) for size in source.sizes]
             return [
                 FilesPartition(tuple(source.files[j] for j in group), i)
                 for group in pack(weights, PARTITION_BYTES)

@@ -91,7 +91,10 @@ class SafetensorsDataSource(DataSource):
                                   datasets: one row per key), ``tensors`` (any file: one row
                                   per tensor ``file, name, dtype, shape, data``), ``files``
                                   (any file: one row per file, one Tensor Struct column per
-                                  tensor name). Default: the dataset's mode; for plain files
+                                  tensor name), ``index`` (datasets: the rows of ``rows``/
+                                  ``kv`` with each tensor's dtype and shape, no bytes: from
+                                  the manifest and the tensor index; the fast ``count()``).
+                                  Default: the dataset's mode; for plain files
                                   ``tensors``, or ``files`` with ``inferSchema=true`` or a
                                   given schema of Tensor Struct columns.
     ``inferSchema``               accepted (the header always gives the schema); ``true``
@@ -100,8 +103,9 @@ class SafetensorsDataSource(DataSource):
                                   ``struct`` (Tensor Structs with the stored bytes)
     ``include_data``              tensors view: ``false`` lists headers only, reading no
                                   tensor bytes
-    ``rows_per_partition``        rows view: shards larger than this (default 65,536) are
-                                  split into row ranges
+    ``rows_per_partition``        rows view: one partition per range of this many rows of
+                                  each shard (default: shards and ranges packed into
+                                  partitions of about 128 MiB)
     ============================  ========================================================
 
     Example::
