@@ -58,6 +58,7 @@ def test_the_stages_and_the_saev_dump(run):
     assert set(summary["stages"]) == {
         "model", "images", "extract", "evaluation", "sae-vit_layers_0_output",
         "sae-vit_layers_0_output-cls", "features-vit_layers_0_output",
+        "features-vit_layers_0_output-cls",
     }  # fmt: skip
     assert summary["extraction"]["modality"] == "image" and summary["extraction"]["texts"] == 96
     tokens = summary["toy_vit"]["config"]["image_size"] ** 2 // 64 + 1  # patches of 8, and CLS
@@ -94,6 +95,8 @@ def test_the_feature_browser_has_ground_truth_and_the_report_shows_it(run):
     assert {"shape", "colour"} <= factors
     assert all(0 <= row["auroc"] <= 1 for row in f["ground_truth"])
     assert (run / f["dir"] / "features" / "index.html").is_file()
+    cls = summary["features"][f"{HOOK} (CLS)"]  # its statistics over the CLS tokens alone
+    assert cls["tokens"] == 96 and not cls["ground_truth"]
     report = (run / "report.md").read_text()
     assert "## Classifier with the SAEs spliced in" in report and "toy ViT" in report
     assert f"Ground truth of `{HOOK}`" in report

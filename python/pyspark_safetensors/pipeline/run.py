@@ -716,9 +716,10 @@ class Pipeline:
     def features(self, trained: dict[TrainingRun, Path], extract_dir: Path) -> None:
         """One feature browser per SAE and transcoder (``features-{hook}`` and
         ``features-transcoder-{block}``, each with ``features/index.html``), computed in
-        Spark over every extracted token of the hook point it reads, with a screenshot when
-        Chromium is here. A crosscoder reads several hook points at once, which the feature
-        job's one-dataset scan does not: it has none."""
+        Spark over every extracted token of the hook point it reads (an image run's SAEs:
+        the tokens each was trained on, the patches with each factor's best latent, or the
+        CLS tokens), with a screenshot when Chromium is here. A crosscoder reads several
+        hook points at once, which the feature job's one-dataset scan does not: it has none."""
         from ..features import FeaturesConfig, run_features
         from ..features.screenshot import screenshot
         from ..spark.session import local_session
@@ -732,18 +733,18 @@ class Pipeline:
             return sessions[0]
 
         try:
-            # an image run's ground truth: the factors of the images it extracted
-            factors = str(self.images_dir / "train" / "labels.parquet") if c.vision else ""
             for run, sae_file in trained.items():
-                # the job encodes every token of a hook point: a CLS SAE would meet patches
-                if run.kind == "crosscoder" or run.tokens == "cls":
+                if run.kind == "crosscoder":
                     continue
-                hook = run.hooks[0]
+                # an image SAE's own tokens; the patches' ground truth: the images' factors
+                kinds = {"image": ("patch",), "cls": ("cls",)}.get(run.tokens, ())
+                labels = self.images_dir / "train" / "labels.parquet" if kinds == ("patch",) else ""
                 sae_key = self.summary["stages"][run.stage]["hash"]
                 key = digest(self.summary["stages"]["extract"]["hash"], sae_key, c.features_top_n)
-                key = digest(key, "factors") if factors else key
-                config = FeaturesConfig(extraction=str(extract_dir), sae=str(sae_file), hook=hook,
-                                        top_n=c.features_top_n, factors=factors)  # fmt: skip
+                key = digest(key, kinds, "factors") if kinds else key
+                config = FeaturesConfig(extraction=str(extract_dir), sae=str(sae_file),
+                                        hook=run.hooks[0], top_n=c.features_top_n,
+                                        token_kinds=kinds, factors=str(labels))  # fmt: skip
 
                 def build(tmp: Path, config=config) -> None:
                     summary = run_features(spark(), replace(config, out=str(tmp / "features")))
