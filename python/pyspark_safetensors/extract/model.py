@@ -166,6 +166,29 @@ class Hook:
         return f"{self.module}.{self.where}".replace(".", "_")
 
 
+def capture_hooks(model: torch.nn.Module, hooks: list[Hook]) -> dict[str, torch.Tensor]:
+    """Register forward hooks on ``model`` that keep each hook point's latest tensor (a
+    module's first input, or its output: the first of a tuple) in the dict returned, by
+    hook name."""
+    captured: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    for hook in hooks:
+        name = hook.name
+        if hook.where == "input":
+
+            def pre_hook(module, args, name=name):
+                captured[name] = args[0]
+
+            modules[hook.module].register_forward_pre_hook(pre_hook)
+        else:
+
+            def post_hook(module, args, output, name=name):
+                captured[name] = output[0] if isinstance(output, tuple) else output
+
+            modules[hook.module].register_forward_hook(post_hook)
+    return captured
+
+
 def resolve_hooks(model: torch.nn.Module, patterns: list[str]) -> list[Hook]:
     """Expand ``glob:input`` / ``glob:output`` patterns against the model's module names,
     in module order. A pattern matching nothing is an error listing what exists."""
@@ -325,14 +348,7 @@ class Extractor:
         self.pad_id = next(
             (i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0
         )  # fmt: skip
-        self._captured: dict[str, torch.Tensor] = {}
-        modules = dict(self.model.named_modules())
-        for hook in self.hooks:
-            module = modules[hook.module]
-            if hook.where == "input":
-                module.register_forward_pre_hook(self._save_input(hook.name))
-            else:
-                module.register_forward_hook(self._save_output(hook.name))
+        self._captured = capture_hooks(self.model, self.hooks)
         self._forward = self._body_or_whole()
         self._position_ids = "position_ids" in inspect.signature(self._forward.forward).parameters
 
@@ -346,18 +362,6 @@ class Extractor:
         if body is not None and body is not self.model and inside and is_causal_model(self.model):
             return body
         return self.model
-
-    def _save_input(self, name):
-        def pre_hook(module, args):
-            self._captured[name] = args[0]
-
-        return pre_hook
-
-    def _save_output(self, name):
-        def hook(module, args, output):
-            self._captured[name] = output[0] if isinstance(output, tuple) else output
-
-        return hook
 
     def widths(self) -> dict[str, int]:
         """Hidden width of each hook point (one tiny forward pass)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import ExtractionError, _collector_paused, resolve_hooks
+from .model import ExtractionError, _collector_paused, capture_hooks, resolve_hooks
 
 TOKEN_KINDS = ("cls", "register", "patch")
 """``token_kind`` codes of the token-level datasets: the index in this tuple (a dataset's
@@ -222,27 +222,9 @@ class VisionExtractor:
             hooks = block_outputs(self.tower)
         self.hooks = resolve_hooks(self.tower, hooks)
         self.batch_size, self.dtype = batch_size, dtype
-        self._captured: dict[str, torch.Tensor] = {}
-        modules = dict(self.tower.named_modules())
-        for hook in self.hooks:
-            if hook.where == "input":
-                modules[hook.module].register_forward_pre_hook(self._save_input(hook.name))
-            else:
-                modules[hook.module].register_forward_hook(self._save_output(hook.name))
+        self._captured = capture_hooks(self.tower, self.hooks)
         self._denormalise = self._pixel_inverse()
         self.layout = self._probe_layout()
-
-    def _save_input(self, name):
-        def pre_hook(module, args):
-            self._captured[name] = args[0]
-
-        return pre_hook
-
-    def _save_output(self, name):
-        def hook(module, args, output):
-            self._captured[name] = output[0] if isinstance(output, tuple) else output
-
-        return hook
 
     def _pixel_inverse(self):
         """(scale [3], offset [3]) with ``pixels = pixel_values * scale + offset`` (0-255):
