@@ -585,9 +585,10 @@ class SafetensorsReader(DataSourceReader):
     # -- kv view
 
     def _read_kv(self, source_index: int, shard: int):
-        """One shard's keys, sorted, with their tensors, in batches of about
-        ``BATCH_BYTES``: the header's names split in bulk, each column's tensors taken as
-        one run of bytes (copied only when its tensors are not laid out in key order)."""
+        """One shard's keys with their tensors, in batches of about ``BATCH_BYTES``: the
+        header's names split in bulk, rows in the file's order of the first column, whose
+        tensors are then one run of the mapped bytes (other columns' are copied when they
+        lie otherwise)."""
         manifest = self.sources[source_index].manifest
         key_col = manifest.name_col or "key"
         sep = manifest.kv_separator or "__"
@@ -745,10 +746,11 @@ def _uniform_lists(values: np.ndarray, rank: int) -> pa.Array:
 
 
 def _kv_rows(names: pa.StringArray, schema_columns, requested, sep: str, file: str, wanted_keys):
-    """A KV shard's keys (sorted, as Arrow strings; only ``wanted_keys`` when given) and,
-    for each requested column, the positions in ``names`` (the shard's tensor names) of its
-    tensors in key order. Names are split by ``split_kv_name``'s rule (the longest column
-    suffix wins), in bulk."""
+    """A KV shard's keys (as Arrow strings; only ``wanted_keys`` when given), in the order
+    the first requested column's tensors lie in the file, and for each requested column
+    the positions in ``names`` (the shard's tensor names) of its tensors in that order.
+    Names are split by ``split_kv_name``'s rule (the longest column suffix wins), in
+    bulk."""
     owner = np.full(len(names), -1, dtype=np.int64)
     for c in sorted(range(len(schema_columns)), key=lambda c: -len(schema_columns[c])):
         hit = pc.ends_with(names, kv_suffix(schema_columns[c], sep))
@@ -778,7 +780,12 @@ def _kv_rows(names: pa.StringArray, schema_columns, requested, sep: str, file: s
         if not keys.equals(union):
             missing = pc.filter(union, pc.invert(pc.is_in(union, value_set=keys)))[0].as_py()
             raise ReadError(f"file {file!r}: key {missing!r} has no tensor for column {col!r}")
-    return union, {col: keyed[col][1] for col in requested}
+    positions = {col: keyed[col][1] for col in requested}
+    if requested:  # rows in the file's order of the first column: its bytes stay one run
+        order = np.argsort(positions[requested[0]], kind="stable")
+        union = union.take(order)
+        positions = {col: p[order] for col, p in positions.items()}
+    return union, positions
 
 
 def _index_entries(dtypes: pa.Array, shapes: pa.Array) -> pa.StructArray:
