@@ -9,9 +9,12 @@ on the same texts.
 
 A second table compares transcoders (plain and skip) with sparsify's ``transcode=True``
 (and ``skip_connection=True``) on synthetic MLP-like pairs (``synthetic_pairs``), both
-read through the same pair loader and scored by the same evaluator (FVU of the target)::
+read through the same pair loader and scored by the same evaluator (FVU of the target),
+and a third a crosscoder over those two hook points against one SAE per hook point at
+the same total latents::
 
     python -c "from benchmarks.bench_sae_quality import run_transcoders; print(run_transcoders())"
+    python -c "from benchmarks.bench_sae_quality import run_crosscoders; print(run_crosscoders())"
 
 Each trainer sees the same batches (our loader, same seed) and its own initialisation and
 optimiser defaults: ours (Adam with betas 0.8/0.98 — and, for comparison, 0.9/0.999 —,
@@ -314,6 +317,61 @@ def run_transcoders(size: dict | None = None, seeds=(0,)) -> str:
     )
 
 
+CROSS_HEADER = ["model", "latents", "k", "held-out FVU (in)", "held-out FVU (out)",
+                "L0 per token", "dead"]  # fmt: skip
+
+
+def run_crosscoders(size: dict | None = None, seed: int = 0) -> str:
+    """A crosscoder over two hook points (``synthetic_pairs``' input and output, one sparse
+    code behind both) against one TopK SAE per hook point with the same total latents:
+    each hook point's held-out FVU, the active latents per token (the crosscoder at k
+    and at 2k, the SAEs' k each) and the dead latents."""
+    from pyspark_safetensors.sae import SAEConfig
+    from pyspark_safetensors.sae.evaluate import evaluate_sae
+    from pyspark_safetensors.sae.sources import open_source
+    from pyspark_safetensors.sae.train import Trainer
+
+    size = {**PAIRS, **(size or {})}
+    n, k = size["n_latents"], size["k"]
+    common = dict(batch_size=size["batch"], tokens=size["tokens"], seed=seed, checkpoints=0,
+                  progress=False, plots=False, log_every=1000)  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = synthetic_pairs(Path(tmp) / "pairs", d=size["d"], tokens=size["tokens"])
+        hooks = [str(paths["train_in"]), str(paths["train_out"])]
+        vals = [str(paths["val_in"]), str(paths["val_out"])]
+        for kk in (k, 2 * k):
+            config = SAEConfig(architecture="crosscoder", datasets=tuple(hooks),
+                               val_datasets=tuple(vals), n_latents=2 * n, k=kk,
+                               out_dir=f"{tmp}/cc{kk}", **common)  # fmt: skip
+            trainer = Trainer(config)
+            trainer.fit()
+            m = evaluate_sae(trainer.sae, open_source(config, held_out=True).batches())
+            rows.append(["crosscoder", 2 * n, kk, f"{m['fvu_mlp:in']:.4f}",
+                         f"{m['fvu_mlp:out']:.4f}", f"{m['l0']:.1f}",
+                         f"{m['dead_fraction']:.1%}"])  # fmt: skip
+            print(rows[-1], flush=True)
+        fvus, l0, dead = [], 0.0, 0.0
+        for i, (train, val) in enumerate(zip(hooks, vals, strict=True)):
+            config = SAEConfig(dataset=train, val_dataset=val, n_latents=n, k=k,
+                               out_dir=f"{tmp}/sae{i}", **common)  # fmt: skip
+            trainer = Trainer(config)
+            trainer.fit()
+            m = evaluate_sae(trainer.sae, open_source(config, held_out=True).batches())
+            fvus.append(f"{m['fvu']:.4f}")
+            l0, dead = l0 + m["l0"], dead + m["dead_fraction"] / 2
+        rows.append(["one TopK SAE per hook point", f"2 x {n}", k, *fvus, f"{l0:.1f}",
+                     f"{dead:.1%}"])  # fmt: skip
+        print(rows[-1], flush=True)
+    return (
+        f"A crosscoder over two hook points (`synthetic_pairs`' input and output, d = "
+        f"{size['d']} each) against one SAE per hook point with the same total latents, "
+        f"batch {size['batch']}, {size['tokens']:,} training tokens, held-out FVU of each "
+        f"hook point on {size['val_tokens']:,} other tokens (`evaluate_sae`).\n\n"
+        + table(CROSS_HEADER, rows)
+    )
+
+
 def replace_val(config, paths):
     import dataclasses
 
@@ -366,4 +424,6 @@ def run() -> str:
         + table(HEADER, rows)
         + "\n\n"
         + run_transcoders()
+        + "\n\n"
+        + run_crosscoders()
     )
