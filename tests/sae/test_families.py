@@ -6,9 +6,10 @@ loader's alignment checks, and the stored files loading back as the same module.
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
-from family_data import D_IN, D_OUT
+from family_data import D_IN, D_OUT, N_ROWS, _write
 
 from pyspark_safetensors.sae import SAEConfig, load_sae, load_sae_model
 from pyspark_safetensors.sae.architectures import (
@@ -144,6 +145,19 @@ def test_misaligned_datasets_are_refused_naming_both(family_data, tmp_path):
         with pytest.raises(MisalignedDatasetsError, match="not row-aligned") as err:
             Trainer(_config(family_data, tmp_path / "r", "transcoder", target_dataset=bad))
         assert x in str(err.value) and bad in str(err.value)
+    # rows that differ only mid-shard pass the opening's sample; the batch reading them stops
+    order = np.arange(N_ROWS)
+    order[500:510] = order[500:510][::-1]
+    mid = _write(tmp_path / "mid", family_data["train_out_array"][order], "mlp:output", order)
+    pairs = AlignedDatasets({"x": (open_dataset(x), "activation"),
+                             "y": (open_dataset(mid), "activation")})  # fmt: skip
+    reader = ShuffledBatches(pairs, 64, shuffle=False, dp_rank=0, dp_size=1)
+    reader.read_batch(np.arange(0, 64))
+    with pytest.raises(
+        MisalignedDatasetsError,
+        match=f"{mid} are not row-aligned: row 500 has token_pos 4 in one, 13 in the other",
+    ):
+        reader.read_batch(np.arange(480, 544))
     with pytest.raises(ValueError, match="give target_dataset"):
         SAEConfig(dataset=x, architecture="transcoder")
     with pytest.raises(ValueError, match="target_dataset is for transcoders"):
