@@ -656,7 +656,8 @@ def run(*configs: SAEConfig) -> int:
             return _user_error(e)
         metrics = trainer.fit()
         if is_main_process():
-            print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS if k in metrics}))
+            parts = [k for k in metrics if k.startswith("val_fvu_")]  # prefixes, hook points
+            print(json.dumps({k: metrics[k] for k in (*SUMMARY_KEYS, *parts) if k in metrics}))
         del trainer
     if torch.distributed.is_initialized():
         barrier()  # no rank tears gloo down while another still talks
