@@ -8,8 +8,11 @@ image keeps its factors and which patches of the model's grid the shape covers (
 ground truth for a latent that detects a factor patch by patch).
 
 A ``transformers`` ``ViTForImageClassification`` (patch 8 on 32-pixel images: a 4 x 4
-grid and a CLS token) learns the shape from the first ``n_train`` images, seeded and on
-the CPU, and is saved with its ``ViTImageProcessor`` as an ordinary model directory
+grid and a CLS token) learns the shape from the first ``n_train`` images (mirrored at
+random), seeded and on the CPU. A head used in training only asks each patch token of the
+last layer whether it lies inside the shape and which shape it is, so that the patches, not
+only CLS, carry the factors an SAE of them should find. The model is saved with its
+``ViTImageProcessor`` as an ordinary model directory
 (``AutoModel``/``AutoImageProcessor.from_pretrained`` load it; so does the extraction).
 ``toy_vit.json`` in it records the config and the accuracy on held-out images (the ones
 after the training images) beside chance.
@@ -64,11 +67,18 @@ class ToyViTConfig:
     """Images 0 .. n_train-1 train the model; the ones after are held out."""
     n_held_out: int = 500
     """Held-out images the record's accuracy is measured on."""
-    steps: int = 600
+    steps: int = 2000
     batch_size: int = 64
     learning_rate: float = 2e-3
     warmup_steps: int = 30
     weight_decay: float = 0.01
+    patch_loss: float = 1.0
+    """Weight of the training-only per-patch objective (0: none): a linear head on each
+    patch token of the last layer predicts "outside" or the shape the patch lies inside."""
+    flip: bool = True
+    """Mirror each training image left to right with probability 1/2 (seeded): every
+    shape is symmetric so (stripes then run the other way), and it doubles the images
+    seen (held-out accuracy after 1000 steps on 2000 images: 0.75 without, 0.90 with)."""
     seed: int = 0
 
     def __post_init__(self):
@@ -83,9 +93,10 @@ class ToyViTConfig:
         return self.image_size // self.patch_size
 
 
-TINY_VIT = ToyViTConfig(n_train=2000, n_held_out=200, steps=400, warmup_steps=20)
-"""A config that trains in a few seconds (tests, the docs' examples): 0.59 held-out
-accuracy against 0.33 chance (the default: 0.67)."""
+TINY_VIT = ToyViTConfig(n_train=2000, n_held_out=200, steps=1000, warmup_steps=20)
+"""A config that trains in seconds (tests, the docs' examples): 0.90 held-out accuracy
+against 0.33 chance (the default: 0.93). Fewer steps are no cheaper way there: at 800
+steps it reached 0.74, at 500 0.61."""
 
 
 # -- the image set ---------------------------------------------------------------------------
@@ -214,17 +225,19 @@ def image_processor(config: ToyViTConfig):
 
 
 def _tensors(config: ToyViTConfig, first: int, count: int):
-    """(pixel values [count, 3, n, n] scaled as the processor does, shape labels)."""
+    """(pixel values [count, 3, n, n] scaled as the processor does, shape labels, patch
+    labels [count, grid * grid]: 0 outside the shape, 1 + the shape's label inside)."""
     import torch
 
-    images, labels = [], []
+    images, labels, patches = [], [], []
     for index in range(first, first + count):
-        image, factors, _ = draw_image(index, config)
+        image, factors, coverage = draw_image(index, config)
         images.append(np.asarray(image))
         labels.append(SHAPES.index(factors["shape"]))
+        patches.append((coverage.reshape(-1) >= MASK_COVERAGE) * (1 + labels[-1]))
     # the processor's own arithmetic (the images are already image_size: no resize)
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255
-    return (pixels - 0.5) / 0.5, torch.tensor(labels)
+    return (pixels - 0.5) / 0.5, torch.tensor(labels), torch.from_numpy(np.stack(patches))
 
 
 def train_toy_vit(
@@ -252,8 +265,8 @@ def _train_and_save(out_dir: Path, config: ToyViTConfig, progress: bool, started
     import torch
     from transformers import ViTConfig, ViTForImageClassification
 
-    train_x, train_y = _tensors(config, 0, config.n_train)
-    test_x, test_y = _tensors(config, config.n_train, config.n_held_out)
+    train_x, train_y, train_patches = _tensors(config, 0, config.n_train)
+    test_x, test_y, _ = _tensors(config, config.n_train, config.n_held_out)
     torch.manual_seed(config.seed)
     model = ViTForImageClassification(ViTConfig(
         image_size=config.image_size, patch_size=config.patch_size,
@@ -263,7 +276,7 @@ def _train_and_save(out_dir: Path, config: ToyViTConfig, progress: bool, started
         num_labels=len(SHAPES), id2label=dict(enumerate(SHAPES)),
         label2id={s: i for i, s in enumerate(SHAPES)},
     ))  # fmt: skip
-    losses = _train(model, train_x, train_y, config, progress)
+    losses = _train(model, train_x, train_y, train_patches, config, progress)
     model.eval()
     record = {
         "config": dataclasses.asdict(config),
@@ -285,15 +298,20 @@ def _train_and_save(out_dir: Path, config: ToyViTConfig, progress: bool, started
     return record
 
 
-def _train(model, x, y, config: ToyViTConfig, progress: bool) -> list[float]:
-    """AdamW, linear warm-up then cosine decay; batches drawn by a seeded generator."""
+def _train(model, x, y, patches, config: ToyViTConfig, progress: bool) -> list[float]:
+    """AdamW, linear warm-up then cosine decay; batches drawn by a seeded generator. The
+    loss is the classifier's plus ``patch_loss`` times the per-patch head's: without it the
+    CLS token learns the shape but the patch tokens need not carry it (a patch-level probe
+    of the last layer separated the shapes at 0.65-0.76 AUROC)."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
     gen = torch.Generator().manual_seed(config.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
-                            weight_decay=config.weight_decay)  # fmt: skip
+    # the per-patch head trains beside the model and is thrown away: not part of the model
+    head = torch.nn.Linear(config.hidden_size, 1 + len(SHAPES))
+    params = [*model.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
     def lr_at(step: int) -> float:
         if step < config.warmup_steps:
@@ -306,10 +324,19 @@ def _train(model, x, y, config: ToyViTConfig, progress: bool) -> list[float]:
     losses = []
     for _ in tqdm(range(config.steps), desc="toy ViT", unit="step", disable=not progress):
         pick = torch.randint(len(x), (config.batch_size,), generator=gen)
-        loss = F.cross_entropy(model(pixel_values=x[pick]).logits, y[pick])
+        xb, pb = x[pick], patches[pick].view(-1, config.grid, config.grid)
+        if config.flip:
+            mirror = torch.rand(len(pick), generator=gen) < 0.5
+            xb = torch.where(mirror[:, None, None, None], xb.flip(-1), xb)
+            pb = torch.where(mirror[:, None, None], pb.flip(-1), pb)
+        out = model(pixel_values=xb, output_hidden_states=config.patch_loss > 0)
+        loss = F.cross_entropy(out.logits, y[pick])
+        if config.patch_loss > 0:  # the last layer's patch tokens, as a hook on it sees them
+            per_patch = head(out.hidden_states[-1][:, 1:]).flatten(0, 1)
+            loss = loss + config.patch_loss * F.cross_entropy(per_patch, pb.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
