@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import json
 import math
 import operator
@@ -65,39 +66,167 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
 class Header:
-    """A decoded header: tensors in byte-buffer order and the optional metadata."""
+    """A decoded header: tensors in byte-buffer order and the optional metadata.
 
-    tensors: tuple[TensorInfo, ...]
-    metadata: dict[str, str] | None
-    data_start: int
-    """Absolute file offset of the byte buffer (8 + N)."""
+    A header decoded in bulk holds its tensors as ``columns`` and makes the
+    ``TensorInfo`` objects only when ``tensors`` (or a look-up by name) is first used."""
 
-    def __post_init__(self):
-        object.__setattr__(
-            self, "_by_name", dict(zip(map(_NAME, self.tensors), self.tensors, strict=True))
-        )
+    __slots__ = ("_by_name", "_columns", "_tensors", "data_start", "metadata")
+
+    def __init__(
+        self, tensors: tuple[TensorInfo, ...], metadata: dict[str, str] | None, data_start: int
+    ):
+        self._tensors: tuple[TensorInfo, ...] | None = tuple(tensors)
+        self._columns: HeaderColumns | None = None
+        self._by_name: dict[str, TensorInfo] | None = None
+        self.metadata = metadata
+        self.data_start = data_start
+        """Absolute file offset of the byte buffer (8 + N)."""
+
+    @classmethod
+    def of_columns(
+        cls, columns: HeaderColumns, metadata: dict[str, str] | None, data_start: int
+    ) -> Header:
+        header = cls((), metadata, data_start)
+        header._tensors, header._columns = None, columns
+        return header
+
+    @property
+    def tensors(self) -> tuple[TensorInfo, ...]:
+        if self._tensors is None:
+            self._tensors = self._columns.infos()
+        return self._tensors
+
+    @property
+    def columns(self) -> HeaderColumns:
+        """The tensors as arrays (no Python object per tensor when decoded in bulk)."""
+        if self._columns is None:
+            self._columns = HeaderColumns.of_infos(self._tensors)
+        return self._columns
+
+    def _names(self) -> dict[str, TensorInfo]:
+        if self._by_name is None:
+            self._by_name = dict(zip(map(_NAME, self.tensors), self.tensors, strict=True))
+        return self._by_name
 
     def __getitem__(self, name: str) -> TensorInfo:
         try:
-            return self._by_name[name]
+            return self._names()[name]
         except KeyError:
             raise KeyError(f"no tensor named {name!r} in this file") from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._by_name
+        return name in self._names()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Header):
+            return NotImplemented
+        return (self.tensors, self.metadata, self.data_start) == (
+            other.tensors,
+            other.metadata,
+            other.data_start,
+        )
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Header({len(self)} tensors, metadata={self.metadata!r}, data_start={self.data_start})"
+        )
+
+    def __len__(self) -> int:
+        return len(self._tensors) if self._tensors is not None else len(self._columns)
 
     def names(self) -> list[str]:
-        return list(self._by_name)
+        if self._tensors is None:
+            return self._columns.names()
+        return list(self._names())
 
     @property
     def data_bytes(self) -> int:
+        if self._tensors is None:
+            return int(self._columns.ends[-1]) if len(self._columns) else 0
         return self.tensors[-1].end if self.tensors else 0
 
     @property
     def file_size(self) -> int:
         return self.data_start + self.data_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class HeaderColumns:
+    """A header's tensors as columns, in byte-buffer order: tensor ``i`` is named by the
+    UTF-8 bytes ``name_data[name_offsets[i]:name_offsets[i + 1]]`` (Arrow's string
+    layout), has dtype ``dtypes[dtype_of[i]]`` and shape ``shapes[shape_of[i]]``, and
+    lies at ``[begins[i], ends[i])`` of the byte buffer."""
+
+    name_data: np.ndarray
+    """uint8."""
+    name_offsets: np.ndarray
+    """int64, one more than the tensors."""
+    dtypes: tuple[DType, ...]
+    dtype_of: np.ndarray
+    shapes: tuple[tuple[int, ...], ...]
+    shape_of: np.ndarray
+    begins: np.ndarray
+    ends: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.begins)
+
+    def names(self) -> list[str]:
+        data = self.name_data.tobytes()
+        bounds = self.name_offsets.tolist()
+        if data.isascii():  # str slices index characters, here the same as bytes
+            text = data.decode("ascii")
+            return [text[a:b] for a, b in itertools.pairwise(bounds)]
+        return [data[a:b].decode("utf-8") for a, b in itertools.pairwise(bounds)]
+
+    def name(self, i: int) -> str:
+        a, b = self.name_offsets[i : i + 2].tolist()
+        return self.name_data[a:b].tobytes().decode("utf-8")
+
+    def infos(self) -> tuple[TensorInfo, ...]:
+        with _gc_paused():
+            return tuple(
+                map(
+                    functools.partial(tuple.__new__, TensorInfo),
+                    zip(
+                        self.names(),
+                        map(self.dtypes.__getitem__, self.dtype_of.tolist()),
+                        map(self.shapes.__getitem__, self.shape_of.tolist()),
+                        self.begins.tolist(),
+                        self.ends.tolist(),
+                        strict=True,
+                    ),
+                )
+            )
+
+    @classmethod
+    def of_infos(cls, infos) -> HeaderColumns:
+        dtypes: dict[DType, int] = {}
+        shapes: dict[tuple[int, ...], int] = {}
+        encoded = [t.name.encode("utf-8") for t in infos]
+        offsets = np.zeros(len(infos) + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=offsets[1:])
+        n = len(infos)
+        dtype_of = np.fromiter(
+            (dtypes.setdefault(t.dtype, len(dtypes)) for t in infos), np.int64, n
+        )
+        shape_of = np.fromiter(
+            (shapes.setdefault(t.shape, len(shapes)) for t in infos), np.int64, n
+        )
+        return cls(
+            np.frombuffer(b"".join(encoded), np.uint8),
+            offsets,
+            tuple(dtypes),
+            dtype_of,
+            tuple(shapes),
+            shape_of,
+            np.fromiter((t.begin for t in infos), np.int64, n),
+            np.fromiter((t.end for t in infos), np.int64, n),
+        )
 
 
 # --------------------------------------------------------------------------- encoding
@@ -435,19 +564,32 @@ def decode_header(
     body = raw[8 : 8 + n]
     if len(body) < n:
         raise TruncatedFileError(f"only {len(body)} of the {n} header bytes are present", path=path)
-    try:
-        text = bytes(body).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise HeaderEncodingError(
-            f"header is not valid UTF-8 ({e.reason} at byte {e.start})", path=path
-        ) from None
-    if not text.startswith("{"):
+    data = bytes(body)
+    text = None
+    if not data.isascii():  # ASCII is UTF-8; anything else is decoded to be checked
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise HeaderEncodingError(
+                f"header is not valid UTF-8 ({e.reason} at byte {e.start})", path=path
+            ) from None
+    if not data.startswith(b"{"):
         raise HeaderEncodingError("header does not start with '{'", path=path)
     if fast:
-        header = _decode_compact(text, file_size, 8 + n, path)
+        header = _decode_compact(data, file_size, 8 + n, path, text)
         if header is not None:
             return header
-    return _decode_general(text, file_size, 8 + n, path)
+    return _decode_general(data.decode("utf-8") if text is None else text, file_size, 8 + n, path)
+
+
+def decode_header_columns(
+    raw: bytes, file_size: int, path: str | None = None
+) -> tuple[HeaderColumns, dict[str, str] | None, int]:
+    """``decode_header`` for files of many tensors: ``(columns, metadata, data_start)``,
+    with the same checks and errors, and no Python object per tensor where the header
+    is compact (as this library and the reference write it)."""
+    header = decode_header(raw, file_size, path)
+    return header.columns, header.metadata, header.data_start
 
 
 def _decode_general(text: str, file_size: int, data_start: int, path) -> Header:
@@ -538,19 +680,20 @@ def _clip(value) -> str:
 # --------------------------------------------------------------------------- fast path
 #
 # A compact header (no whitespace, no escapes in names, entries of exactly the form
-# "name":{"dtype":"..","shape":[..],"data_offsets":[b,e]}) splits on '"' into ten pieces
-# per tensor at fixed positions; everything is then checked per column with list.count,
-# regular expressions over joined strings and numpy, with no Python object per tensor
-# but its TensorInfo. Whatever is not exactly that, or not valid, returns None and takes
+# "name":{"dtype":"..","shape":[..],"data_offsets":[b,e]}) has ten '"' per tensor, so the
+# text between its quotes falls into ten slots per tensor at fixed places. Everything is
+# checked per slot with numpy over the header's bytes (fixed slots compared whole, the few
+# distinct dtype and shape texts parsed once, offsets parsed in one pass), with no Python
+# object per tensor. Whatever is not exactly that, or not valid, returns None and takes
 # the general path, so errors and unusual headers are always the general path's.
 
 _COMPACT_SHAPE = re.compile(r":\[(?:(?:0|[1-9][0-9]{0,19})(?:,(?:0|[1-9][0-9]{0,19}))*)?\],")
-_COMPACT_PAIR = r":\[(?:0|[1-9][0-9]{0,17}),(?:0|[1-9][0-9]{0,17})\]\},"
-_COMPACT_OFFSETS = re.compile(f'{_COMPACT_PAIR}(?:"{_COMPACT_PAIR})*')
-_NEEDS_GENERAL = re.compile(r"[\\\x00-\x1f]")  # escapes and control characters
-_FIXED = ((2, ":{"), (3, "dtype"), (4, ":"), (6, ","), (7, "shape"), (9, "data_offsets"))
-_METADATA_PREFIX = '{"' + METADATA_KEY + '":'
+_COMPACT_OFFSETS = re.compile(rb"(?::\[(?:0|[1-9][0-9]{0,17}),(?:0|[1-9][0-9]{0,17})\]\},)+")
+_FIXED = ((1, b":{"), (2, b"dtype"), (3, b":"), (5, b","), (6, b"shape"), (8, b"data_offsets"))
+_METADATA_PREFIX = b'{"' + METADATA_KEY.encode() + b'":'
 _FAST_NUMEL_LIMIT = 2**56  # numel x bits stays inside int64 below this
+_HASH_BASE = np.uint64(0x9E3779B97F4A7C15)
+_QUOTE, _COLON = ord('"'), ord(":")
 
 
 @contextmanager
@@ -566,112 +709,194 @@ def _gc_paused():
             gc.enable()
 
 
-def _compact_pieces(body: str, path):
-    """The metadata and the four per-tensor columns (names, dtype names, shape texts,
-    offset texts) of a compact header, or None when it is not one."""
-    metadata, pos = None, 1
-    if body.startswith(_METADATA_PREFIX):
+def _cut(data: np.ndarray, begins: np.ndarray, ends: np.ndarray):
+    """The byte strings ``data[begins[i]:ends[i]]`` one after another, and their offsets."""
+    lengths = ends - begins
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    index = np.arange(int(offsets[-1]), dtype=np.int64)
+    index += np.repeat(begins - offsets[:-1], lengths)
+    return data[index], offsets
+
+
+def _distinct(data: np.ndarray, offsets: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """The distinct byte strings of ``_cut``'s output, and each one's index among them."""
+    n = len(offsets) - 1
+    lengths = np.diff(offsets)
+    if (lengths == lengths[0]).all():
+        rows = data.reshape(n, int(lengths[0]))
+        if (rows == rows[0]).all():  # the usual case: one dtype, one shape
+            return [rows[0].tobytes()], np.zeros(n, dtype=np.int64)
+    blob, bounds = data.tobytes(), offsets.tolist()
+    texts = [blob[a:b] for a, b in itertools.pairwise(bounds)]
+    ids: dict[bytes, int] = {}
+    of = np.fromiter((ids.setdefault(t, len(ids)) for t in texts), np.int64, n)
+    return list(ids), of
+
+
+def _may_repeat(data: np.ndarray, offsets: np.ndarray) -> bool:
+    """Whether two of the byte strings may be equal: equal 64-bit polynomial hashes (a
+    collision only sends the header to the general path, which decides exactly)."""
+    lengths = np.diff(offsets)
+    if len(lengths) < 2:
+        return False
+    position = np.arange(len(data), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    powers = np.cumprod(np.full(int(lengths.max()) + 1, _HASH_BASE, dtype=np.uint64))
+    sums = np.zeros(len(data) + 1, dtype=np.uint64)
+    np.cumsum(data.astype(np.uint64) * powers[position], out=sums[1:])  # wraps mod 2^64
+    hashes = (sums[offsets[1:]] - sums[offsets[:-1]]) ^ (lengths.astype(np.uint64) * powers[0])
+    hashes.sort()
+    return bool((hashes[1:] == hashes[:-1]).any())
+
+
+def _compact_metadata(data: bytes, text: str | None, path):
+    """The metadata of a compact header and the byte offset of its first tensor entry, or
+    None when there is no metadata of the compact form."""
+    if not data.startswith(_METADATA_PREFIX):
+        return None, 1
+    ascii = text is None  # then character offsets are byte offsets
+    size = 1 << 16  # the metadata is small: decode a prefix first, not the whole header
+    while True:
+        head = data[:size].decode("ascii") if ascii else text[:size]
         try:
-            metadata, pos = _strict_json(path).raw_decode(body, len(_METADATA_PREFIX))
+            metadata, pos = _strict_json(path).raw_decode(head, len(_METADATA_PREFIX))
             _check_json_values(metadata, path, depth=2)
             _check_metadata(metadata, path)
+            break
         except (ValueError, RecursionError):
-            return None
-        if body[pos : pos + 1] != ",":
-            return None
-        pos += 1
-    parts = (body[pos:-1] + ",").split('"')
-    n = len(parts) // 10
-    if n == 0 or len(parts) != 10 * n + 1 or parts[0]:
+            if size >= len(data):
+                return None
+            size *= 4
+    if not ascii:
+        pos = len(text[:pos].encode("utf-8"))
+    if data[pos : pos + 1] != b",":
         return None
-    if any(parts[k::10].count(piece) != n for k, piece in _FIXED):
-        return None
-    names = parts[1::10]
-    if _NEEDS_GENERAL.search("".join(names)):  # the only free text; other slots are checked
-        return None
-    return metadata, names, parts[5::10], parts[8::10], parts[10::10]
+    return metadata, pos + 1
 
 
 def _compact_shapes(shape_texts: list[str]):
-    """(the distinct shapes, their ids by text, their element counts), or None when a
-    shape is not one the fast path takes."""
-    shapes_by_text = {}
-    for s in dict.fromkeys(shape_texts):
+    """(the distinct shapes, their element counts), or None when a shape is not one the
+    fast path takes."""
+    shapes = []
+    for s in shape_texts:
         if not _COMPACT_SHAPE.fullmatch(s):
             return None
         shape = tuple(map(int, s[2:-2].split(","))) if len(s) > 4 else ()
         if any(d > U64_MAX for d in shape):
             return None
-        shapes_by_text[s] = shape
-    shapes = list(shapes_by_text.values())
+        shapes.append(shape)
     try:
         numel = [_checked_numel(s) for s in shapes]
     except ShapeError:
         return None  # the general path names the tensor
     if max(numel) >= _FAST_NUMEL_LIMIT:
         return None
-    return shapes, {s: i for i, s in enumerate(shapes_by_text)}, numel
+    return shapes, numel
 
 
-def _decode_compact(text: str, file_size: int, data_start: int, path) -> Header | None:
-    body = text.rstrip(" \t\n\r")
-    if not body.endswith("}"):
+def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: int, path):
+    """(columns, metadata) of a compact, valid header, else None."""
+    body = data.rstrip(b" \t\n\r")
+    if not body.endswith(b"}"):
         return None
-    pieces = _compact_pieces(body, path)
-    if pieces is None:
+    found = _compact_metadata(body, text, path)
+    if found is None:
         return None
-    metadata, names, dtype_names, shape_texts, offset_texts = pieces
-    n = len(names)
-    dtypes = [DTYPES.get(d) for d in dict.fromkeys(dtype_names)]
+    metadata, pos = found
+    entries = np.frombuffer(body[pos:-1] + b",", np.uint8)
+    if (entries < 0x20).any() or (entries == ord("\\")).any():  # escapes, control characters
+        return None
+    quotes = np.flatnonzero(entries == _QUOTE)
+    n = len(quotes) // 10
+    if n == 0 or len(quotes) != 10 * n or quotes[0] != 0:
+        return None
+    quotes = quotes.reshape(n, 10)
+    begins = quotes + 1  # slot k of a tensor: after its quote k up to the next quote
+    ends = np.empty_like(quotes)
+    ends[:, :9] = quotes[:, 1:]
+    ends[:-1, 9] = quotes[1:, 0]
+    ends[-1, 9] = len(entries)
+    for k, piece in _FIXED:
+        if not (ends[:, k] - begins[:, k] == len(piece)).all():
+            return None
+        got = entries[begins[:, k, None] + np.arange(len(piece))]
+        if not (got == np.frombuffer(piece, np.uint8)).all():
+            return None
+
+    dtype_texts, dtype_of = _distinct(*_cut(entries, begins[:, 4], ends[:, 4]))
+    dtypes = [DTYPES.get(t.decode("utf-8")) for t in dtype_texts]
     if None in dtypes:
         return None
-    dtype_ids = {d.name: i for i, d in enumerate(dtypes)}
-    shaped = _compact_shapes(shape_texts)
+    shape_texts, shape_of = _distinct(*_cut(entries, begins[:, 7], ends[:, 7]))
+    shaped = _compact_shapes([t.decode("utf-8") for t in shape_texts])
     if shaped is None:
         return None
-    shapes, shape_ids, numel = shaped
-    # Joined with '"' (which no slot holds), so the pattern checks every tensor's own slot.
-    offsets_text = '"'.join(offset_texts)
-    if not _COMPACT_OFFSETS.fullmatch(offsets_text):
+    shapes, numel = shaped
+    # Each slot starts with ':', which a run of pairs holds only at a pair's start: n
+    # slots matching n pairs are one pair each.
+    offsets_text = _cut(entries, begins[:, 9], ends[:, 9])[0].tobytes()
+    if not (entries[begins[:, 9]] == _COLON).all() or not _COMPACT_OFFSETS.fullmatch(offsets_text):
         return None
     # np.fromstring's text mode (sep), not its removed binary mode; the text was checked above.
-    numbers = np.fromstring(offsets_text.replace(']},":[', ",")[2:-3], dtype=np.int64, sep=",")
-    begins, ends = numbers[0::2], numbers[1::2]
-    dtype_of = np.fromiter(map(dtype_ids.__getitem__, dtype_names), np.int64, n)
-    shape_of = np.fromiter(map(shape_ids.__getitem__, shape_texts), np.int64, n)
+    numbers = np.fromstring(offsets_text.replace(b"]},:[", b",")[2:-3], dtype=np.int64, sep=",")
+    if len(numbers) != 2 * n:
+        return None
+    starts, stops = numbers[0::2], numbers[1::2]
     bits = (
         np.array([d.bits for d in dtypes], dtype=np.int64)[dtype_of]
         * np.array(numel, dtype=np.int64)[shape_of]
     )
-    if (bits % 8).any() or ((ends - begins) * 8 != bits).any():
+    if (bits % 8).any() or ((stops - starts) * 8 != bits).any():
         return None
-    in_order = (begins[1:] > begins[:-1]) | ((begins[1:] == begins[:-1]) & (ends[1:] >= ends[:-1]))
-    order = None if in_order.all() else np.lexsort((ends, begins))
-    if order is not None:
-        begins, ends, dtype_of, shape_of = (
-            begins[order],
-            ends[order],
+    in_order = (starts[1:] > starts[:-1]) | (
+        (starts[1:] == starts[:-1]) & (stops[1:] >= stops[:-1])
+    )
+    name_begins, name_ends = begins[:, 0], ends[:, 0]
+    if not in_order.all():
+        order = np.lexsort((stops, starts))
+        starts, stops, dtype_of, shape_of = (
+            starts[order],
+            stops[order],
             dtype_of[order],
             shape_of[order],
         )
-        names = [names[i] for i in order.tolist()]
-    if begins[0] != 0 or (begins[1:] != ends[:-1]).any() or data_start + int(ends[-1]) != file_size:
+        name_begins, name_ends = name_begins[order], name_ends[order]
+    if (
+        starts[0] != 0
+        or (starts[1:] != stops[:-1]).any()
+        or data_start + int(stops[-1]) != file_size
+    ):
         return None
-    with _gc_paused():
-        infos = tuple(
-            map(
-                functools.partial(tuple.__new__, TensorInfo),
-                zip(
-                    names,
-                    map(dtypes.__getitem__, dtype_of.tolist()),
-                    map(shapes.__getitem__, shape_of.tolist()),
-                    begins.tolist(),
-                    ends.tolist(),
-                    strict=True,
-                ),
-            )
-        )
-        header = Header(infos, metadata, data_start)
-    if len(header._by_name) != n or METADATA_KEY in header:
-        return None  # a repeated key, or __metadata__ used as a tensor: the general path says so
-    return header
+    name_data, name_offsets = _cut(entries, name_begins, name_ends)
+    # A repeated key, or __metadata__ used as a tensor: the general path says so.
+    if _may_repeat(name_data, name_offsets):
+        return None
+    reserved = METADATA_KEY.encode()
+    lengths = np.diff(name_offsets)
+    for i in np.flatnonzero(lengths == len(reserved)).tolist():
+        if name_data[name_offsets[i] : name_offsets[i + 1]].tobytes() == reserved:
+            return None
+    columns = HeaderColumns(
+        name_data, name_offsets, tuple(dtypes), dtype_of, tuple(shapes), shape_of, starts, stops
+    )
+    return columns, metadata
+
+
+def _decode_compact(
+    data: bytes | str, file_size: int, data_start: int, path, text: str | None = None
+) -> Header | None:
+    """The header of a compact, valid header text (``data``: its bytes, or its text),
+    its tensors kept as columns; None for anything else."""
+    if isinstance(data, str):
+        data, text = data.encode("utf-8"), data
+    if data.isascii():
+        text = None  # character offsets are byte offsets
+    elif text is None:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    found = _compact_columns(data, text, file_size, data_start, path)
+    if found is None:
+        return None
+    return Header.of_columns(found[0], found[1], data_start)

@@ -47,6 +47,7 @@ from ..dataset import (
 from ..dataset.layout import SHARD_NAME, kv_suffix
 from ..dataset.verify import check_shard
 from ..format.errors import PysparkSafetensorsError, SafetensorsFormatError
+from ..format.header import HeaderColumns
 from .compat import pushdown_enabled
 from .dtypes import READ_TYPES
 from .options import OptionError, ReaderOptions
@@ -596,21 +597,21 @@ class SafetensorsReader(DataSourceReader):
         f, file = self._open(source_index, shard, whole=True)
         with f:
             columns = [n for n in names if n != key_col]
+            header = f.header.columns  # no Python object per tensor
             keys, positions = _kv_rows(
-                pa.array([t.name for t in f.header.tensors], pa.string()),
-                list(manifest.schema),
-                columns,
-                sep,
-                file,
-                self.wanted_keys,
+                _arrow_names(header), list(manifest.schema), columns, sep, file, self.wanted_keys
             )
-            infos = f.header.tensors
             out = {key_col: keys}
             sizes = np.zeros(len(keys), dtype=np.int64)
             for col in columns:
-                picked = [infos[i] for i in positions[col].tolist()]
                 out[col], nbytes = _kv_column(
-                    f, picked, col, file, manifest.schema[col], self.options.tensor_format
+                    f,
+                    header,
+                    positions[col],
+                    col,
+                    file,
+                    manifest.schema[col],
+                    self.options.tensor_format,
                 )
                 sizes += nbytes
             batch = pa.record_batch([out[n] for n in names], names=names)
@@ -663,10 +664,13 @@ class SafetensorsReader(DataSourceReader):
                 dtypes = rows["dtype"].combine_chunks()
                 shapes = rows["shape"].combine_chunks().cast(pa.list_(pa.int64()))
             else:
-                tensors = read_header(location, entry.shard_path, entry.bytes).tensors
-                tensor_names = pa.array([t.name for t in tensors], pa.string())
-                dtypes = pa.array([t.dtype.name for t in tensors], pa.string())
-                shapes = pa.array([list(t.shape) for t in tensors], pa.list_(pa.int64()))
+                header = read_header(location, entry.shard_path, entry.bytes).columns
+                tensor_names = _arrow_names(header)
+                dtypes = pa.array([d.name for d in header.dtypes], pa.string()).take(
+                    header.dtype_of
+                )
+                shapes = pa.array([list(s) for s in header.shapes], pa.list_(pa.int64()))
+                shapes = shapes.take(header.shape_of)
             keys, positions = _kv_rows(
                 tensor_names, list(manifest.schema), columns, sep, file, self.wanted_keys
             )
@@ -792,14 +796,28 @@ def _index_entries(dtypes: pa.Array, shapes: pa.Array) -> pa.StructArray:
     return pa.StructArray.from_arrays([dtypes, shapes], names=["dtype", "shape"])
 
 
+def _arrow_names(header: HeaderColumns) -> pa.StringArray:
+    """A header's tensor names as Arrow strings, over its name bytes."""
+    return pa.StringArray.from_buffers(
+        len(header),
+        pa.py_buffer(header.name_offsets.astype(np.int32)),
+        pa.py_buffer(header.name_data),
+    )
+
+
 def _gather(f, infos) -> tuple[np.ndarray, np.ndarray]:
     """The bytes of ``infos``' tensors one after another (a view of the shard when they
     lie so in the file, else a copy) and each one's byte count."""
-    if not infos:
-        return np.empty(0, np.uint8), np.empty(0, np.int64)
-    base = f.header.data_start
     begins = np.fromiter(map(_BEGIN, infos), np.int64, len(infos))
     ends = np.fromiter(map(_END, infos), np.int64, len(infos))
+    return _gather_ranges(f, begins, ends)
+
+
+def _gather_ranges(f, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``_gather`` of the tensors at ``[begins[i], ends[i])`` of the byte buffer."""
+    if not len(begins):
+        return np.empty(0, np.uint8), np.empty(0, np.int64)
+    base = f.header.data_start
     if (begins[1:] == ends[:-1]).all():
         data = f.byte_range(base + int(begins[0]), base + int(ends[-1]))
         return np.frombuffer(data, np.uint8), ends - begins
@@ -808,34 +826,64 @@ def _gather(f, infos) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(pieces), ends - begins
 
 
-def _kv_column(f, infos, column: str, file: str, expected: ColumnSchema, tensor_format: str):
-    """One KV column's tensors (one per row, in row order) as an Arrow array, and each
-    row's bytes."""
+def _kv_column(
+    f,
+    header: HeaderColumns,
+    rows: np.ndarray,
+    column: str,
+    file: str,
+    expected: ColumnSchema,
+    tensor_format: str,
+):
+    """One KV column's tensors (``header``'s tensors ``rows``, one per row, in row order)
+    as an Arrow array, and each row's bytes; worked on the header's columns."""
     rank = len(expected.sample_shape)
-    shapes = list(map(_SHAPE, infos))
-    distinct = set(shapes)
-    if any(len(s) != rank for s in distinct):
-        bad = next(t for t in infos if len(t.shape) != rank)
+    shape_of = header.shape_of[rows]
+    used = np.unique(shape_of).tolist()
+    wrong = [s for s in used if len(header.shapes[s]) != rank]
+    if wrong:
+        i = int(np.flatnonzero(np.isin(shape_of, wrong))[0])
         raise ReadError(
-            f"file {file!r}: tensor {bad.name!r} has shape {list(bad.shape)}, the manifest "
-            f"gives column {column!r} {rank} dimension(s)"
+            f"file {file!r}: tensor {header.name(int(rows[i]))!r} has shape "
+            f"{list(header.shapes[shape_of[i]])}, the manifest gives column {column!r} "
+            f"{rank} dimension(s)"
         )
-    dtypes = _dtypes(infos)
-    raw, nbytes = _gather(f, infos)
+    dtype_of = header.dtype_of[rows]
+    dtypes = [header.dtypes[d] for d in np.unique(dtype_of).tolist()]
+    raw, nbytes = _gather_ranges(f, header.begins[rows], header.ends[rows])
+    table = np.zeros((len(header.shapes), rank), dtype=np.int64)
+    for s in used:
+        table[s] = header.shapes[s]
+    dims = table[shape_of]
     if tensor_format == "struct":
-        return _structs(raw, nbytes, shapes, rank, dtypes, infos, file), nbytes
+        dtype_names = (
+            dtypes[0].name
+            if len(dtypes) == 1
+            else pa.array([d.name for d in header.dtypes], pa.string()).take(dtype_of)
+        )
+        return _structs(
+            raw,
+            nbytes,
+            dims.reshape(-1),
+            np.full(len(rows), rank, dtype=np.int64),
+            dtype_names,
+            lambda i: (header.name(int(rows[i])), header.shapes[shape_of[i]]),
+            file,
+        ), nbytes
     if len(dtypes) > 1:  # mixed dtypes in one column: each tensor converted on its own
         flat = np.concatenate(
-            [_convert(f.tensor(t.name).reshape(-1), t.dtype.name, file, column) for t in infos]
+            [
+                _convert(f.tensor(header.name(i)).reshape(-1), header.dtypes[d].name, file, column)
+                for i, d in zip(rows.tolist(), dtype_of.tolist(), strict=True)
+            ]
         )
     elif dtypes:
         dtype = dtypes[0]
         flat = _convert(raw.view(dtype.numpy), dtype.name, file, column)
     else:
         flat = np.empty(0, READ_TYPES[expected.dtype][1])
-    if len(distinct) == 1:  # one shape for every row (the common case): no per-row dims
-        return _uniform_lists(flat.reshape(len(infos), *next(iter(distinct))), rank), nbytes
-    dims = np.array(shapes, dtype=np.int64).reshape(len(infos), rank)
+    if len(used) == 1:  # one shape for every row (the common case): no per-row dims
+        return _uniform_lists(flat.reshape(len(rows), *header.shapes[used[0]]), rank), nbytes
     return _nested_lists(flat, dims), nbytes
 
 
@@ -863,9 +911,12 @@ def _nested_lists(values: np.ndarray, dims: np.ndarray) -> pa.Array:
     return arr
 
 
-def _structs(raw: np.ndarray, nbytes: np.ndarray, shapes, rank, dtypes, infos, file) -> pa.Array:
-    """Tensor Structs over ``raw`` (the tensors' bytes one after another)."""
-    n = len(infos)
+def _structs(raw: np.ndarray, nbytes: np.ndarray, dims, ranks, dtype_names, describe, file):
+    """Tensor Structs over ``raw`` (the tensors' bytes one after another): tensor ``i``
+    has ``ranks[i]`` dimensions (``dims``, every tensor's one after another) and dtype
+    ``dtype_names`` (one name, or an Arrow string per tensor); ``describe(i)`` gives
+    its name and shape for errors."""
+    n = len(ranks)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(nbytes, out=offsets[1:])
     if offsets[-1] > MAX_BINARY_BYTES:  # callers cut batches below this
@@ -873,16 +924,11 @@ def _structs(raw: np.ndarray, nbytes: np.ndarray, shapes, rank, dtypes, infos, f
     data = pa.Array.from_buffers(
         pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(raw)]
     )
-    dims = np.array(shapes, dtype=np.int64).reshape(-1) if rank is not None else None
-    if dims is None:  # tensors of any rank
-        ranks = np.fromiter(map(len, shapes), np.int64, n)
-        dims = np.fromiter((d for s in shapes for d in s), np.int64, int(ranks.sum()))
-    else:
-        ranks = np.full(n, rank, dtype=np.int64)
     if (dims > MAX_DIMENSION).any():
-        bad = next(t for t in infos if any(d > MAX_DIMENSION for d in t.shape))
+        bad = int(np.repeat(np.arange(n), ranks)[np.argmax(dims > MAX_DIMENSION)])
+        name, shape = describe(bad)
         try:
-            struct_shape(bad.shape, f"tensor {bad.name!r}")
+            struct_shape(shape, f"tensor {name!r}")
         except TensorStructError as e:
             raise ReadError(str(e)) from None
     shape_offsets = np.zeros(n + 1, dtype=np.int32)
@@ -890,17 +936,23 @@ def _structs(raw: np.ndarray, nbytes: np.ndarray, shapes, rank, dtypes, infos, f
     shape_lists = pa.ListArray.from_arrays(
         pa.array(shape_offsets), pa.array(dims.astype(np.int32), pa.int32())
     )
-    names = (
-        dtypes[0].name if len(dtypes) == 1 else pa.array([t.dtype.name for t in infos], pa.string())
-    )
-    return assemble_tensor_structs(data, shape_lists, names)
+    return assemble_tensor_structs(data, shape_lists, dtype_names)
 
 
 def _structs_of(f, infos, file: str) -> pa.Array:
     """The tensors' Tensor Structs (one Arrow buffer over the shard where they lie in
     file order, as a whole file's tensors do)."""
     raw, nbytes = _gather(f, infos)
-    return _structs(raw, nbytes, list(map(_SHAPE, infos)), None, _dtypes(infos), infos, file)
+    shapes = list(map(_SHAPE, infos))
+    ranks = np.fromiter(map(len, shapes), np.int64, len(infos))
+    dims = np.fromiter((d for s in shapes for d in s), np.int64, int(ranks.sum()))
+    dtypes = _dtypes(infos)
+    dtype_names = (
+        dtypes[0].name if len(dtypes) == 1 else pa.array([t.dtype.name for t in infos], pa.string())
+    )
+    return _structs(
+        raw, nbytes, dims, ranks, dtype_names, lambda i: (infos[i].name, infos[i].shape), file
+    )
 
 
 def _row_chunks(sizes: np.ndarray) -> list[tuple[int, int]]:
