@@ -689,7 +689,8 @@ def _clip(value) -> str:
 
 _COMPACT_SHAPE = re.compile(r":\[(?:(?:0|[1-9][0-9]{0,19})(?:,(?:0|[1-9][0-9]{0,19}))*)?\],")
 _COMPACT_OFFSETS = re.compile(rb"(?::\[(?:0|[1-9][0-9]{0,17}),(?:0|[1-9][0-9]{0,17})\]\},)+")
-_FIXED = ((1, b":{"), (2, b"dtype"), (3, b":"), (5, b","), (6, b"shape"), (8, b"data_offsets"))
+_FIXED = ((1, 4, b'":{"dtype":"'), (5, 7, b'","shape"'), (8, 9, b'"data_offsets"'))
+"""The fixed slots, as runs of text from quote ``a`` to quote ``b`` of an entry."""
 _METADATA_PREFIX = b'{"' + METADATA_KEY.encode() + b'":'
 _FAST_NUMEL_LIMIT = 2**56  # numel x bits stays inside int64 below this
 _HASH_BASE = np.uint64(0x9E3779B97F4A7C15)
@@ -816,10 +817,10 @@ def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: 
     ends[:, :9] = quotes[:, 1:]
     ends[:-1, 9] = quotes[1:, 0]
     ends[-1, 9] = len(entries)
-    for k, piece in _FIXED:
-        if not (ends[:, k] - begins[:, k] == len(piece)).all():
+    for a, b, piece in _FIXED:
+        if not (quotes[:, b] - quotes[:, a] == len(piece) - 1).all():
             return None
-        got = entries[begins[:, k, None] + np.arange(len(piece))]
+        got = entries[quotes[:, a, None] + np.arange(len(piece))]
         if not (got == np.frombuffer(piece, np.uint8)).all():
             return None
 
