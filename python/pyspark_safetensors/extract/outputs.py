@@ -12,8 +12,10 @@ output is written in one of two ways, or both:
 - after the stage, from the stored sample rows (``reads_rows``, then ``write``).
 
 The tables (``samples.parquet``, ``texts.jsonl``) and ``extraction.json`` are the job's
-own. Two formats exist: ``SafetensorsDatasets`` here (always on) and the Zarr sharded run
-(``interop.zarr.extract_output.ZarrRunOutput``, ``zarr_run=True``). Another format
+own. Three formats exist: ``SafetensorsDatasets`` here (always on), the Zarr sharded run
+(``interop.zarr.extract_output.ZarrRunOutput``, ``zarr_run=True``) and an image
+extraction's saev dump (``interop.saev.extract_output.SaevDumpOutput``,
+``saev_dump=True``). Another format
 (Parquet, a Delta table, ...) is a new module with one class (its ``for_config`` reads
 the config field that turns it on) and an entry in ``OUTPUT_FORMATS``.
 """
