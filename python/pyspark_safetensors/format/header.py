@@ -131,12 +131,7 @@ class Header:
     __hash__ = None
 
     def __repr__(self) -> str:
-        return (
-            f"Header({len(self)} tensors, metadata={self.metadata!r}, data_start={self.data_start})"
-        )
-
-    def __len__(self) -> int:
-        return len(self._tensors) if self._tensors is not None else len(self._columns)
+        return f"Header({len(self._tensors if self._tensors is not None else self._columns)} tensors, metadata={self.metadata!r}, data_start={self.data_start})"
 
     def names(self) -> list[str]:
         if self._tensors is None:
