@@ -298,7 +298,7 @@ def test_command_line_lut(tmp_path, model_dir, capsys):
     random_sae(tmp_path / "sae.safetensors")
     assert main(["lut", str(root), "--sae", f"{Q},{K}={tmp_path / 'sae.safetensors'}",
                  "--out", str(tmp_path / "lut"), "--dtype", "bfloat16"]) == 0  # fmt: skip
-    assert "2 layers" in capsys.readouterr().out
+    assert "2 linear layers" in capsys.readouterr().out
     assert set(validate_lut(tmp_path / "lut")["layers"]) == {Q, K}
     assert main(["lut", str(root), "--sae", "no-equals-sign"]) == 2
     assert "LAYER[,LAYER...]=SAE_FILE" in capsys.readouterr().err
