@@ -89,8 +89,10 @@ def _line_python(line: str, release: str) -> tuple[str, dict[str, str]]:
             )
         try:
             partial.rename(target)
-        except OSError:  # another build installed it meanwhile
+        except OSError:  # another build installed it meanwhile: keep theirs
             shutil.rmtree(partial, ignore_errors=True)
+            if not target.is_dir():  # no: the rename itself failed
+                raise
     return sys.executable, {**env, "PYTHONPATH": str(target)}
 
 

@@ -164,8 +164,8 @@ def image_loop(folder: str, model: str, out: str) -> None:
             try:
                 images.append(decode_image((root / name).read_bytes()))
                 names.append(name)
-            except Exception:  # an unreadable file: left out, as the job's "skip"
-                continue
+            except (OSError, ValueError, SyntaxError) as e:  # PIL's errors of a bad file
+                print(f"  skipped {name}: {e}")  # left out, as the job's "skip" does
         acts, thumbs = extractor.run(images, thumbnails=True)
         for name, image, a, thumb in zip(names, images, acts, thumbs, strict=True):
             for hook, activation in a.items():

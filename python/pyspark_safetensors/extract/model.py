@@ -166,6 +166,16 @@ class Hook:
         return f"{self.module}.{self.where}".replace(".", "_")
 
 
+def stored(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Float32 activations in the extraction's stored dtype (F16 and BF16 rounded to
+    nearest even; F32 as a contiguous copy)."""
+    if dtype == "F16":
+        return to_f16(a)
+    if dtype == "BF16":
+        return to_bf16(a)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
 def capture_hooks(model: torch.nn.Module, hooks: list[Hook]) -> dict[str, torch.Tensor]:
     """Register forward hooks on ``model`` that keep each hook point's latest tensor (a
     module's first input, or its output: the first of a tuple) in the dict returned, by
@@ -368,13 +378,6 @@ class Extractor:
         (window,) = self.run(["width probe"])
         return {name: a.shape[1] for name, a in window.activations.items()}
 
-    def _store(self, a: np.ndarray) -> np.ndarray:
-        if self.dtype == "F16":
-            return to_f16(a)
-        if self.dtype == "BF16":
-            return to_bf16(a)
-        return np.ascontiguousarray(a, dtype=np.float32)
-
     def run(self, texts: list[str]) -> list[Window]:
         """Every window of every text, in order; padding tokens excluded."""
         import torch
@@ -410,7 +413,9 @@ class Extractor:
             captured = {h.name: self._captured[h.name].float().numpy() for h in self.hooks}
             for j, r in enumerate(rows):
                 first = int(self.drop_bos and ids[j][:1] == [bos])
-                acts = {name: self._store(a[j][keep[j]][first:]) for name, a in captured.items()}
+                acts = {
+                    name: stored(a[j][keep[j]][first:], self.dtype) for name, a in captured.items()
+                }
                 windows[r] = Window(int(mapping[r]), window_of[r], acts, first)
         return windows
 

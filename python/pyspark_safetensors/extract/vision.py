@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import ExtractionError, _collector_paused, capture_hooks, resolve_hooks
+from .model import ExtractionError, _collector_paused, capture_hooks, resolve_hooks, stored
 
 TOKEN_KINDS = ("cls", "register", "patch")
 """``token_kind`` codes of the token-level datasets: the index in this tuple (a dataset's
@@ -287,15 +287,6 @@ class VisionExtractor:
             self.tower(pixel_values=pixel_values)
         return {h.name: self._captured[h.name] for h in self.hooks}
 
-    def _store(self, a: np.ndarray) -> np.ndarray:
-        from ..format import to_bf16, to_f16
-
-        if self.dtype == "F16":
-            return to_f16(a)
-        if self.dtype == "BF16":
-            return to_bf16(a)
-        return np.ascontiguousarray(a, dtype=np.float32)
-
     def run(self, images: list, *, thumbnails: bool = False):
         """``(activations, thumbnails)``: for each image (PIL), hook name -> ``[tokens, H]``
         in the stored dtype; with ``thumbnails``, each image as the model sees it (after
@@ -306,7 +297,7 @@ class VisionExtractor:
             pixel_values = self._pixel_values(images[start : start + self.batch_size])
             captured = {n: a.float().numpy() for n, a in self._forward(pixel_values).items()}
             for j in range(pixel_values.shape[0]):
-                acts_out.append({n: self._store(a[j]) for n, a in captured.items()})
+                acts_out.append({n: stored(a[j], self.dtype) for n, a in captured.items()})
             if thumbs is not None:
                 scale, offset = self._denormalise
                 hwc = pixel_values.numpy().transpose(0, 2, 3, 1) * scale + offset
