@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from lm_reference import next_token_logps
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -141,13 +141,9 @@ def _hand_ce(model, batches, replace=None):
             logits = model(**batch).logits
         for h in handles:
             h.remove()
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        for row in range(ids.shape[0]):
-            n = int(mask[row].sum())
-            logp = F.log_softmax(logits[row, : n - 1].double(), dim=-1)
-            total -= float(logp[torch.arange(n - 1), ids[row, 1:n]].sum())
-            count += n - 1
-            logps.append(logp)
+        ce, n, rows = next_token_logps(logits, batch)
+        total, count = total + ce, count + n
+        logps += rows
     return total / count, torch.cat(logps)
 
 

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
+from lm_reference import next_token_logps
 
 pytest.importorskip("transformers")
 
@@ -253,13 +253,9 @@ def _hand_ce(model, batches, replace=None):
             logits = model(**batch).logits
         if handle is not None:
             handle.remove()
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        for row in range(ids.shape[0]):
-            n = int(mask[row].sum())
-            logp = F.log_softmax(logits[row, : n - 1].double(), dim=-1)
-            total -= float(logp[torch.arange(n - 1), ids[row, 1:n]].sum())
-            count += n - 1
-            logps.append(logp)
+        ce, n, rows = next_token_logps(logits, batch)
+        total, count = total + ce, count + n
+        logps += rows
     return total / count, torch.cat(logps)
 
 
