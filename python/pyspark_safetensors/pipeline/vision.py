@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .run import PipelineError
+
 TOKEN_SETS = ("image", "cls")
 """What an image SAE trains on, as the saev views name it: the patches, or the CLS token."""
 
@@ -52,8 +54,8 @@ def token_positions(layout, tokens: str) -> slice:
     """The positions of an image's tokens an SAE of ``tokens`` ("image": the patches;
     "cls": the CLS token) reads, in the model's order (``extract.vision.ImageTokens``)."""
     if tokens == "cls":
-        if not layout.n_cls:
-            raise ValueError("this model has no CLS token")  # SigLIP's towers
+        if not layout.n_cls:  # SigLIP's towers
+            raise PipelineError("this model has no CLS token: set cls_sae = false")
         return slice(0, 1)
     return slice(layout.n_prefix, layout.n_tokens)
 
@@ -108,8 +110,11 @@ def classifier_evaluation(
     (the mean over the held-out images' same tokens, ``acts[hook] [images, tokens, H]``).
     ``extractor``: an ``extract.vision.VisionExtractor`` of an image classifier."""
     model, layout = extractor.model, extractor.layout
-    if not hasattr(model, "classifier") and not hasattr(model.config, "id2label"):
-        raise ValueError("the classifier evaluation needs an image-classification model")
+    if not type(model).__name__.endswith("ForImageClassification"):
+        raise PipelineError(
+            "the classifier evaluation needs an image-classification model (its config's "
+            "architectures name one, e.g. ViTForImageClassification)"
+        )
     label_ids = torch.tensor([model.config.label2id[label] for label in labels])
     pixels = [
         extractor.processor(images=images[i : i + batch_size], return_tensors="pt")["pixel_values"]
