@@ -122,3 +122,53 @@ def test_index_view_needs_a_dataset(spark, tmp_path):
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     with pytest.raises(Exception, match="view='index' needs a dataset directory"):
         load(spark, path, view="index").collect()
+
+
+def test_a_kv_read_takes_each_shards_tensors_from_the_index(spark, tmp_path):
+    # With a tensor index the KV view parses no header: headers blanked to spaces (their
+    # length kept) still read, and an index of one-row groups is read group by group.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pyspark_safetensors.dataset import load_manifest, read_index, read_shard_index
+
+    df = spark.createDataFrame(
+        [(str(i), [float(i)] * (1 + i % 3), i) for i in range(12)],
+        "k string, v array<float>, n int",
+    )
+    path = tmp_path / "kv"
+    writer(df.repartition(2), "python").option("name_col", "k").mode("overwrite").save(str(path))
+    expected = sorted((r.k, r.v, r.n) for r in df.collect())
+    manifest = load_manifest(path)
+    whole = read_index(path, manifest)
+    sink = pa.BufferOutputStream()
+    pq.write_table(whole, sink, row_group_size=1)
+    (path / manifest.index_file).write_bytes(sink.getvalue().to_pybytes())
+    for entry in manifest.shards:
+        one = read_shard_index(path, manifest, entry.shard_path)
+        assert one.equals(whole.filter(pa.compute.equal(whole["file_name"], entry.shard_path)))
+    for shard in shards(path):
+        data = bytearray(shard.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        data[8 : 8 + n] = b" " * n
+        shard.write_bytes(bytes(data))
+    assert sorted((r.k, r.v, r.n) for r in load(spark, path).collect()) == expected
+
+
+def test_a_kv_index_that_points_into_a_header_is_refused(spark, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pyspark_safetensors.dataset import load_manifest, read_index
+
+    df = spark.createDataFrame([("a", [1.0]), ("b", [2.0])], "k string, v array<float>")
+    path = tmp_path / "kv"
+    writer(df.coalesce(1), "python").option("name_col", "k").mode("overwrite").save(str(path))
+    manifest = load_manifest(path)
+    table = read_index(path, manifest)
+    table = table.set_column(4, "begin", pa.array([0] * table.num_rows, pa.int64()))
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    (path / manifest.index_file).write_bytes(sink.getvalue().to_pybytes())
+    with pytest.raises(Exception, match="point into the shard's header"):
+        load(spark, path).collect()

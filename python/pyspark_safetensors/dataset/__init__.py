@@ -26,7 +26,15 @@ from .errors import (
     SpecialFileError,
     StorageError,
 )
-from .index import INDEX_SCHEMA, check_index, index_rows, index_table, read_index
+from .index import (
+    INDEX_SCHEMA,
+    check_index,
+    index_rows,
+    index_table,
+    read_index,
+    read_shard_index,
+    shard_columns,
+)
 from .layout import (
     INDEX,
     MANIFEST,
@@ -48,7 +56,15 @@ from .manifest import (
     load_manifest,
     write_manifest,
 )
-from .shards import LocalShard, RemoteShard, ShardReader, open_shard, read_header
+from .shards import (
+    LocalShard,
+    RemoteShard,
+    ShardBytes,
+    ShardReader,
+    open_shard,
+    open_shard_bytes,
+    read_header,
+)
 from .verify import shard_crc32c, verify_dataset
 
 __all__ = [
@@ -69,6 +85,7 @@ __all__ = [
     "ManifestError",
     "PartitionedDatasetError",
     "RemoteShard",
+    "ShardBytes",
     "ShardEntry",
     "ShardReader",
     "SpecialFileError",
@@ -89,10 +106,13 @@ __all__ = [
     "load_manifest",
     "merge_schemas",
     "open_shard",
+    "open_shard_bytes",
     "read_header",
     "read_index",
+    "read_shard_index",
     "reclaim",
     "resolve_inside",
+    "shard_columns",
     "shard_crc32c",
     "shard_name",
     "split_kv_name",

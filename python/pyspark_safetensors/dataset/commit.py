@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
-from .index import INDEX_SCHEMA, read_index
+from .index import INDEX_ROW_GROUP, INDEX_SCHEMA, read_index
 from .layout import (
     INDEX,
     INDEX_NAME,
@@ -306,7 +306,9 @@ def _index_bytes(tables: list[pa.Table]) -> bytes:
     )
     sink = io.BytesIO()
     # Keys are unique: dictionary-encoding them only costs time.
-    pq.write_table(table, sink, use_dictionary=["file_name", "dtype"])
+    pq.write_table(
+        table, sink, use_dictionary=["file_name", "dtype"], row_group_size=INDEX_ROW_GROUP
+    )
     return sink.getvalue()
 
 

@@ -9,9 +9,11 @@ import os
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..format import Header, HeaderLayout
+from ..format import DTYPES, Header, HeaderLayout
+from ..format.header import HeaderColumns
 from .errors import ManifestError
 from .location import DatasetLocation
 from .manifest import Manifest, load_manifest
@@ -27,6 +29,10 @@ INDEX_SCHEMA = pa.schema(
     ]
 )
 """The spec's four columns plus absolute file offsets [begin, end) of the tensor bytes."""
+
+INDEX_ROW_GROUP = 1 << 16
+"""Rows per row group of an index this library writes (rows come shard by shard), so that
+a reader of one shard's rows reads the groups whose statistics can hold it, not all."""
 
 
 def index_rows(file_name: str, header: Header) -> pa.Table:
@@ -104,6 +110,81 @@ def read_index(
         raise ManifestError(f"{where!r}: not a readable tensor index ({e})") from None
     check_index(table, manifest, where)
     return table
+
+
+def read_shard_index(
+    location: DatasetLocation | str | os.PathLike, manifest: Manifest, shard_path: str
+) -> pa.Table:
+    """The index rows of one shard, checked as ``read_index`` checks them: only the row
+    groups whose ``file_name`` statistics can hold it are decoded."""
+    location = DatasetLocation.of(location)
+    name = manifest.index_file
+    where = location.display(name)
+    try:
+        file = pq.ParquetFile(pa.BufferReader(location.read_bytes(name)))
+        column = file.schema_arrow.get_field_index("file_name")
+        groups = []
+        for g in range(file.num_row_groups):
+            stats = file.metadata.row_group(g).column(column).statistics
+            if stats is None or not stats.has_min_max or stats.min <= shard_path <= stats.max:
+                groups.append(g)
+        table = file.read_row_groups(groups).cast(INDEX_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as e:
+        raise ManifestError(f"{where!r}: not a readable tensor index ({e})") from None
+    table = table.filter(pc.equal(table["file_name"], shard_path))
+    check_index(table, manifest, where)
+    return table
+
+
+def shard_columns(rows: pa.Table, data_start: int, where: str) -> HeaderColumns:
+    """One shard's index rows as its header's columns (offsets made relative to the byte
+    buffer at ``data_start``), for readers that skip parsing a header of 10^5 entries."""
+    names = rows.column("tensor_key").combine_chunks()
+    offsets = np.frombuffer(names.buffers()[1], np.int32)[
+        names.offset : names.offset + len(names) + 1
+    ]
+    data = names.buffers()[2]
+    dtype_codes = rows.column("dtype").combine_chunks().dictionary_encode()
+    try:
+        dtypes = tuple(DTYPES[d] for d in dtype_codes.dictionary.to_pylist())
+    except KeyError as e:
+        raise ManifestError(
+            f"{where!r}: index names dtype {e.args[0]!r}, not a safetensors dtype"
+        ) from None
+    shapes_list = rows.column("shape").combine_chunks()
+    ranks = pc.list_value_length(shapes_list).to_numpy(zero_copy_only=False)
+    width = int(ranks.max(initial=0))
+    dims = np.full((len(ranks), width + 1), -1, dtype=np.int64)
+    dims[:, 0] = ranks
+    values = pc.list_flatten(shapes_list).to_numpy(zero_copy_only=False)
+    if len(values):
+        dims[np.repeat(np.arange(len(ranks)), ranks), 1 + _positions(ranks)] = values
+    if len(dims) and (dims == dims[0]).all():  # one shape for every tensor: no sort
+        table, shape_of = dims[:1], np.zeros(len(dims), np.int64)
+    else:
+        table, shape_of = np.unique(dims, axis=0, return_inverse=True)
+    begins = rows.column("begin").to_numpy() - data_start
+    ends = rows.column("end").to_numpy() - data_start
+    if len(begins) and begins.min() < 0:
+        raise ManifestError(
+            f"{where!r}: index rows point into the shard's header; the index is not this dataset's"
+        )
+    return HeaderColumns(
+        name_data=np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8),
+        name_offsets=offsets.astype(np.int64),
+        dtypes=dtypes,
+        dtype_of=dtype_codes.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+        shapes=tuple(tuple(int(v) for v in row[1 : 1 + row[0]]) for row in table),
+        shape_of=shape_of.reshape(-1).astype(np.int64),
+        begins=begins,
+        ends=ends,
+    )
+
+
+def _positions(ranks: np.ndarray) -> np.ndarray:
+    """0, 1, ..., ranks[i] - 1 for each i, one after another."""
+    starts = np.repeat(np.cumsum(ranks) - ranks, ranks)
+    return np.arange(int(ranks.sum())) - starts
 
 
 def check_index(table: pa.Table, manifest: Manifest, where: str) -> None:

@@ -4,13 +4,16 @@ of any shard in two small reads."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import mmap
 
 import numpy as np
 
 from ..format import SafetensorsFile
 from ..format.errors import InvalidArgumentError
 from ..format.header import Header, decode_header, read_header_length
+from ..format.shard import open_regular
 from .errors import DatasetReplacedError
 from .location import DatasetLocation
 
@@ -30,6 +33,65 @@ def open_shard(location: DatasetLocation, name: str, *, whole: bool = False) -> 
         if location.is_local:
             return LocalShard(location.path(name))
         return RemoteShard(location, name, size, location.read_bytes(name) if whole else None)
+
+
+def open_shard_bytes(location: DatasetLocation, name: str) -> ShardBytes:
+    """A shard's bytes with its header left unparsed, for readers that take its tensors'
+    places from the tensor index: mapped read-only when local, one whole read otherwise."""
+    with location.reading(name):
+        size = location.regular_size(name)
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, "no such shard", location.display(name))
+        if location.is_local:
+            return ShardBytes(location.display(name), size, path=location.path(name))
+        data = location.read_bytes(name)
+        if len(data) != size:
+            raise DatasetReplacedError(f"{location.display(name)!r} changed while it was read")
+        return ShardBytes(location.display(name), size, data=data)
+
+
+class ShardBytes:
+    """The bytes of one shard: ``data_start`` (from its checked 8-byte header length) and
+    views of ``[begin, end)`` (absolute offsets, as in the tensor index)."""
+
+    def __init__(self, display: str, size: int, *, path: str | None = None, data=None):
+        self.path, self.size, self._file, self._mmap = display, size, None, None
+        if path is not None:
+            self._file = open_regular(path)  # lives as long as the object
+            try:
+                self._mmap = (
+                    mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                )
+            except BaseException:
+                self._file.close()
+                raise
+            data = self._mmap
+        self._data = memoryview(data)
+        if len(self._data) != size:
+            self.close()
+            raise DatasetReplacedError(f"{display!r} changed while it was read")
+        self.data_start = 8 + read_header_length(bytes(self._data[:8]), size, display)
+
+    def byte_range(self, begin: int, end: int) -> memoryview:
+        if not 0 <= begin <= end <= self.size:
+            raise InvalidArgumentError(
+                f"file {self.path!r}: byte range [{begin}, {end}) outside its {self.size} bytes"
+            )
+        return self._data[begin:end]
+
+    def close(self) -> None:
+        if isinstance(self._mmap, mmap.mmap):
+            with contextlib.suppress(BufferError):  # views still alive; the mapping goes with them
+                self._data.release()
+                self._mmap.close()
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def read_header(location: DatasetLocation, name: str, size: int | None = None) -> Header:
@@ -64,6 +126,11 @@ class LocalShard:
     def row_range(self, name: str, start: int, stop: int) -> np.ndarray:
         return self._file.tensor(name)[start:stop]
 
+    @property
+    def data_start(self) -> int:
+        """Where the byte buffer starts (tensor offsets count from here)."""
+        return self.header.data_start
+
     def byte_range(self, begin: int, end: int) -> memoryview:
         return self._file.byte_range(begin, end)
 
@@ -95,6 +162,11 @@ class RemoteShard:
         else:
             n = read_header_length(bytes(data[:8]), size, self.path)
             self.header = decode_header(bytes(data[: 8 + n]), size, self.path)
+
+    @property
+    def data_start(self) -> int:
+        """Where the byte buffer starts (tensor offsets count from here)."""
+        return self.header.data_start
 
     def byte_range(self, begin: int, end: int):
         if not 0 <= begin <= end <= self.size:

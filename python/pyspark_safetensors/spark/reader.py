@@ -40,8 +40,11 @@ from ..dataset import (
     ManifestError,
     load_manifest,
     open_shard,
+    open_shard_bytes,
     read_header,
     read_index,
+    read_shard_index,
+    shard_columns,
     split_storage_options,
 )
 from ..dataset.layout import SHARD_NAME, kv_suffix
@@ -587,17 +590,19 @@ class SafetensorsReader(DataSourceReader):
 
     def _read_kv(self, source_index: int, shard: int):
         """One shard's keys with their tensors, in batches of about ``BATCH_BYTES``: the
-        header's names split in bulk, rows in the file's order of the first column, whose
-        tensors are then one run of the mapped bytes (other columns' are copied when they
-        lie otherwise)."""
-        manifest = self.sources[source_index].manifest
+        tensors' names, dtypes, shapes and places from the tensor index when the dataset
+        has one (as the torch reader takes them; no header of 10^5 entries parsed), else
+        from the header, decoded in bulk; names split in bulk, rows in the file's order of
+        the first column, whose tensors are then one run of the mapped bytes (other
+        columns' are copied when they lie otherwise)."""
+        source = self.sources[source_index]
+        manifest = source.manifest
         key_col = manifest.name_col or "key"
         sep = manifest.kv_separator or "__"
         names = [f.name for f in self.schema.fields]
-        f, file = self._open(source_index, shard, whole=True)
+        f, file, header = self._open_kv(source_index, shard)
         with f:
             columns = [n for n in names if n != key_col]
-            header = f.header.columns  # no Python object per tensor
             keys, positions = _kv_rows(
                 _arrow_names(header), list(manifest.schema), columns, sep, file, self.wanted_keys
             )
@@ -617,6 +622,33 @@ class SafetensorsReader(DataSourceReader):
             batch = pa.record_batch([out[n] for n in names], names=names)
             for a, b in _row_chunks(sizes):
                 yield batch.slice(a, b - a)
+
+    def _open_kv(self, source_index: int, shard: int):
+        """A KV shard to read whole: (its bytes, its display name, its tensors as header
+        columns with ``data_start`` set on the bytes)."""
+        source = self.sources[source_index]
+        manifest, location = source.manifest, source.location
+        if manifest.index_file is None:
+            f, file = self._open(source_index, shard, whole=True)
+            return f, file, f.header.columns
+        entry = manifest.shards[shard]
+        try:
+            rows = read_shard_index(location, manifest, entry.shard_path)
+        except ManifestError as e:
+            raise ReadError(str(e)) from None
+        f = open_shard_bytes(location, entry.shard_path)
+        try:
+            problems = check_shard(manifest, entry, f.size, None)
+            if problems:
+                raise ReadError(f"dataset {location.uri!r}: {'; '.join(problems)}")
+            header = shard_columns(rows, f.data_start, location.display(manifest.index_file))
+        except ManifestError as e:
+            f.close()
+            raise ReadError(str(e)) from None
+        except BaseException:
+            f.close()
+            raise
+        return f, location.display(entry.shard_path), header
 
     # -- index view
 
@@ -817,7 +849,7 @@ def _gather_ranges(f, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray,
     """``_gather`` of the tensors at ``[begins[i], ends[i])`` of the byte buffer."""
     if not len(begins):
         return np.empty(0, np.uint8), np.empty(0, np.int64)
-    base = f.header.data_start
+    base = f.data_start
     if (begins[1:] == ends[:-1]).all():
         data = f.byte_range(base + int(begins[0]), base + int(ends[-1]))
         return np.frombuffer(data, np.uint8), ends - begins
@@ -871,10 +903,16 @@ def _kv_column(
             file,
         ), nbytes
     if len(dtypes) > 1:  # mixed dtypes in one column: each tensor converted on its own
+        bounds = np.concatenate([[0], np.cumsum(nbytes)]).tolist()
         flat = np.concatenate(
             [
-                _convert(f.tensor(header.name(i)).reshape(-1), header.dtypes[d].name, file, column)
-                for i, d in zip(rows.tolist(), dtype_of.tolist(), strict=True)
+                _convert(
+                    raw[a:b].view(header.dtypes[d].numpy or np.uint8),
+                    header.dtypes[d].name,
+                    file,
+                    column,
+                )
+                for a, b, d in zip(bounds, bounds[1:], dtype_of.tolist(), strict=False)
             ]
         )
     elif dtypes:
