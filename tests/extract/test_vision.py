@@ -231,6 +231,17 @@ def test_a_table_of_image_bytes_in_partitions_on_a_multiple(spark, image_dir):
         stored.unpersist()
 
 
+def test_a_repeated_image_key_is_refused(spark, image_dir):
+    """Keys name and order the images: two images under one id stop the job, naming it,
+    wherever the two lie (here in different partitions, far apart)."""
+    png = sorted((image_dir / "images").rglob("*.png"))[0].read_bytes()
+    rows = [(f"img-{i:02d}", png) for i in range(8)] + [("img-03", png)]
+    frame = spark.createDataFrame(rows, "id string, png binary").repartition(3)
+    config = ExtractConfig(images="dataframe", image_column="png", id_column="id")
+    with pytest.raises(ExtractionError, match="1 image key.* more than once, e.g. 'img-03'"):
+        number_images(load_images(spark, config, frame), config, 2)
+
+
 def _tiny_vision_models(root):
     """Tiny random CLIP (vision tower and the dual encoder), SigLIP and DINOv2 (with and
     without registers) directories, with their image processors."""

@@ -4,11 +4,11 @@ a DataFrame (Spark's ``image`` source, a table of bytes, a ``binaryFile`` read);
 check, stable order and numbering.
 
 Every image is read once by a check pass (``check_fn``: PIL reads the whole file; an
-unreadable or truncated one gets its error, a duplicate key too) in the same job that
-numbers them, so the readable images get dense ids (``image_id``: the rank by key, the
-key being the id column or else the path) before the model stage, and the output's
-partitions are contiguous image_id ranges that an output may ask to fall on multiples of
-a number. DataFrame API only: classic and Spark Connect sessions alike.
+unreadable or truncated one gets its error) where it lies, before any shuffle; the checked
+rows are kept, a duplicate key is refused, and the readable images get dense ids
+(``image_id``: the rank by key, the key being the id column or else the path) before the
+model stage, and the output's partitions are contiguous image_id ranges that an output may
+ask to fall on multiples of a number. DataFrame API only: classic and Spark Connect sessions alike.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ CHECKED_SCHEMA = (
     "key string, path string, label string, content binary, width int, height int, error string"
 )
 """The check pass's rows: an unreadable image keeps its error and loses its bytes."""
-DUPLICATE = "duplicate key"
 IMAGE_SOURCE_FIELDS = {"origin", "height", "width", "nChannels", "mode", "data"}
 """The struct of Spark's ``image`` source (raw pixels, BGR(A) channel order)."""
 _GLOB = re.compile(r"[*?\[{]")
@@ -141,9 +140,8 @@ def _from_frame(frame, config, where: str):
 
 
 def check_fn():
-    """The check pass (``mapInArrow`` over key-sorted partitions, ``CHECKED_SCHEMA``):
-    each image read whole by PIL for its size; an unreadable one's error kept (its bytes
-    dropped), a key equal to the previous one's marked ``DUPLICATE``. Raw pixels from
+    """The check pass (``mapInArrow``, ``CHECKED_SCHEMA``): each image read whole by PIL
+    for its size; an unreadable one's error kept (its bytes dropped). Raw pixels from
     Spark's image source become PNG bytes here, so the model stage decodes one kind."""
 
     def check(batches):
@@ -151,7 +149,6 @@ def check_fn():
 
         from .vision import check_image
 
-        previous = None
         for batch in batches:
             keys = batch.column("key").to_pylist()
             contents = batch.column("content")  # read one image at a time, not all copied
@@ -176,9 +173,6 @@ def check_fn():
                     width, height = check_image(content)
                 except Exception as e:  # every decoder error: reported by path, never raised here
                     error = _error_text(e)
-                if key is not None and key == previous:
-                    error = DUPLICATE
-                previous = key
                 sizes.append((width, height))
                 errors.append(error)
                 pngs.append(png if error is None else None)
@@ -243,22 +237,30 @@ def number_images(images, config, partitions: int):
 
     if config.max_texts:
         images = images.orderBy("key").limit(config.max_texts)
+    # checked where the images lie (a file source's ~32 small files per task merged into a
+    # task per core), kept, then sorted: a range shuffle's sampling reads the kept rows,
+    # not every file again (10,000 PNGs: 4.4 -> 1.9 s)
     checked = (
-        images.repartitionByRange(partitions, "key")
-        .sortWithinPartitions("key")
+        images.coalesce(partitions)
         .mapInArrow(check_fn(), CHECKED_SCHEMA)
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
     try:
         bad = to_arrow(checked.where(F.col("error").isNotNull()).select("key", "path", "error"))
-        errors = zip(bad.column("key").to_pylist(), bad.column("error").to_pylist(), strict=True)
-        duplicates = [key for key, error in errors if error == DUPLICATE]
-        if duplicates:
+        repeated = to_arrow(
+            checked.where(F.col("key").isNotNull()).groupBy("key").count()
+            .where(F.col("count") > 1).select("key").orderBy("key")
+        )  # fmt: skip
+        if repeated.num_rows:
             raise ExtractionError(
-                f"{len(duplicates)} image key(s) appear more than once, e.g. {duplicates[0]!r}: "
-                "keys (the id column, else the paths) must be unique"
+                f"{repeated.num_rows} image key(s) appear more than once, e.g. "
+                f"{repeated.column('key')[0].as_py()!r}: keys (the id column, else the paths) "
+                "must be unique"
             )
-        good = checked.where(F.col("error").isNull()).drop("error")
+        good = (
+            checked.where(F.col("error").isNull()).drop("error")
+            .repartitionByRange(partitions, "key").sortWithinPartitions("key")
+        )  # fmt: skip
         # ids as number_texts gives them: rank within the range, plus the ranges before
         good = good.withColumn("_row", F.monotonically_increasing_id())
         part = F.shiftright(F.col("_row"), MONOTONIC_ID_PARTITION_SHIFT)
