@@ -35,7 +35,7 @@ from benchmarks.bench_writer import (
 )
 from benchmarks.common import interleaved_medians, table
 
-REPEAT = 5
+REPEAT = 9
 JVM_SOURCE = "io.github.pysparksafetensors.SafetensorsSource"
 SHARD_ROWS = 10_000
 FLOOR = "python_api_floor"
