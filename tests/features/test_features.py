@@ -1,22 +1,30 @@
 """The feature job in Spark on a tiny extraction: its statistics and examples equal the
 single-process reference's, its contexts hold the latent's activation on every token,
 its outputs are published whole, bad inputs stop it with one line, and the browser
-works in a real (headless) Chromium."""
+works in a real (headless) Chromium. A crosscoder over two row-aligned datasets of the
+extraction's tokens: its browser shows the code of their rows concatenated, and a
+misaligned pair is refused naming both."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from tables import assert_examples_match, assert_latents_match
 
+from conftest import HOOK, WIDTH, K
+from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.features import FeaturesConfig, FeaturesError, plan_features, run_features
 from pyspark_safetensors.features.merge import examples_table, latents_table
 from pyspark_safetensors.features.reference import reference_contexts, reference_state
+from pyspark_safetensors.torch import open_dataset
+from pyspark_safetensors.torch.loader import MisalignedDatasetsError
 
 pytestmark = pytest.mark.spark
 LATENTS = 96  # the random SAE of conftest.py
@@ -64,10 +72,7 @@ def dense_code(plan):
     """Every token's activation of every latent (the SAE run over the whole dataset at
     once), by token: ``{(sample_id, window, token_pos): row}`` and the ``[tokens,
     latents]`` matrix."""
-    import torch
-
     from pyspark_safetensors.sae.ecosystem import load_sae_model
-    from pyspark_safetensors.torch import open_dataset
 
     ds = open_dataset(plan.dataset)
     columns = {c: np.concatenate([np.asarray(ds.shard_view(s, c)).reshape(len(ds.shard_view(s, c)), -1)
@@ -158,10 +163,7 @@ def test_a_jumprelu_sae_without_k_equals_the_reference_and_its_own_rule(
     """A SAELens JumpReLU SAE (a threshold per latent, no k) through the job: the same
     tables as the single-process loop, and the statistics of its own rule (every latent
     above its threshold, however many per token), recomputed here densely."""
-    import torch
-
     from pyspark_safetensors.sae import read_sae
-    from pyspark_safetensors.torch import open_dataset
 
     sae = make_jumprelu(tmp_path / "saelens")
     assert "k" not in json.loads((sae / "cfg.json").read_text())
@@ -285,3 +287,170 @@ def test_the_browser_in_headless_chromium(run, repo_root):
                    for r in rows)  # fmt: skip
         search.send_keys("zzzz-no-such-token")
         assert not driver.find_elements(By.CSS_SELECTOR, "tr.latent-row")
+
+
+# -- a crosscoder: two row-aligned datasets of the extraction's tokens ------------------
+
+LAYER_B = "toy.layer_b:output"  # not in the extraction: the checkpoint's datasets are read
+COLUMNS = ("activation", "sample_id", "window", "token_pos")
+ROWS_PER_SHARD = 200  # rows 64..135 of a shard are not among those checked on opening
+
+
+def write_layer(root, columns: dict, activation, order=None) -> str:
+    """A dataset of the extraction's tokens (``order``: its rows in that order) with
+    ``activation`` as its rows, in shards of ``ROWS_PER_SHARD``."""
+    order = np.arange(len(activation)) if order is None else order
+    cols = {**{c: columns[c][order] for c in COLUMNS[1:]}, "activation": activation[order]}
+    write_batch_dataset(root, cols, rows_per_shard=ROWS_PER_SHARD)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def layers(extraction, tmp_path_factory):
+    """The extraction's hook point re-written (``a``) and a second layer of the same
+    tokens (``b``: a fixed random map of ``a``), the two concatenated (``x``), and the
+    same pair with its rows shuffled alike (``a_shuffled``, ``b_shuffled``)."""
+    root = tmp_path_factory.mktemp("layers")
+    doc = json.loads((extraction / "extraction.json").read_text())
+    ds = open_dataset(extraction / doc["hooks"][HOOK]["dataset"])
+    columns = {c: np.concatenate([np.asarray(ds.shard_view(s, c)).reshape(ds.counts[s], -1)
+                                  for s in range(len(ds.paths))]) for c in COLUMNS}  # fmt: skip
+    columns = {c: v if c == "activation" else v[:, 0] for c, v in columns.items()}
+    a = columns["activation"].astype(np.float32)
+    mix = np.random.default_rng(3).standard_normal((WIDTH, WIDTH)).astype(np.float32)
+    b = np.tanh(a @ mix / np.sqrt(WIDTH)) * 4.0
+    order = np.random.default_rng(4).permutation(len(a))
+    return {
+        "a": write_layer(root / "a", columns, a), "b": write_layer(root / "b", columns, b),
+        "a_shuffled": write_layer(root / "a-shuffled", columns, a, order),
+        "b_shuffled": write_layer(root / "b-shuffled", columns, b, order),
+        "x": np.concatenate([a, b], axis=1), "columns": columns, "root": root,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def crosscoder(layers):
+    """A random TopK crosscoder over (a, b) whose training config names those datasets."""
+    from pyspark_safetensors.sae import save_sae
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.nn.functional.normalize(torch.randn(LATENTS, 2 * WIDTH, generator=gen), dim=1)
+    tensors = {"encoder_weight": w, "encoder_bias": -torch.rand(LATENTS, generator=gen),
+               "decoder_weight": w.clone(), "decoder_bias": torch.zeros(2 * WIDTH)}  # fmt: skip
+    path = layers["root"] / "crosscoder.safetensors"
+    save_sae(path, tensors, {
+        "architecture": "crosscoder", "k": str(K), "blocks": "2", "hook_points": [HOOK, LAYER_B],
+        "config": {"architecture": "crosscoder", "datasets": [layers["a"], layers["b"]]},
+    })  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def crosscoder_run(spark, extraction, crosscoder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("crosscoder-out") / "features"
+    config = FeaturesConfig(extraction=str(extraction), sae=str(crosscoder), out=str(out),
+                            top_n=5, context=3, samples_per_band=2, batch_tokens=128)  # fmt: skip
+    return config, run_features(spark, config)
+
+
+def test_the_browser_shows_the_code_of_the_concatenated_rows(crosscoder_run, layers, crosscoder):
+    """Every latent's count and top examples equal the crosscoder's code of each token's
+    rows of both datasets, concatenated in its order and encoded at once here; the
+    datasets came from the checkpoint's config, the texts from the extraction."""
+    from pyspark_safetensors.sae.ecosystem import load_sae_model
+
+    config, summary = crosscoder_run
+    plan = plan_features(config)
+    assert plan.inputs == (layers["a"], layers["b"]) and plan.dataset == layers["a"]
+    assert summary.hook == f"{HOOK} + {LAYER_B}" and summary.tokens == len(layers["x"])
+    with torch.inference_mode():
+        values, indices = load_sae_model(crosscoder).encode(torch.from_numpy(layers["x"]))
+    z = torch.zeros(len(values), LATENTS).scatter_(1, indices.long(), values.float()).numpy()
+    latents = pq.read_table(summary.out / "latents.parquet").to_pandas().sort_values("latent")
+    assert latents["count"].tolist() == (z > 0).sum(0).tolist()
+    contexts = pq.read_table(summary.out / "contexts.parquet").to_pandas()
+    ids = layers["columns"]
+    checked = 0
+    for latent in range(LATENTS):
+        rows = np.flatnonzero(z[:, latent] > 0)
+        want = rows[np.argsort(-z[rows, latent], kind="stable")][: config.top_n]
+        got = contexts[(contexts.kind == "top") & (contexts.latent == latent)].sort_values("rank")
+        assert got["sample_id"].tolist() == ids["sample_id"][want].tolist()
+        assert got["token_pos"].tolist() == ids["token_pos"][want].tolist()
+        np.testing.assert_allclose(got["value"], z[want, latent], rtol=1e-5)
+        checked += len(want)
+    assert checked > 100
+    assert all(len(t) and all(isinstance(s, str) for s in t) for t in contexts["tokens"])
+    # the same state as the single-process loop over the pair
+    state = reference_state(plan, config)
+    assert_latents_match(latents, latents_table(state, config).to_pandas())
+    assert_examples_match(contexts, examples_table(state, config).to_pandas())
+    doc = json.loads((summary.out / "features.json").read_text())
+    assert doc["architecture"] == "crosscoder" and doc["datasets"] == [layers["a"], layers["b"]]
+
+
+def test_a_shuffled_pair_gives_the_same_contexts(spark, crosscoder_run, layers, tmp_path):
+    """Both datasets' rows shuffled alike (still row-aligned, out of token order): the
+    windows come from the second pass, each token's rows joined across the datasets."""
+    config, summary = crosscoder_run
+    out = tmp_path / "features"
+    shuffled = dataclasses.replace(config, out=str(out),
+                                   datasets=(layers["a_shuffled"], layers["b_shuffled"]))  # fmt: skip
+    again = run_features(spark, shuffled)
+    assert again.second_pass and not summary.second_pass and again.tokens == summary.tokens
+    got = pq.read_table(out / "contexts.parquet").to_pandas()
+    want = pq.read_table(summary.out / "contexts.parquet").to_pandas()
+    for column in ("latent", "kind", "rank", "sample_id", "token_pos", "center"):
+        assert got[column].tolist() == want[column].tolist(), column
+    assert [list(t) for t in got["tokens"]] == [list(t) for t in want["tokens"]]
+    for a, b in zip(got["acts"], want["acts"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_misaligned_pair_is_refused_naming_both(spark, crosscoder_run, layers, tmp_path):
+    """Rows that are not the same tokens in both datasets: refused on opening where the
+    sampled rows show it (and on a different row count), else by the task that reads
+    them; the message names both datasets and the row."""
+    config, _ = crosscoder_run
+    columns, root = layers["columns"], layers["root"]
+    b = layers["x"][:, WIDTH:]
+    swapped = {}
+    for row in (10, 100):  # sampled on opening, then not (shard 0's middle)
+        order = np.arange(len(b))
+        order[[row, row + 1]] = order[[row + 1, row]]
+        swapped[row] = write_layer(root / f"b-swapped-{row}", columns, b, order)
+    short = root / "b-short"
+    write_batch_dataset(short, {**{c: columns[c][:-5] for c in COLUMNS[1:]}, "activation": b[:-5]},
+                        rows_per_shard=ROWS_PER_SHARD)  # fmt: skip
+    for other, needle in ((swapped[10], "row 10 has"), (str(short), "rows in shards")):
+        with pytest.raises(MisalignedDatasetsError, match=re.escape(needle)) as e:
+            plan_features(dataclasses.replace(config, datasets=(layers["a"], other)))
+        assert layers["a"] in str(e.value) and other in str(e.value)
+    late = dataclasses.replace(
+        config, datasets=(layers["a"], swapped[100]), out=str(tmp_path / "o")
+    )
+    plan = plan_features(late)  # the sample read on opening agrees
+    with pytest.raises(MisalignedDatasetsError, match=r"row 100 has (sample_id|token_pos)"):
+        reference_state(plan, late)
+    message = re.escape(f"{layers['a']} and {swapped[100]} are not row-aligned: row 100 has")
+    with pytest.raises(Exception, match=message):  # from the task, through Spark
+        run_features(spark, late)
+    assert not (tmp_path / "o").exists()
+
+
+def test_crosscoder_options_are_refused_where_they_do_not_apply(
+    crosscoder_run, layers, make_sae, tmp_path
+):
+    config, _ = crosscoder_run
+    narrow = write_layer(tmp_path / "narrow", layers["columns"], layers["x"][:, :128])
+    cases = {
+        "datasets are a crosscoder's": {"sae": str(make_sae(tmp_path / "sae.safetensors")),
+                                        "datasets": (layers["a"], layers["b"])},
+        "reads several hook points": {"hook": HOOK},
+        "1 dataset(s)": {"datasets": (layers["a"],)},
+        "have rows of [[384], [128]]": {"datasets": (layers["a"], narrow)},
+    }  # fmt: skip
+    for needle, change in cases.items():
+        with pytest.raises(FeaturesError) as e:
+            plan_features(dataclasses.replace(config, **change))
+        assert needle in str(e.value) and "\n" not in str(e.value)

@@ -27,6 +27,11 @@ class FeaturesConfig:
     hook: str = ""
     """The hook point whose activations the SAE encodes; empty = the SAE's recorded
     ``hook_point``, or the extraction's only hook point."""
+    datasets: tuple[str, ...] = ()
+    """A crosscoder's activation datasets, one per hook point in its block order (paths or
+    URIs, row-aligned: the extraction's tokens, whose texts the examples show); empty =
+    its recorded hook points' datasets in the extraction, else the datasets it was
+    trained on (its checkpoint's config)."""
     top_n: int = 20
     """Top-activating tokens kept per latent."""
     context: int = 8

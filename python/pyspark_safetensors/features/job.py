@@ -1,6 +1,8 @@
 """The feature job: every token of a hook point's activation dataset encoded by an SAE
 inside Spark tasks, per-latent state merged by Spark, examples decoded with the model's
-tokenizer, two parquet tables and the browser published whole.
+tokenizer, two parquet tables and the browser published whole. A crosscoder reads several
+hook points' row-aligned datasets (the same tokens), each row their rows concatenated in
+its order; its examples are the first's tokens.
 
 1. encode (``mapInArrow`` over row ranges): each task reads its range of the dataset's
    shards itself (``scan``: the bytes do not cross the JVM), folds its tokens into a
@@ -108,8 +110,10 @@ class FeaturesPlan:
     """What the job reads, checked before any task runs."""
 
     dataset: str
-    """The hook point's activation dataset: a local path or a URI."""
+    """The hook point's activation dataset: a local path or a URI (a crosscoder's: its
+    first hook point's, whose tokens and windows the examples are)."""
     hook: str
+    """The hook point (a crosscoder's: its hook points joined by " + ")."""
     width: int
     n_latents: int
     k: int | None
@@ -128,6 +132,9 @@ class FeaturesPlan:
     token_kinds: tuple[str, ...] = ()
     """An image extraction's kinds of token that enter the statistics and the examples
     (empty: all)."""
+    inputs: tuple[str, ...] = ()
+    """A crosscoder's datasets in its block order (``dataset`` first), row-aligned: its
+    input is their rows concatenated; empty for an SAE (``dataset`` alone)."""
 
     @property
     def span(self) -> int:
@@ -142,6 +149,23 @@ class FeaturesPlan:
 
     def extraction_location(self) -> DatasetLocation:
         return DatasetLocation.of(self.extraction, storage_options=self.storage_options)
+
+    def open_input(self):
+        """What the encoder reads (``scan.RowReader``'s dataset): ``dataset`` opened, or a
+        crosscoder's ``inputs`` as one ``AlignedDatasets`` (row counts, shard layout and a
+        sample of their tokens checked on opening: a ``MisalignedDatasetsError`` names
+        both datasets)."""
+        from ..torch import open_dataset
+        from ..torch.loader import AlignedDatasets
+
+        options = dict(self.storage_options) or None
+        if not self.inputs:
+            return open_dataset(self.dataset, storage_options=options)
+        names = {f"block{i}": path for i, path in enumerate(self.inputs)}
+        return AlignedDatasets(
+            {name: (open_dataset(path, storage_options=options), "activation")
+             for name, path in names.items()}, names=names,
+        )  # fmt: skip
 
 
 def plan_features(
@@ -171,24 +195,36 @@ def plan_features(
     tensors, info = read_sae(config.sae)
     n, d = tensors["encoder_weight"].shape
     del tensors  # the tasks load the SAE themselves
-    hook = config.hook or (info.get("metadata") or {}).get("hook_point", "")
-    hooks = doc["hooks"]
-    if not hook and len(hooks) == 1:
-        hook = next(iter(hooks))
-    if hook not in hooks:
-        raise FeaturesError(
-            f"hook point {hook!r} is not in {doc_path} (it has {sorted(hooks)}); set --hook"
-        )
-    width = int(hooks[hook]["width"])
-    if width != d:
-        raise FeaturesError(
-            f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {src}"
-        )
     try:
         cls = get_architecture(info["architecture"])
     except ValueError as e:
         raise FeaturesError(f"{config.sae}: {e}") from None
     architecture = cls.ARCHITECTURE
+    hooks = doc["hooks"]
+    inputs: tuple[str, ...] = ()
+    if architecture == "crosscoder":
+        inputs, names = crosscoder_inputs(config, info, doc, src)
+        hook, dataset = " + ".join(names), inputs[0]
+    elif config.datasets:
+        raise FeaturesError(
+            f"datasets: {config.sae} is a {architecture} SAE, which reads one hook point "
+            "(set hook); datasets are a crosscoder's"
+        )
+    else:
+        hook = config.hook or (info.get("metadata") or {}).get("hook_point", "")
+        if not hook and len(hooks) == 1:
+            hook = next(iter(hooks))
+        if hook not in hooks:
+            raise FeaturesError(
+                f"hook point {hook!r} is not in {doc_path} (it has {sorted(hooks)}); set --hook"
+            )
+        width = int(hooks[hook]["width"])
+        if width != d:
+            raise FeaturesError(
+                f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {src}"
+            )
+        dataset = hooks[hook]["dataset"]
+        dataset = src.local_file(dataset) or src.display(dataset)
     if info["k"] is None and cls.SELECTS_TOP_K:
         raise FeaturesError(
             f"{config.sae}: a {architecture} SAE that records no k (its top-k selection "
@@ -196,8 +232,6 @@ def plan_features(
         )
     model_dir = doc.get("model_dir") or ""
     cfg = doc["config"]
-    dataset = hooks[hook]["dataset"]
-    dataset = src.local_file(dataset) or src.display(dataset)
     layout = None
     if image:  # no tokenizer: the layout of an image's tokens instead
         from ..torch import open_dataset
@@ -208,13 +242,61 @@ def plan_features(
         from ..extract import resolve_model
 
         model_dir = str(resolve_model(cfg.get("model", "")).path)
-    return FeaturesPlan(
+    plan = FeaturesPlan(
         dataset=dataset, hook=hook, width=d, n_latents=n,
         k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
         max_length=int(cfg.get("max_length", 0)), long_texts=cfg.get("long_texts", "window"),
         extraction=src.root if src.is_local else src.uri, storage_options=options, layout=layout,
-        token_kinds=tuple(config.token_kinds),
+        token_kinds=tuple(config.token_kinds), inputs=inputs,
     )  # fmt: skip
+    if inputs:  # the datasets' row layout and a sample of their tokens, before any task
+        shapes = [list(ds.manifest.schema[c].sample_shape)
+                  for ds, c in plan.open_input().parts.values()]  # fmt: skip
+        if any(len(s) != 1 for s in shapes) or sum(s[0] for s in shapes) != d:
+            raise FeaturesError(
+                f"{config.sae}: a crosscoder of input width {d}; its datasets {list(inputs)} "
+                f"have rows of {shapes}"
+            )
+    return plan
+
+
+def crosscoder_inputs(config: FeaturesConfig, info: dict, doc: dict, src: DatasetLocation):
+    """A crosscoder's datasets (in its block order) and their names: ``config.datasets``;
+    else its recorded hook points' datasets in the extraction (as an SAE's hook point),
+    when the extraction has them all; else the datasets its checkpoint's config trained
+    it on. One per block, or a ``FeaturesError`` saying what to give."""
+    meta = info.get("metadata") or {}
+    recorded = meta.get("hook_points") or []
+    recorded = json.loads(recorded) if isinstance(recorded, str) else list(recorded)
+    blocks = int(meta.get("blocks") or len(recorded))
+    hooks = doc["hooks"]
+    if config.hook:
+        raise FeaturesError(
+            f"hook: {config.sae} is a crosscoder, which reads several hook points; give "
+            "datasets (one per hook point, in its order) or leave both empty"
+        )
+    if config.datasets:
+        paths, origin = tuple(config.datasets), "datasets"
+    elif recorded and all(h in hooks for h in recorded):
+        paths = tuple(src.local_file(hooks[h]["dataset"]) or src.display(hooks[h]["dataset"])
+                      for h in recorded)  # fmt: skip
+        return paths, tuple(recorded)
+    else:
+        trained = (meta.get("config") or {}).get("datasets") or ()
+        paths, origin = tuple(trained), f"{config.sae}'s training config"
+        if not paths:
+            raise FeaturesError(
+                f"{config.sae}: a crosscoder whose hook points {recorded} are not all in "
+                f"{src.display(EXTRACTION_DOC)} (it has {sorted(hooks)}) and whose config "
+                "names no datasets; give datasets (one per hook point, in its order)"
+            )
+    if blocks and len(paths) != blocks:
+        raise FeaturesError(
+            f"{origin}: {len(paths)} dataset(s) {list(paths)} for a crosscoder of {blocks} "
+            "hook points; give one per hook point, in its order"
+        )
+    names = recorded if len(recorded) == len(paths) and all(recorded) else paths
+    return paths, tuple(names)
 
 
 _SAES: dict = {}
@@ -531,10 +613,9 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     None to keep them on the executors' disks."""
     from pyspark import StorageLevel
 
-    from ..torch import open_dataset
     from .page import browser_files, image_browser_files
 
-    dataset = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
+    dataset = plan.open_input()
     source = plan.extraction_location()
     labels = None
     if config.factors:
@@ -591,7 +672,7 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
     }  # fmt: skip
     doc = {
         "config": config.to_dict(), "extraction": plan.extraction, "dataset": plan.dataset,
-        "sae": plan.sae, "architecture": plan.architecture, "k": plan.k,
+        **({"datasets": list(plan.inputs)} if plan.inputs else {}), "sae": plan.sae, "architecture": plan.architecture, "k": plan.k,
         "summary": figures, "files": sorted(files), "version": __version__,
     }  # fmt: skip
     return _Outputs(files, doc, figures)
@@ -624,16 +705,33 @@ def _write_in_place(target: DatasetLocation, result: _Outputs) -> None:
         raise
 
 
-def tokens_frame(spark, plan: FeaturesPlan):
-    """The hook point's tokens through the ``safetensors`` data source (any storage)."""
+def tokens_frame(spark, plan: FeaturesPlan, needed=None):
+    """The hook point's tokens (``activation, sample_id, window, token_pos``) through the
+    ``safetensors`` data source (any storage), only those of the ``(sample_id, window)``
+    in ``needed`` (a frame) when given. A crosscoder's: each token's rows of its datasets
+    joined on the token and concatenated in its order (a token missing from one is left
+    out)."""
     reader = spark.read.format("safetensors")
     if plan.storage_options:
         reader = reader.options(**plan.storage_options)
     from pyspark.sql import functions as F
 
-    frame = reader.load(plan.dataset)
-    window = "window" if "window" in frame.columns else F.lit(0).alias("window")  # images: one
-    return frame.select("activation", "sample_id", window, "token_pos")
+    keys = ["sample_id", "window", "token_pos"]
+    frames = []
+    for path in plan.inputs or (plan.dataset,):
+        frame = reader.load(path)
+        window = "window" if "window" in frame.columns else F.lit(0).alias("window")  # images
+        frame = frame.select("activation", "sample_id", window, "token_pos")
+        if needed is not None:
+            frame = frame.join(F.broadcast(needed), ["sample_id", "window"], "left_semi")
+        frames.append(frame)
+    if len(frames) == 1:
+        return frames[0]
+    joined = frames[0].withColumnRenamed("activation", "block0")
+    for i, frame in enumerate(frames[1:], 1):
+        joined = joined.join(frame.withColumnRenamed("activation", f"block{i}"), keys)
+    blocks = [F.col(f"block{i}").cast("array<float>") for i in range(len(frames))]
+    return joined.select(F.concat(*blocks).alias("activation"), *keys)
 
 
 _SAMPLE_ID = re.compile(rb'^\{"sample_id": (-?\d+),')
@@ -745,8 +843,7 @@ def windows_from_codes(spark, examples: pa.Table, plan: FeaturesPlan, config: Fe
     ex = from_arrow(spark, examples.drop(["context"]))
     needed = ex.select("sample_id", "window").distinct()
     codes = (
-        tokens_frame(spark, plan)
-        .join(F.broadcast(needed), ["sample_id", "window"], "left_semi")
+        tokens_frame(spark, plan, needed)
         .mapInArrow(_codes_fn(plan, config), CODES_SCHEMA)
         .withColumnRenamed("token_pos", "pos")
     )

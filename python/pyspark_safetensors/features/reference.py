@@ -25,11 +25,10 @@ from .state import LatentState
 
 
 def reference_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
-    """Every token of ``plan.dataset`` folded into one ``LatentState``, ``batch_tokens``
-    at a time, each kept entry with its context window."""
-    from ..torch import open_dataset
-
-    ds = open_dataset(plan.dataset, storage_options=dict(plan.storage_options) or None)
+    """Every token of ``plan.dataset`` (a crosscoder's: of its datasets, concatenated)
+    folded into one ``LatentState``, ``batch_tokens`` at a time, each kept entry with its
+    context window."""
+    ds = plan.open_input()
     device = pick_device(config)
     sae = load_encoder(plan.sae, device, config.threads)
     state = new_state(plan, config)

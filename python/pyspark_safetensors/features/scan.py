@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..torch.loader import AlignedDatasets
 from .config import FeaturesError
 from .state import POS_BITS, token_ids
 
@@ -44,10 +45,18 @@ def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
 class RowReader:
     """Global row ranges of a dataset (``torch.SafetensorsDataset``), across its shards:
     activations as float32 and token ids. Local shards are memory-mapped; elsewhere each
-    read fetches just its rows (one ranged read per column and shard)."""
+    read fetches just its rows (one ranged read per column and shard).
+
+    Given an ``AlignedDatasets`` (a crosscoder's hook points: the same tokens, row for
+    row), a row's activations are each dataset's rows concatenated along the features in
+    its order, and its token ids the first's; every range read is checked to be the same
+    tokens in all of them (``sample_id`` / ``token_pos``: a ``MisalignedDatasetsError``
+    naming both datasets otherwise)."""
 
     def __init__(self, ds, width: int):
-        self.ds, self.width = ds, width
+        self.aligned = ds if isinstance(ds, AlignedDatasets) else None
+        self.parts = list(ds.parts.values()) if self.aligned else [(ds, "activation")]
+        self.ds, self.width = self.parts[0][0], width
         self.starts = np.asarray([*ds.starts, len(ds)], np.int64)
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,13 +70,19 @@ class RowReader:
             a, b = max(start, lo) - lo, min(stop, hi) - lo
             if a >= b:
                 continue
-            f = self.ds.shard(shard)
-            x = np.asarray(f.row_range("activation", a, b), np.float32).reshape(b - a, -1)
+            if self.aligned is not None:
+                self.aligned.check_rows(shard, np.arange(a, b))
+            blocks = [
+                np.asarray(ds.shard(shard).row_range(column, a, b), np.float32).reshape(b - a, -1)
+                for ds, column in self.parts
+            ]
+            x = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
             if x.shape[1] != self.width:
                 raise FeaturesError(
                     f"activation rows have width {x.shape[1]}, the SAE {self.width}"
                 )
             xs.append(x)
+            f = self.ds.shard(shard)
             ids.append(token_ids(*(self._column(f, c, a, b) for c in ID_COLUMNS)))
         if not xs:
             return np.zeros((0, self.width), np.float32), np.zeros(0, np.int64)
