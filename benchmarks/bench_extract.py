@@ -11,15 +11,18 @@ corpus takes). A straight line through each side's three times gives its fixed c
 its per-token slope; the slopes' ratio is where the job's ratio to the loop tends on
 larger corpora. The job's writes the loop does not make (the KV dataset) are timed apart.
 
-Images (``python -m benchmarks.bench_extract --images [N ...]``, also part of ``run``):
-the CLI's ``extract --images`` on folders of the toy ViT's synthetic PNGs against a plain
-loop over the same files (``VisionExtractor``: the same model, batches, hook points and
-F16 token shards with the image columns, and ``images.parquet`` with the thumbnails; the
-job's KV dataset off), the same fit of fixed cost and per-image slope.
+Images (``python -m benchmarks.bench_extract --images [--small] [N ...]``, also part of
+``run``): the CLI's ``extract --images`` on folders of the toy ViT's synthetic PNGs against
+a plain loop over the same files (``VisionExtractor``: the same model, batches, hook points
+and F16 token shards with the image columns, and ``images.parquet`` with the thumbnails;
+the job's KV dataset off), the same fit of fixed cost and per-image slope; with the toy
+ViT (a forward pass of 0.3 ms per image: the job's own costs show) and with ``SMALL_VIT``
+(ViT-Small's width, random weights).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -212,21 +215,50 @@ def _image_set(folder: Path, count: int) -> Path:
     return folder / "images"
 
 
-def run_images(counts: tuple[int, ...] = IMAGE_COUNTS) -> str:
-    """The image case: the toy ViT (default config) over folders of ``counts`` images."""
+SMALL_VIT = {"image_size": 96, "patch_size": 16, "hidden_size": 384, "num_hidden_layers": 4,
+             "num_attention_heads": 6, "intermediate_size": 1536}  # fmt: skip
+"""The second model of the image case: ViT-Small's width (384, 6 heads) over 96-pixel
+inputs in 36 patches of 16, 4 blocks, random weights (speed does not depend on them): about
+7x the toy ViT's compute per image, a model whose forward pass costs more than the job's
+per-image bookkeeping, as a real one does."""
+SMALL_VIT_COUNTS = (2000, 10000)
+
+
+def _small_vit(cache: Path) -> Path:
+    """``SMALL_VIT`` as a model directory with its image processor, made once."""
+    folder = (
+        cache
+        / f"small-vit-{hashlib.sha256(json.dumps(SMALL_VIT, sort_keys=True).encode()).hexdigest()[:16]}"
+    )
+    if not folder.exists():
+        import torch
+        from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+        torch.manual_seed(0)
+        staging = folder.with_name(folder.name + f".{os.getpid()}")
+        ViTForImageClassification(ViTConfig(**SMALL_VIT, num_labels=3)).save_pretrained(staging)
+        size = SMALL_VIT["image_size"]
+        ViTImageProcessor(size={"height": size, "width": size}).save_pretrained(staging)
+        staging.rename(folder)
+    return folder
+
+
+def run_images(counts: tuple[int, ...] = IMAGE_COUNTS, model: str = "toy") -> str:
+    """The image case over folders of ``counts`` toy-ViT images: ``model`` "toy" (the
+    default toy ViT) or "small" (``SMALL_VIT``)."""
     from pyspark_safetensors.extract.toy_vit import ToyViTConfig, toy_vit, toy_vit_hash
 
-    # the model trained once and the image sets drawn once, kept between runs (100,000
+    # the models made once and the image sets drawn once, kept between runs (100,000
     # images: minutes of CPU and 400 MB)
     cache = Path(tempfile.gettempdir()) / "pyspark-safetensors-bench"
-    model = toy_vit(cache, ToyViTConfig())
+    path = toy_vit(cache, ToyViTConfig()) if model == "toy" else _small_vit(cache)
     with tempfile.TemporaryDirectory(prefix="bench-extract-images-") as tmp:
         tmp = Path(tmp)
         runs = {}
         for count in counts:
-            print(f"   {count} images", flush=True)
+            print(f"   {count} images, {model} model", flush=True)
             images = _image_set(cache / f"images-{toy_vit_hash()[:16]}-{count}", count)
-            runs[count] = _image_pair(images, model, tmp, f"i{count}")
+            runs[count] = _image_pair(images, path, tmp, f"i{count}")
     rows = [
         [f"{r['images']:,}", f"{r['tokens']:,}", f"{r['loop_s']:.1f}", f"{r['job_s']:.1f}",
          f"{r['model_s']:.1f}", f"{r['loop_s'] / r['job_s']:.2f}x",
@@ -239,12 +271,18 @@ def run_images(counts: tuple[int, ...] = IMAGE_COUNTS) -> str:
              for who, (fixed, slope) in fits.items()]  # fmt: skip
     header = ["images", "tokens", "loop s", "job s", "job's model stage s",
               "job / loop (images/s)", "CPU s loop / job"]  # fmt: skip
+    what = (
+        "the default toy ViT: 32-pixel PNGs, patch 8, 17 tokens per image, 2 blocks of width 64"
+        if model == "toy"
+        else "a ViT of ViT-Small's width, random weights: the same PNGs resized to 96 pixels, "
+        "patch 16, 37 tokens per image, 4 blocks of width 384"
+    )
     return (
-        "The CLI's `extract --images` (embedded `local[*]` Spark; the default toy ViT: 32-pixel "
-        "PNGs, patch 8, 17 tokens per image, every block's output, F16, batch 32; token "
-        "datasets with the image columns, images.parquet with thumbnails; `--no-kv-dataset`) "
-        "against a plain loop over the same files (`VisionExtractor`: the same model, hook "
-        "points, batches and outputs). Fresh processes, timed from start to exit. One run each.\n\n"
+        f"The CLI's `extract --images` (embedded `local[*]` Spark; {what}; every block's "
+        "output, F16, batch 32; token datasets with the image columns, images.parquet with "
+        "thumbnails; `--no-kv-dataset`) against a plain loop over the same files "
+        "(`VisionExtractor`: the same model, hook points, batches and outputs). Fresh "
+        "processes, timed from start to exit. One run each.\n\n"
         + table(header, rows)
         + "\n\n"
         + table(["", "fixed cost", "per-image slope", "images/s at the slope"], lines)
@@ -336,7 +374,7 @@ def run() -> str:
         f"loop writes none): the whole demo corpus took {min(with_kv):.1f} s with it and "
         f"{min(without_kv):.1f} s with `--no-kv-dataset` (the faster of two runs each)."
     )
-    return text + "\n\n" + run_images()
+    return text + "\n\n" + run_images() + "\n\n" + run_images(SMALL_VIT_COUNTS, "small")
 
 
 if __name__ == "__main__":
@@ -344,7 +382,10 @@ if __name__ == "__main__":
         loop(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1:2] == ["--image-loop"]:
         image_loop(sys.argv[2], sys.argv[3], sys.argv[4])
-    elif sys.argv[1:2] == ["--images"]:
-        print(run_images(tuple(int(n) for n in sys.argv[2:]) or IMAGE_COUNTS))
+    elif sys.argv[1:2] == ["--images"]:  # [--small] [N ...]
+        small = sys.argv[2:3] == ["--small"]
+        counts = tuple(int(n) for n in sys.argv[2 + small :])
+        print(run_images(counts or (SMALL_VIT_COUNTS if small else IMAGE_COUNTS),
+                         "small" if small else "toy"))  # fmt: skip
     else:
         print(run())

@@ -231,14 +231,31 @@ def test_a_table_of_image_bytes_in_partitions_on_a_multiple(spark, image_dir):
         stored.unpersist()
 
 
+def test_image_ids_are_dense_and_in_key_order_over_many_partitions(spark, image_dir):
+    """Enough images that the range sort samples them: every id 0 .. n-1 once, in key
+    order, on the rows the model stage reads."""
+    png = sorted((image_dir / "images").glob("*/*.png"))[0].read_bytes()  # a readable one
+    n = 3000
+    frame = spark.createDataFrame(
+        [(f"img-{(i * 7919) % n:05d}", png) for i in range(n)], "id string, png binary"
+    ).repartition(7)
+    config = ExtractConfig(images="dataframe", image_column="png", id_column="id")
+    numbered, stored, _, count = number_images(load_images(spark, config, frame), config, 2)
+    try:
+        got = sorted((r.image_id, r.key) for r in numbered.select("image_id", "key").collect())
+        assert count == n and got == [(i, f"img-{i:05d}") for i in range(n)]
+    finally:
+        stored.unpersist()
+
+
 def test_a_repeated_image_key_is_refused(spark, image_dir):
     """Keys name and order the images: two images under one id stop the job, naming it,
     wherever the two lie (here in different partitions, far apart)."""
-    png = sorted((image_dir / "images").rglob("*.png"))[0].read_bytes()
+    png = sorted((image_dir / "images").glob("*/*.png"))[0].read_bytes()
     rows = [(f"img-{i:02d}", png) for i in range(8)] + [("img-03", png)]
     frame = spark.createDataFrame(rows, "id string, png binary").repartition(3)
     config = ExtractConfig(images="dataframe", image_column="png", id_column="id")
-    with pytest.raises(ExtractionError, match="1 image key.* more than once, e.g. 'img-03'"):
+    with pytest.raises(ExtractionError, match=r"1 image key.* more than once, e\.g\. 'img-03'"):
         number_images(load_images(spark, config, frame), config, 2)
 
 
