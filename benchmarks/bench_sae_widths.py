@@ -8,7 +8,10 @@ d = 768 with 16,384 / 24,576 / 32,768 latents, k = 32, batch 4,096, over token b
 
 ``SAE_WIDTHS`` (latents) and ``SAE_WIDTHS_TOKENS`` (training tokens) pick a subset, comma
 separated; ``SAE_WIDTHS_TRAINERS`` (``ours,sparsify``) the trainers; ``SAE_WIDTHS_DATA``
-a directory to keep the generated data in (default ``out/bench_sae_widths``).
+a directory to keep the generated data in (default ``out/bench_sae_widths``). Each
+measured row is kept there (``results.json``, by trainer, width and budget) and the table
+shows every kept row, so subsets run one after another (a CPU machine's widths one at a
+time) add up to one table; ``SAE_WIDTHS_FRESH=1`` forgets the kept rows first.
 
 The activations (``synthetic_activations``): a dictionary of ``16 d`` random unit-norm
 atoms; each token draws 16 atoms (with replacement) from a power law, the i-th atom with
@@ -67,7 +70,7 @@ def synthetic_activations(root: Path, *, d: int, tokens: int, seed: int = 0) -> 
     freq = (np.arange(n_atoms) + 1.0) ** -ZIPF
     freq /= freq.sum()
     offset = rng.standard_normal(d).astype(np.float32)
-    for split, n in (("train", tokens), ("val", VAL_TOKENS)):
+    for split, n in (("val", VAL_TOKENS), ("train", tokens)):  # val first: the same at any size
         out = np.empty((n, d), np.float16)
         for start in range(0, n, 16384):
             rows = min(16384, n - start)
@@ -163,23 +166,31 @@ HEADER = ["trainer", "latents", "tokens", "held-out FVU", "L0", "dead", "train t
 
 
 def run() -> str:
+    import json
+
     widths = _ints("SAE_WIDTHS", WIDTHS)
     budgets = _ints("SAE_WIDTHS_TOKENS", BUDGETS)
-    names = os.environ.get("SAE_WIDTHS_TRAINERS", "ours,sparsify").split(",")
+    names = [n.strip() for n in os.environ.get("SAE_WIDTHS_TRAINERS", "ours,sparsify").split(",")]
     missing = [n for n in names if n == "sparsify" and importlib.util.find_spec("sparsify") is None]
-    names = [n.strip() for n in names if n.strip() and n not in missing]
+    names = [n for n in names if n and n not in missing]
     root = Path(os.environ.get("SAE_WIDTHS_DATA", CACHE))
     paths = synthetic_activations(root / f"d{D}-{max(budgets)}", d=D, tokens=max(budgets))
-    rows = []
+    kept = root / "results.json"
+    results = {} if os.environ.get("SAE_WIDTHS_FRESH") or not kept.is_file() else (
+        json.loads(kept.read_text()))  # fmt: skip
     for n in widths:
         for tokens in budgets:
-            command = (f"`SAE_WIDTHS={n} SAE_WIDTHS_TOKENS={tokens} "
-                       "python -m benchmarks sae_widths`")  # fmt: skip
             for name in names:
-                m = measure(name, paths, n, tokens)
-                rows.append([name, f"{n:,}", f"{tokens:,}", f"{m['fvu']:.4f}", f"{m['l0']:.1f}",
-                             f"{m['dead']:.1%}", f"{m['tokens_per_s']:,.0f}", command])  # fmt: skip
-                print(rows[-1], flush=True)
+                results[f"{name}/{n}/{tokens}"] = m = measure(name, paths, n, tokens)
+                print(name, n, tokens, m, flush=True)
+                kept.write_text(json.dumps(results, indent=1))
+    rows = []
+    for key in sorted(results, key=lambda key: (int(key.split("/")[1]), int(key.split("/")[2]))):
+        name, n, tokens = key.split("/")
+        m = results[key]
+        command = f"`SAE_WIDTHS={n} SAE_WIDTHS_TOKENS={tokens} python -m benchmarks sae_widths`"
+        rows.append([name, f"{int(n):,}", f"{int(tokens):,}", f"{m['fvu']:.4f}", f"{m['l0']:.1f}",
+                     f"{m['dead']:.1%}", f"{m['tokens_per_s']:,.0f}", command])  # fmt: skip
     note = f" Not installed, so not measured: {', '.join(missing)}." if missing else ""
     return (
         f"## SAE quality at research widths\n\n"
@@ -189,6 +200,7 @@ def run() -> str:
         f"magnitudes (sigma 1), Gaussian noise {NOISE} per coordinate (about 1.6 % of the "
         f"variance) and a fixed offset, stored as float16. k = {K}, batch {BATCH:,}, both "
         f"trainers on the same batches, held-out FVU on {VAL_TOKENS:,} other tokens "
-        f"(`evaluate_sae`); train tokens/s is the whole training call's.{note}\n\n"
+        f"(`evaluate_sae`); train tokens/s is the whole training call's (initialisation "
+        f"included). Rows are kept across runs of subsets (`results.json`).{note}\n\n"
         + table(HEADER, rows)
     )
