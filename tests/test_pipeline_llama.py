@@ -3,7 +3,7 @@ as the pipeline's first stage, SAEs on the inputs of layer 1's attention and MLP
 projections, a skip transcoder replacing layer 0's MLP and a crosscoder over the two SAEs'
 hook points, LUTs named as the LUT spec names a Llama's layers (layer 0's MLP block
 whole), and the LM-loss evaluation (CE loss recovered, KL) per hook point and per
-replaced block in the summary and the report."""
+replaced block in the summary and the report; the crosscoder's feature browser."""
 
 import json
 import math
@@ -136,4 +136,42 @@ def test_the_transcoder_replaces_its_mlp_and_the_crosscoder_is_set_beside_the_sa
     recovered = f"**{mlp['ce_loss_recovered']:.3f}**"
     assert any(
         line.startswith(f"| `{block}`") and recovered in line for line in report.splitlines()
+    )
+
+
+def test_the_crosscoder_gets_a_feature_browser_the_report_links(run, monkeypatch):
+    """The pipeline's features stage on the crosscoder it trained (the run leaves
+    features off, where each browser costs seconds): every extracted token's rows of both
+    hook points, found from those its checkpoint records, one code over them; the
+    summary's entry and the report's link."""
+    from pyspark_safetensors.pipeline import Pipeline, PipelineConfig
+    from pyspark_safetensors.pipeline.report import render_report
+    from pyspark_safetensors.pipeline.run import TrainingRun
+
+    monkeypatch.chdir(run.parent)  # the run's paths are relative to where it ran
+    summary = json.loads((run / "summary.json").read_text())
+    config = PipelineConfig.load("llama.toml", out="run", features=True, features_top_n=4)
+    pipeline = Pipeline(config, log=lambda line: None)
+    pipeline.summary = summary
+    cross = TrainingRun("crosscoder", "layer-1-inputs", (ATTN, MLP))
+    extract = run / summary["stages"]["extract"]["dir"] / "data"
+    sae = run / summary["stages"][cross.stage]["dir"] / "sae.safetensors"
+    pipeline.features({cross: sae}, extract)
+    f = summary["features"][cross.name]
+    assert f["kind"] == "crosscoder" and f["hooks"] == [ATTN, MLP]
+    assert f["dir"].startswith("features-crosscoder-layer-1-inputs-")
+    browser = run / f["dir"] / "features"
+    doc = json.loads((browser / "features.json").read_text())
+    extraction = json.loads((extract / "extraction.json").read_text())
+    assert doc["architecture"] == "crosscoder" and doc["summary"]["hook"] == f"{ATTN} + {MLP}"
+    assert doc["datasets"] == [
+        str(extract / extraction["hooks"][h]["dataset"]) for h in (ATTN, MLP)
+    ]
+    assert f["tokens"] == doc["summary"]["tokens"] == summary["extraction"]["tokens"]
+    assert f["latents"] == doc["summary"]["latents"] > f["dead"]
+    assert (browser / "index.html").is_file()
+    link = f"{f['dir']}/features/index.html"
+    assert any(
+        line.startswith(f"- `{cross.name}` (crosscoder over `{ATTN}`, `{MLP}`): [{link}]")
+        for line in render_report(summary).splitlines()
     )

@@ -458,7 +458,8 @@ def _embeddings(summary: dict) -> list[str]:
 
 
 def _features(summary: dict) -> list[str]:
-    """Each SAE's feature browser: a link to the page (it opens from disk) and its picture."""
+    """Each SAE's, transcoder's and crosscoder's feature browser: a link to the page (it
+    opens from disk) and its picture."""
     if not summary.get("features"):
         return []
     lines = [
@@ -470,9 +471,12 @@ def _features(summary: dict) -> list[str]:
         "",
     ]
     for hook, f in summary["features"].items():
+        over = ""
+        if f.get("kind") == "crosscoder":  # one code over its hook points' rows, concatenated
+            over = " (crosscoder over " + ", ".join(f"`{h}`" for h in f.get("hooks", ())) + ")"
         lines += [
-            f"- `{hook}`: [{f['dir']}/features/index.html]({f['dir']}/features/index.html) — "
-            f"{f['latents']:,} latents over {f['tokens']:,} tokens, {f['dead']} dead, "
+            f"- `{hook}`{over}: [{f['dir']}/features/index.html]({f['dir']}/features/index.html)"
+            f" — {f['latents']:,} latents over {f['tokens']:,} tokens, {f['dead']} dead, "
             f"{f['dense']} dense",
         ]
     lines += [""]

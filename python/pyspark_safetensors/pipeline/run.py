@@ -13,8 +13,9 @@
    dense layer); for a causal LM the loss with each SAE spliced in, its hook point
    ablated, and every LUT layer patched in (CE loss recovered, KL), for an encoder the
    sentence embeddings of the patched model;
-5. features (``features = true``): per SAE, every latent's statistics and contexts over
-   all extracted tokens, in Spark, and a static feature browser (``docs/features.md``);
+5. features (``features = true``): per SAE, transcoder and crosscoder, every latent's
+   statistics and contexts over all extracted tokens, in Spark, and a static feature
+   browser (``docs/features.md``);
 6. report: ``report.md`` and ``summary.json`` in the output directory.
 
 Every stage's output is content-addressed (``{stage}-{hash}``, the hash of its config
@@ -154,7 +155,8 @@ class PipelineConfig:
     """With transcoders: time an MLP LUT against the dense block at Llama-3-8B's shapes
     too (random weights, 1.8 GB, about a minute on 2 cores), beside the model's own blocks."""
     features: bool = True
-    """Compute each SAE's latent statistics and contexts and its feature browser."""
+    """Compute each SAE's, transcoder's and crosscoder's latent statistics and contexts
+    and its feature browser."""
     features_top_n: int = 20
     """Top-activating tokens per latent in the feature browser."""
 
@@ -714,12 +716,12 @@ class Pipeline:
         return 3 + c.features + (c.model == TOY_LLAMA) + 1
 
     def features(self, trained: dict[TrainingRun, Path], extract_dir: Path) -> None:
-        """One feature browser per SAE and transcoder (``features-{hook}`` and
-        ``features-transcoder-{block}``, each with ``features/index.html``), computed in
-        Spark over every extracted token of the hook point it reads (an image run's SAEs:
-        the tokens each was trained on, the patches with each factor's best latent, or the
-        CLS tokens), with a screenshot when Chromium is here. A crosscoder reads several
-        hook points at once, which the feature job's one-dataset scan does not: it has none."""
+        """One feature browser per SAE, transcoder and crosscoder (``features-{hook}``,
+        ``features-transcoder-{block}``, ``features-crosscoder-{name}``, each with
+        ``features/index.html``), computed in Spark over every extracted token of the hook
+        point it reads (a crosscoder: of its hook points, each token's rows concatenated;
+        an image run's SAEs: the tokens each was trained on, the patches with each
+        factor's best latent, or the CLS tokens), with a screenshot when Chromium is here."""
         from ..features import FeaturesConfig, run_features
         from ..features.screenshot import screenshot
         from ..spark.session import local_session
@@ -734,16 +736,16 @@ class Pipeline:
 
         try:
             for run, sae_file in trained.items():
-                if run.kind == "crosscoder":
-                    continue
                 # an image SAE's own tokens; the patches' ground truth: the images' factors
                 kinds = {"image": ("patch",), "cls": ("cls",)}.get(run.tokens, ())
                 labels = self.images_dir / "train" / "labels.parquet" if kinds == ("patch",) else ""
                 sae_key = self.summary["stages"][run.stage]["hash"]
                 key = digest(self.summary["stages"]["extract"]["hash"], sae_key, c.features_top_n)
                 key = digest(key, kinds, "factors") if kinds else key
+                # a crosscoder's hook points: those its checkpoint records, in the extraction
+                hook = "" if run.kind == "crosscoder" else run.hooks[0]
                 config = FeaturesConfig(extraction=str(extract_dir), sae=str(sae_file),
-                                        hook=run.hooks[0], top_n=c.features_top_n,
+                                        hook=hook, top_n=c.features_top_n,
                                         token_kinds=kinds, factors=str(labels))  # fmt: skip
 
                 def build(tmp: Path, config=config) -> None:
@@ -762,6 +764,7 @@ class Pipeline:
                     **figures,
                     "dir": path.name,
                     "kind": run.kind,
+                    "hooks": list(run.hooks),
                 }
         finally:
             for session in sessions:
