@@ -240,8 +240,10 @@ def test_data_parallel_equals_one_process_with_the_double_batch(gloo_runs, activ
         for a, b in zip(got["metrics"], want, strict=True):
             assert a["fvu"] == pytest.approx(b["fvu"], rel=1e-5)
             assert a["l0"] == b["l0"] and a["dead_fraction"] == b["dead_fraction"]
+        # atol a tenth of lr: Adam turns the summation-order noise of a gradient that is
+        # ~0 into a step of up to lr (one encoder entry of 1024 moved 5e-5 apart)
         for name, t in single.sae.full_state().items():
-            torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-4, msg=name)
 
 
 def test_data_parallel_skip_transcoder_equals_one_process_with_the_double_batch(
@@ -295,7 +297,9 @@ def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activat
     tp, single = fvus(tmp_path / "tp"), fvus(tmp_path / "one")
     assert len(tp) == len(single) == 20
     assert tp == pytest.approx(single, rel=2e-3)
-    assert tp[-1] < 0.8 * tp[0]
+    # it learns: the first step starts from the fitted encoder scale (FVU ~0.54 here,
+    # not the > 1 of an unscaled tied encoder), and 20 steps take it to ~0.45
+    assert tp[-1] < 0.9 * tp[0]
     assert (tmp_path / "tp" / "sae.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "tp" / "checkpoints").iterdir()) == [
         "step-00000010", "step-00000020"

@@ -193,7 +193,8 @@ def test_matryoshka_reports_each_prefix(family_data, tmp_path):
     trainer = Trainer(_config(family_data, tmp_path / "run", "matryoshka",
                               matryoshka_prefixes=(12, 48, 96)))  # fmt: skip
     metrics = trainer.fit()
-    assert metrics["fvu"] < 0.5 * trainer.history[0]["fvu"]
+    # the first step starts from the fitted encoder scale (FVU ~0.45, not above 1)
+    assert metrics["fvu"] < 0.8 * trainer.history[0]["fvu"]
     assert metrics["loss"] > metrics["fvu"]  # the prefixes' mean: the smaller ones do worse
     prefix = [metrics[f"val_fvu_prefix_{m}"] for m in (12, 48, 96)]
     assert prefix[0] > prefix[1] > prefix[2] == pytest.approx(metrics["val_fvu"])

@@ -324,6 +324,34 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
         Trainer(_config(activations, tmp_path, warmup_steps=2, tokens=256 * 4))
 
 
+def test_the_tied_encoder_starts_at_the_least_squares_scale(tmp_path, activations):
+    """The encoder starts as the decoder's transpose times the scale that makes the first
+    reconstruction least-squares right: the FVU at it is below the unscaled tied SAE's and
+    below that of any other scale."""
+    trainer = Trainer(_config(activations, tmp_path / "run", n_latents=384, k=16))
+    sae = trainer.sae
+    x = next(iter(trainer.loader))["activation"]
+    trainer.init_decoder_bias(x)
+    ratio = sae.encoder_weight.detach() / sae.decoder_weight.detach()
+    scale = float(ratio.mean())
+    torch.testing.assert_close(ratio, torch.full_like(ratio, scale))  # still tied
+    assert 0.05 < scale < 0.95
+
+    def fvu(s: float) -> float:
+        with torch.no_grad():
+            x_hat = sae(x).x_hat  # the code scales with the encoder, the choice does not
+            b = sae.decoder_bias
+            x_hat = b + (x_hat - b) * (s / scale)
+        return float((x_hat - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+
+    assert fvu(scale) < min(fvu(0.8 * scale), fvu(1.25 * scale), 0.8 * fvu(1.0))
+    transcoder = Trainer(_config(activations, tmp_path / "tc", architecture="transcoder",
+                                 target_dataset=str(activations)))  # fmt: skip
+    before = transcoder.sae.encoder_weight.detach().clone()
+    transcoder.init_decoder_bias(x, inputs=x)
+    assert torch.equal(transcoder.sae.encoder_weight.detach(), before)  # its own init
+
+
 def test_held_out_figures_in_the_log_the_checkpoint_and_the_summary(tmp_path, capsys):
     from pyspark_safetensors.sae.evaluate import evaluate_sae, held_out_batches, split_by_sample
     from pyspark_safetensors.sae.model import TopKSAE, dense_reference

@@ -62,6 +62,9 @@ from .sources import TrainingSource, open_source, open_training_source
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
                 "val_dead_fraction", "val_dense_fraction")  # fmt: skip
 LATENTS = DimMap({MODEL: 0})  # per-latent trainer state is sharded like the encoder bias
+#: Rows of the initialisation sample that fit the encoder's starting scale (a scalar: a
+#: few thousand tokens pin it; the forward pass costs a training step's half).
+ENCODER_SCALE_SAMPLES = 4096
 
 
 class NonFiniteLoss(PysparkSafetensorsError, FloatingPointError):
@@ -250,9 +253,10 @@ class Trainer:
     ) -> None:
         """Set ``decoder_bias`` from a sample of the targets (an SAE's: its activations),
         and a transcoder's ``encoder_bias`` from the inputs' mean (``center_encoder``),
-        each gathered over the data ranks (so every rank computes the same value).
-        ``sample`` / ``inputs``: this rank's rows; None = ``init_samples`` read from the
-        data."""
+        each gathered over the data ranks (so every rank computes the same value); then a
+        tied top-k SAE's encoder scale (``init_encoder_scale``) from the first
+        ``ENCODER_SCALE_SAMPLES`` of the sample. ``sample`` / ``inputs``: this rank's rows;
+        None = ``init_samples`` read from the data."""
         c = self.config
         centers = isinstance(self.sae, TranscoderSAE)
         if sample is None:
@@ -263,11 +267,38 @@ class Trainer:
         if centers and inputs is not None:
             x = all_gather_cat(inputs.to(self.device, torch.float32), self.mesh, DATA)
             self.sae.center_encoder(x.mean(0))
-        if c.b_dec_init == "zeros":
-            return
         sample = all_gather_cat(sample.to(self.device, torch.float32), self.mesh, DATA)
-        center = geometric_median(sample) if c.b_dec_init == "geometric_median" else sample.mean(0)
-        self.sae.decoder_bias.copy_(center.to(self.sae.decoder_bias))
+        if c.b_dec_init != "zeros":
+            median = c.b_dec_init == "geometric_median"
+            center = geometric_median(sample) if median else sample.mean(0)
+            self.sae.decoder_bias.copy_(center.to(self.sae.decoder_bias))
+        if self._fits_encoder_scale():
+            self.init_encoder_scale(sample[:ENCODER_SCALE_SAMPLES])
+
+    def _fits_encoder_scale(self) -> bool:
+        """A tied encoder whose code the top-k picks (a scale leaves that choice alone)."""
+        sae = self.sae
+        return sae.TIED_INIT and sae.SELECTS_TOP_K and sae.d_out == sae.d
+
+    @torch.no_grad()
+    def init_encoder_scale(self, sample: torch.Tensor) -> float:
+        """Scale the encoder (the decoder's transpose at init) so that the first
+        reconstruction of ``sample`` (the same rows on every rank) has its least-squares
+        size; returns the scale. The k rows the top-k picks for a token all lean towards
+        it, so the sum of their projections counts the shared part about k times over: at
+        d = 128, 4,096 latents and k = 32 the tied SAE's first FVU is above 1, and the
+        first steps are spent shrinking it. Scaling the encoder keeps the top-k's choice
+        and scales the code, so ``s = <x - b, x_hat - b> / |x_hat - b|^2`` (b the decoder
+        bias) is exact; about 1 / (1 + 2 k ln(n / k) / d) on isotropic data."""
+        b = self.sae.decoder_bias.float()
+        x = sample.to(self.device, torch.float32)
+        x_hat = self.sae(x).x_hat.float()
+        num = ((x - b) * (x_hat - b)).sum()
+        den = (x_hat - b).pow(2).sum()
+        scale = float(num / den) if float(den) > TINY else 1.0
+        if math.isfinite(scale) and scale > 0:
+            self.sae.encoder_weight.mul_(scale)
+        return scale
 
     # --- one step ------------------------------------------------------------------------
 
