@@ -1,7 +1,9 @@
 """What each SAE latent means, over every token of an extraction: statistics, histogram,
 top-activating contexts and random examples per quantile band, computed by a Spark job
 (``run_features``), checked against a single-process loop (``reference_state``), and shown
-by a static browser (``index.html`` beside the two parquet tables). An image extraction's
+by a static browser (``index.html`` beside the two parquet tables). A crosscoder's
+tokens are its hook points' row-aligned datasets read together, each row their rows
+concatenated (``datasets``; the examples are the first's tokens). An image extraction's
 examples are images with the latent's heat map over their patches, and per-patch labels
 of generative factors give each factor value its best latent by AUROC (``ground_truth``)."""
 
