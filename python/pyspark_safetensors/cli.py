@@ -6,7 +6,7 @@ Commands:
   train     train an SAE, transcoder or crosscoder (one process, or --nproc N: torchrun)
   lut       precompute lookup tables for linear layers from SAE checkpoints
   evaluate  a LUT directory against the exact layers on held-out corpus passages
-  features  what each SAE latent responds to, over every token, and a feature browser
+  features  what each latent of an SAE, transcoder or crosscoder responds to, and a browser
   inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
   verify    check a dataset against its manifest, or a saev dump / Zarr store
   convert   convert between our datasets, saev dumps and Zarr stores
@@ -183,7 +183,8 @@ class FeaturesCommand:
 
 
 def features(argv: list[str]) -> int:
-    """Encode every token of an extraction's hook point with an SAE inside Spark and
+    """Encode every token of an extraction's hook point with an SAE or transcoder (a
+    crosscoder: of its hook points' datasets, --datasets) inside Spark and
     write each latent's statistics, top-activating contexts and a static feature browser
     (--out/index.html; see docs/features.md)."""
     from .features import FeaturesConfig
