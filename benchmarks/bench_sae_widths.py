@@ -8,10 +8,12 @@ d = 768 with 16,384 / 24,576 / 32,768 latents, k = 32, batch 4,096, over token b
 
 ``SAE_WIDTHS`` (latents) and ``SAE_WIDTHS_TOKENS`` (training tokens) pick a subset, comma
 separated; ``SAE_WIDTHS_TRAINERS`` (``ours,sparsify``) the trainers; ``SAE_WIDTHS_DATA``
-a directory to keep the generated data in (default ``out/bench_sae_widths``). Each
+a directory to keep the generated data in (default ``out/bench_sae_widths``);
+``SAE_WIDTHS_NOTE`` a sentence for the table's text (why a budget was left out). Each
 measured row is kept there (``results.json``, by trainer, width and budget) and the table
 shows every kept row, so subsets run one after another (a CPU machine's widths one at a
-time) add up to one table; ``SAE_WIDTHS_FRESH=1`` forgets the kept rows first.
+time) add up to one table; ``SAE_WIDTHS_FRESH=1`` forgets the kept rows first, and
+``SAE_WIDTHS_TRAINERS=`` (none) measures nothing and writes the kept rows' table.
 
 The activations (``synthetic_activations``): a dictionary of ``16 d`` random unit-norm
 atoms; each token draws 16 atoms (with replacement) from a power law, the i-th atom with
@@ -174,11 +176,12 @@ def run() -> str:
     missing = [n for n in names if n == "sparsify" and importlib.util.find_spec("sparsify") is None]
     names = [n for n in names if n and n not in missing]
     root = Path(os.environ.get("SAE_WIDTHS_DATA", CACHE))
-    paths = synthetic_activations(root / f"d{D}-{max(budgets)}", d=D, tokens=max(budgets))
+    if names:  # none (SAE_WIDTHS_TRAINERS=""): only the table of the kept rows
+        paths = synthetic_activations(root / f"d{D}-{max(budgets)}", d=D, tokens=max(budgets))
     kept = root / "results.json"
     results = {} if os.environ.get("SAE_WIDTHS_FRESH") or not kept.is_file() else (
         json.loads(kept.read_text()))  # fmt: skip
-    for n in widths:
+    for n in widths if names else ():
         for tokens in budgets:
             for name in names:
                 results[f"{name}/{n}/{tokens}"] = m = measure(name, paths, n, tokens)
@@ -192,6 +195,11 @@ def run() -> str:
         rows.append([name, f"{int(n):,}", f"{int(tokens):,}", f"{m['fvu']:.4f}", f"{m['l0']:.1f}",
                      f"{m['dead']:.1%}", f"{m['tokens_per_s']:,.0f}", command])  # fmt: skip
     note = f" Not installed, so not measured: {', '.join(missing)}." if missing else ""
+    absent = [f"{t:,}" for t in BUDGETS if not any(k.endswith(f"/{t}") for k in results)]
+    if absent:
+        note += f" Budgets not measured: {', '.join(absent)} tokens."
+    if os.environ.get("SAE_WIDTHS_NOTE"):  # what a partial run says about itself
+        note += " " + os.environ["SAE_WIDTHS_NOTE"].strip()
     return (
         f"## SAE quality at research widths\n\n"
         f"Synthetic activations with known structure (`bench_sae_widths.synthetic_activations`): "
