@@ -5,7 +5,11 @@ initialisation, optimiser and learning rate; ours as a plain BatchTopK SAE of th
 width for reference (its "prefixes" are just its first latents, which nothing orders).
 
     ./dev bench sae_matryoshka               # needs sae_lens (see ``needs_saelens``)
-    SAE_MATRYOSHKA_STEPS=64 ./dev bench sae_matryoshka
+    SAE_MATRYOSHKA_TRAINERS=ours,saelens SAE_MATRYOSHKA_STEPS=64 ./dev bench sae_matryoshka
+
+``SAE_MATRYOSHKA_TRAINERS`` picks trainers (keys of ``TRAINERS``, comma separated; each
+measured row is kept in ``results.json`` beside the data, so rows run one at a time add
+up to one table), ``SAE_MATRYOSHKA_STEPS`` the steps of ``BATCH`` tokens.
 
 The activations (``hierarchical_activations``): ``PARENTS`` parent atoms, each with
 ``CHILDREN`` children of its own, all random unit vectors of width ``D``. Each token
@@ -47,7 +51,6 @@ VAL_TOKENS = 16_384
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "out" / "bench_sae_matryoshka"
 BASELINES = ROOT / ".venv-baselines"
-COMMAND = "`./dev bench sae_matryoshka`"
 
 
 def hierarchical_codes(rng: np.random.Generator, rows: int) -> np.ndarray:
@@ -122,29 +125,45 @@ def train_ours(train: Path, steps: int, out: Path, *, architecture: str, seed: i
     return out / "sae.safetensors"
 
 
-def train_saelens(train: Path, steps: int, out: Path, *, seed: int = 0) -> Path:
+def train_saelens(train: Path, steps: int, out: Path, *, seed: int = 0,
+                  ours_schedule: bool = False) -> Path:  # fmt: skip
     """SAELens' ``MatryoshkaBatchTopKTrainingSAE`` with its config's defaults and its
     runner's optimiser defaults (Adam 0.9/0.999, lr 3e-4 constant), saved as its inference
-    SAE (a JumpReLU SAE at the learned threshold, decoder norms folded)."""
+    SAE (a JumpReLU SAE at the learned threshold, decoder norms folded). ``ours_schedule``:
+    our default learning rate, Adam betas, warm-up and decay instead (its scheduler's
+    linear warm-up and linear decay to 0)."""
     from sae_lens import MatryoshkaBatchTopKTrainingSAE, MatryoshkaBatchTopKTrainingSAEConfig
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
 
+    from pyspark_safetensors.sae import SAEConfig
+
     torch.manual_seed(seed)
     sae = MatryoshkaBatchTopKTrainingSAE(MatryoshkaBatchTopKTrainingSAEConfig(
         d_in=D, d_sae=N_LATENTS, k=K, matryoshka_widths=list(PREFIXES)))  # fmt: skip
+    schedule: dict = {"lr": 3e-4, "lr_end": 3e-5}  # the runner config's defaults
+    if ours_schedule:
+        c = SAEConfig(d=D, n_latents=N_LATENTS, k=K)
+        schedule = {"lr": c.learning_rate, "lr_end": c.learning_rate / 10,
+                    "adam_beta1": c.adam_betas[0], "adam_beta2": c.adam_betas[1],
+                    "lr_warm_up_steps": round(c.warmup_fraction * steps),
+                    "lr_decay_steps": round(c.decay_fraction * steps)}  # fmt: skip
     cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH,
-                           lr=3e-4, lr_end=3e-5)  # fmt: skip
+                           **schedule)  # fmt: skip
     SAETrainer(cfg, sae, batches(train, seed, steps)).fit()
     sae.save_inference_model(out)
     return out
 
 
+#: name: (the table's label, the training call)
 TRAINERS = {
-    "ours, matryoshka": partial(train_ours, architecture="matryoshka"),
-    "SAELens, matryoshka_batchtopk": train_saelens,
-    "ours, batchtopk (no prefixes)": partial(train_ours, architecture="batchtopk"),
-}
+    "ours": ("ours, matryoshka", partial(train_ours, architecture="matryoshka")),
+    "saelens": ("SAELens, matryoshka_batchtopk", train_saelens),
+    "saelens-our-lr": ("SAELens, matryoshka_batchtopk at our lr, betas, warm-up and decay",
+                       partial(train_saelens, ours_schedule=True)),
+    "ours-batchtopk": ("ours, batchtopk (no prefixes)",
+                       partial(train_ours, architecture="batchtopk")),
+}  # fmt: skip
 
 
 @torch.no_grad()
@@ -175,7 +194,7 @@ def measure(name: str, paths: dict[str, Path], steps: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        path = TRAINERS[name](paths["train"], steps, Path(tmp) / "sae")
+        path = TRAINERS[name][1](paths["train"], steps, Path(tmp) / "sae")
         seconds = time.perf_counter() - started
         sae = load_sae_model(path, k=K)
         m = evaluate_sae(sae, held_out_batches(paths["val"]))
@@ -197,18 +216,28 @@ def needs_saelens() -> str:
     )
 
 
-def body(steps: int) -> str:
-    """Train and score every trainer; the section's markdown."""
+def body(steps: int, names: list[str]) -> str:
+    """Train and score the trainers ``names`` (keys of ``TRAINERS``), keeping each row in
+    ``results.json`` beside the data; the section's markdown, with every kept row."""
+    import json
+
     tokens = steps * BATCH
-    paths = hierarchical_activations(CACHE / f"d{D}-{tokens}", tokens=tokens)
-    rows = []
-    for name in TRAINERS:
-        m = measure(name, paths, steps)
+    root = CACHE / f"d{D}-{tokens}"
+    paths = hierarchical_activations(root, tokens=tokens)
+    kept = root / "results.json"
+    results = json.loads(kept.read_text()) if kept.is_file() else {}
+    for name in names:
+        results[name] = m = measure(name, paths, steps)
         print(name, m, flush=True)
-        rows.append([name, f"{m['fvu']:.4f}", *(f"{f:.4f}" for f in m["prefixes"]),
+        kept.write_text(json.dumps(results, indent=1))
+    env = "" if steps == STEPS else f"SAE_MATRYOSHKA_STEPS={steps} "
+    rows = []
+    for name in (n for n in TRAINERS if n in results):
+        m = results[name]
+        command = f"`{env}SAE_MATRYOSHKA_TRAINERS={name} ./dev bench sae_matryoshka`"
+        rows.append([TRAINERS[name][0], f"{m['fvu']:.4f}", *(f"{f:.4f}" for f in m["prefixes"]),
                      f"{m['l0']:.1f}", f"{m['dead']:.1%}", f"{m['tokens_per_s']:,.0f}",
-                     COMMAND if steps == STEPS else
-                     f"`SAE_MATRYOSHKA_STEPS={steps} ./dev bench sae_matryoshka`"])  # fmt: skip
+                     command])  # fmt: skip
     header = ["trainer", "held-out FVU", *(f"FVU, first {m:,}" for m in PREFIXES), "L0",
               "dead", "train tokens/s", "command"]  # fmt: skip
     atoms = PARENTS * (1 + CHILDREN)
@@ -224,18 +253,28 @@ def body(steps: int) -> str:
         f"{steps} steps = {tokens:,} training tokens (one pass), the same batches for every "
         f"trainer, each with its own initialisation, optimiser and learning rate (ours: Adam "
         f"at our default lr with warm-up and decay; SAELens: Adam 3e-4 constant, its "
-        f"defaults). Held-out FVU, L0 and dead latents on {VAL_TOKENS:,} other tokens "
+        f"defaults; and SAELens again with our lr, betas and schedule). Held-out FVU, L0 "
+        f"and dead latents on {VAL_TOKENS:,} other tokens "
         f"(`evaluate_sae`), each prefix's FVU by `prefix_fvus` (the code's latents below m "
         f"alone). The plain BatchTopK row's prefixes are unordered latents: what nesting "
-        f"buys. Train tokens/s: the whole training call on a shared machine (2 cores, "
-        f"niced), a rough figure.\n\n" + table(header, rows)
+        f"buys. SAELens' inference threshold is a running average (rate 0.01, from 0) of the "
+        f"smallest kept activation, so after a short run it lies below its target and the "
+        f"held-out L0 exceeds k; its AuxK starts on latents dead for 1,000 steps "
+        f"(`dead_feature_window`), longer than these runs. Train tokens/s: the whole training call on a shared machine (2 cores, "
+        f"niced, other jobs running), a rough figure. Rows are kept across runs "
+        f"(`results.json` beside the data).\n\n" + table(header, rows)
     )
 
 
 def run() -> str:
     steps = int(os.environ.get("SAE_MATRYOSHKA_STEPS", STEPS))
+    raw = os.environ.get("SAE_MATRYOSHKA_TRAINERS", "")
+    names = [n.strip() for n in raw.split(",") if n.strip()] or list(TRAINERS)
+    unknown = sorted(set(names) - set(TRAINERS))
+    if unknown:
+        raise SystemExit(f"SAE_MATRYOSHKA_TRAINERS: unknown {unknown}; known: {list(TRAINERS)}")
     if importlib.util.find_spec("sae_lens") is not None:
-        return body(steps)
+        return body(steps, names)
     python = BASELINES / "bin" / "python"
     if not python.is_file():
         raise SystemExit(needs_saelens())
@@ -243,7 +282,7 @@ def run() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         section = Path(tmp) / "section.md"
         code = ("from pathlib import Path; from benchmarks.bench_sae_matryoshka import body; "
-                f"Path({str(section)!r}).write_text(body({steps}))")  # fmt: skip
+                f"Path({str(section)!r}).write_text(body({steps}, {names!r}))")  # fmt: skip
         if subprocess.run([str(python), "-c", code], cwd=ROOT, check=False).returncode:
             raise SystemExit(f"{python}: the benchmark failed (its error is above)")
         return section.read_text()
