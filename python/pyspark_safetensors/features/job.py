@@ -242,6 +242,8 @@ def plan_features(
         from ..extract import resolve_model
 
         model_dir = str(resolve_model(cfg.get("model", "")).path)
+    if model_dir:  # the tasks' working directory need not be the driver's
+        model_dir = os.path.abspath(model_dir)
     plan = FeaturesPlan(
         dataset=dataset, hook=hook, width=d, n_latents=n,
         k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
