@@ -36,13 +36,14 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .bench_sae_widths import batches
 from .common import table
 
 D, N_LATENTS, PREFIXES, K, BATCH, STEPS = 256, 4096, (256, 1024, 4096), 32, 4096, 128
@@ -95,22 +96,6 @@ def hierarchical_activations(root: Path, *, tokens: int, seed: int = 0) -> dict[
     return paths
 
 
-def batches(train: Path, seed: int, steps: int) -> Iterator[torch.Tensor]:
-    """``steps`` float32 batches in the order our trainer reads them (its loader's
-    arguments for one process), epochs repeated if needed."""
-    from pyspark_safetensors.torch import ActivationLoader, open_dataset
-
-    loader = ActivationLoader(open_dataset(train), BATCH, columns=["activation"], seed=seed,
-                              drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
-    done = 0
-    while done < steps:
-        for b in loader:
-            yield b["activation"]
-            done += 1
-            if done == steps:
-                return
-
-
 def train_ours(train: Path, steps: int, out: Path, *, architecture: str, seed: int = 0) -> Path:
     """Our ``Trainer`` with its shipped defaults."""
     from pyspark_safetensors.sae import SAEConfig
@@ -150,7 +135,7 @@ def train_saelens(train: Path, steps: int, out: Path, *, seed: int = 0,
                     "lr_decay_steps": round(c.decay_fraction * steps)}  # fmt: skip
     cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH,
                            **schedule)  # fmt: skip
-    SAETrainer(cfg, sae, batches(train, seed, steps)).fit()
+    SAETrainer(cfg, sae, batches(train, seed, steps, BATCH)).fit()
     sae.save_inference_model(out)
     return out
 

@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .bench_sae_widths import batches
+from .bench_sae_widths import train_sparsify as sparsify_trainer
 from .common import table
 
 N_LATENTS, K, BATCH, EPOCHS, SEEDS = 3072, 32, 4096, 4, (0, 1)
@@ -69,16 +71,6 @@ def _loader(train: Path, seed: int):
                             drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
 
 
-def _batches(train: Path, seed: int, steps: int):
-    loader, done = _loader(train, seed), 0
-    while done < steps:
-        for batch in loader:
-            yield batch["activation"]
-            done += 1
-            if done == steps:
-                return
-
-
 def train_ours(train: Path, val: Path, seed: int, steps: int, out: Path, **overrides) -> Path:
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae.train import Trainer
@@ -96,28 +88,7 @@ def train_ours_adam_defaults(train: Path, val: Path, seed: int, steps: int, out:
 
 
 def train_sparsify(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
-    from schedulefree import ScheduleFreeWrapper
-    from sparsify import SparseCoder, SparseCoderConfig
-    from sparsify.sign_sgd import SignSGD
-
-    torch.manual_seed(seed)
-    sae = SparseCoder(384, SparseCoderConfig(num_latents=N_LATENTS, k=K), device="cpu")
-    lr = 5e-3 / (N_LATENTS / 2**14) ** 0.5  # sparsify's default for its default optimiser
-    opt = ScheduleFreeWrapper(SignSGD([{"params": sae.parameters(), "lr": lr}]), momentum=0.95)
-    opt.train()
-    for step, x in enumerate(_batches(train, seed, steps)):
-        if step == 0:
-            sae.b_dec.data = x.mean(0)
-        sae.set_decoder_norm_to_unit_norm()
-        out_ = sae(x)
-        out_.fvu.backward()
-        sae.remove_gradient_parallel_to_decoder_directions()
-        opt.step()
-        opt.zero_grad()
-    opt.eval()  # ScheduleFree: the averaged weights are the model
-    sae.set_decoder_norm_to_unit_norm()
-    sae.save_to_disk(out)
-    return out
+    return sparsify_trainer(train, N_LATENTS, steps * BATCH, out, seed=seed, batch=BATCH, k=K)
 
 
 def train_saelens(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
@@ -130,7 +101,7 @@ def train_saelens(train: Path, val: Path, seed: int, steps: int, out: Path) -> P
     # the runner config's defaults: lr 3e-4 constant, lr_end = lr / 10 (unused when constant)
     cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH,
                            lr=3e-4, lr_end=3e-5)  # fmt: skip
-    SAETrainer(cfg, sae, iter(_batches(train, seed, steps))).fit()
+    SAETrainer(cfg, sae, batches(train, seed, steps, BATCH)).fit()
     sae.save_inference_model(out)
     return out
 
