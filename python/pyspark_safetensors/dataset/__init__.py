@@ -28,6 +28,7 @@ from .errors import (
 )
 from .index import (
     INDEX_SCHEMA,
+    ShardIndex,
     check_index,
     index_rows,
     index_table,
@@ -87,6 +88,7 @@ __all__ = [
     "RemoteShard",
     "ShardBytes",
     "ShardEntry",
+    "ShardIndex",
     "ShardReader",
     "SpecialFileError",
     "StagedShard",

@@ -112,28 +112,42 @@ def read_index(
     return table
 
 
+class ShardIndex:
+    """A dataset's tensor index, read once, handing out one shard's rows at a time (a
+    reader of several shards reads the file once)."""
+
+    def __init__(self, location: DatasetLocation | str | os.PathLike, manifest: Manifest):
+        location = DatasetLocation.of(location)
+        self.manifest, self.where = manifest, location.display(manifest.index_file)
+        try:
+            self._file = pq.ParquetFile(pa.BufferReader(location.read_bytes(manifest.index_file)))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ManifestError(f"{self.where!r}: not a readable tensor index ({e})") from None
+
+    def rows(self, shard_path: str) -> pa.Table:
+        """The index rows of one shard, checked as ``read_index`` checks them: only the
+        row groups whose ``file_name`` statistics can hold it are decoded."""
+        file = self._file
+        try:
+            column = file.schema_arrow.get_field_index("file_name")
+            groups = []
+            for g in range(file.num_row_groups):
+                stats = file.metadata.row_group(g).column(column).statistics
+                if stats is None or not stats.has_min_max or stats.min <= shard_path <= stats.max:
+                    groups.append(g)
+            table = file.read_row_groups(groups).cast(INDEX_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as e:
+            raise ManifestError(f"{self.where!r}: not a readable tensor index ({e})") from None
+        table = table.filter(pc.equal(table["file_name"], shard_path))
+        check_index(table, self.manifest, self.where)
+        return table
+
+
 def read_shard_index(
     location: DatasetLocation | str | os.PathLike, manifest: Manifest, shard_path: str
 ) -> pa.Table:
-    """The index rows of one shard, checked as ``read_index`` checks them: only the row
-    groups whose ``file_name`` statistics can hold it are decoded."""
-    location = DatasetLocation.of(location)
-    name = manifest.index_file
-    where = location.display(name)
-    try:
-        file = pq.ParquetFile(pa.BufferReader(location.read_bytes(name)))
-        column = file.schema_arrow.get_field_index("file_name")
-        groups = []
-        for g in range(file.num_row_groups):
-            stats = file.metadata.row_group(g).column(column).statistics
-            if stats is None or not stats.has_min_max or stats.min <= shard_path <= stats.max:
-                groups.append(g)
-        table = file.read_row_groups(groups).cast(INDEX_SCHEMA)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as e:
-        raise ManifestError(f"{where!r}: not a readable tensor index ({e})") from None
-    table = table.filter(pc.equal(table["file_name"], shard_path))
-    check_index(table, manifest, where)
-    return table
+    """The index rows of one shard (``ShardIndex.rows``)."""
+    return ShardIndex(location, manifest).rows(shard_path)
 
 
 def shard_columns(rows: pa.Table, data_start: int, where: str) -> HeaderColumns:

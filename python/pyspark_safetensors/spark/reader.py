@@ -38,12 +38,12 @@ from ..dataset import (
     DatasetLocation,
     Manifest,
     ManifestError,
+    ShardIndex,
     load_manifest,
     open_shard,
     open_shard_bytes,
     read_header,
     read_index,
-    read_shard_index,
     shard_columns,
     split_storage_options,
 )
@@ -395,6 +395,11 @@ class SafetensorsReader(DataSourceReader):
         # Spark checks returned batches against the schema's Arrow form, nullability
         # included: a schema declaring not-null fields gets batches cast to it.
         self._cast_to = None if schema == _nullable(schema) else _arrow_schema(schema)
+        self._indexes: dict[int, ShardIndex] = {}
+        """Each source's tensor index, read once in a task (never shipped: see below)."""
+
+    def __getstate__(self):
+        return {**self.__dict__, "_indexes": {}}
 
     @property
     def source(self) -> Source:
@@ -633,7 +638,9 @@ class SafetensorsReader(DataSourceReader):
             return f, file, f.header.columns
         entry = manifest.shards[shard]
         try:
-            rows = read_shard_index(location, manifest, entry.shard_path)
+            if source_index not in self._indexes:  # the index file read once per task
+                self._indexes[source_index] = ShardIndex(location, manifest)
+            rows = self._indexes[source_index].rows(entry.shard_path)
         except ManifestError as e:
             raise ReadError(str(e)) from None
         f = open_shard_bytes(location, entry.shard_path)
