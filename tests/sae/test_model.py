@@ -52,27 +52,36 @@ def test_selection_is_the_dense_top_k():
         )
 
 
-def test_aux_latents_come_from_the_dead_set_with_exact_gradients():
+@pytest.mark.parametrize("aux_rows", [None, 6])
+def test_aux_latents_come_from_the_dead_set_with_exact_gradients(aux_rows):
     sae = _sae()
     x = torch.randn(16, 24)
     dead = torch.zeros(96, dtype=torch.bool)
     dead[::3] = True
-    out = sae(x, dead=dead, k_aux=5)
+    out = sae(x, dead=dead, k_aux=5, aux_rows=aux_rows)
+    rows = aux_rows or 16
+    assert out.aux_values.shape == (rows, 5)
     chosen = out.aux_indices[out.aux_values > 0]
     assert chosen.numel() > 0 and dead[chosen].all()
-    # the dense twin of the aux path: top-5 over dead latents' pre-activations
-    pre = torch.relu((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias)
-    vals, idx = (pre * dead).topk(5, dim=1)
-    dense_e = torch.zeros_like(pre).scatter(1, idx, vals) @ sae.decoder_weight
+
+    def dense_codes():  # the dense twin: top-k of every row, top-5 of the dead of the first rows
+        pre = torch.relu((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias)
+        vals, idx = pre.topk(sae.k, dim=1)
+        aux_vals, aux_idx = (pre[:rows] * dead).topk(5, dim=1)
+        code = torch.zeros_like(pre).scatter(1, idx, vals)
+        return code, torch.zeros_like(pre[:rows]).scatter(1, aux_idx, aux_vals)
+
+    dense_e = dense_codes()[1] @ sae.decoder_weight
     sparse_e = sae.decode_latents(out.aux_values, out.aux_indices)
     torch.testing.assert_close(sparse_e, dense_e, rtol=1e-5, atol=1e-5)
-    sparse = _grads(sae, sparse_e.pow(2).sum())
-    pre = torch.relu((x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias)
-    vals, idx = (pre * dead).topk(5, dim=1)
-    dense = _grads(
-        sae, (torch.zeros_like(pre).scatter(1, idx, vals) @ sae.decoder_weight).pow(2).sum()
-    )
-    for name in ("encoder_weight", "encoder_bias", "decoder_weight"):
+    # the code's and the AuxK code's gradients meet in the encoder's backward
+    target = torch.randn(16, 24)
+    sparse = _grads(sae, (sae.decode_latents(out.values, out.indices) - target).pow(2).sum()
+                    + sparse_e.pow(2).sum())  # fmt: skip
+    code, aux = dense_codes()
+    dense = _grads(sae, (code @ sae.decoder_weight - target).pow(2).sum()
+                   + (aux @ sae.decoder_weight).pow(2).sum())  # fmt: skip
+    for name in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
         torch.testing.assert_close(sparse[name], dense[name], rtol=1e-4, atol=1e-4, msg=name)
 
 

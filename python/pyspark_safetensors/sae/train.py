@@ -161,6 +161,9 @@ class Trainer:
             lr=config.learning_rate,
             betas=config.adam_betas,
             eps=config.adam_eps,
+            # one fused kernel per step: on CPU 6x faster than the per-tensor loop at
+            # 16,384 x 768 (a tenth of a step)
+            fused=self.device.type in ("cpu", "cuda"),
         )
         self.loader = ActivationLoader(
             ds,
@@ -317,15 +320,19 @@ class Trainer:
         dead = self.since_fired >= self.dead_tokens
         n_dead = int(all_reduce(dead.sum(), self.mesh, MODEL).item())
         use_aux = n_dead > 0 and c.aux_coef > 0 and sae.USES_AUX
+        # AuxK on this rank's share of the first aux_rows rows; past n_dead latents its
+        # top-k would only pick zeros
+        aux_rows = -(-c.aux_rows // self.dp) if c.aux_rows else len(x)
         amp = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if c.autocast and self.device.type == "cuda"
             else nullcontext()
         )
         with amp:
-            out = sae(x, k=k, dead=dead if use_aux else None, k_aux=c.aux_k)
+            out = sae(x, k=k, dead=dead if use_aux else None, k_aux=min(c.aux_k, n_dead),
+                      aux_rows=aux_rows)  # fmt: skip
             err = out.x_hat.float() - y
-            residual = -err.detach()  # what the dead latents are asked to explain
+            residual = -err.detach()[:aux_rows]  # what the dead latents are asked to explain
             if use_aux:
                 aux_err = sae.decode_latents(out.aux_values, out.aux_indices).float() - residual
         var_x, var_e, n_tokens = self._global_variances(y, residual)
@@ -383,14 +390,15 @@ class Trainer:
 
     def _global_variances(self, x: torch.Tensor, e: torch.Tensor):
         """Total variance of the global batch ``x`` and of the residual ``e`` (the FVU's and
-        AuxK's normalisers) and the global token count, in one collective."""
+        AuxK's normalisers, each over its own rows) and the global token count, in one
+        collective."""
         stats = torch.cat([x.sum(0), (x * x).sum()[None], e.sum(0), (e * e).sum()[None]]).double()
-        stats = torch.cat([stats, stats.new_tensor([x.shape[0]])])
+        stats = torch.cat([stats, stats.new_tensor([x.shape[0], e.shape[0]])])
         all_reduce(stats, self.mesh, DATA)
         d = x.shape[1]
-        n_tokens = stats[-1]
+        n_tokens, n_aux = stats[-2], stats[-1]
         var_x = stats[d] - stats[:d].pow(2).sum() / n_tokens
-        var_e = stats[2 * d + 1] - stats[d + 1 : 2 * d + 1].pow(2).sum() / n_tokens
+        var_e = stats[2 * d + 1] - stats[d + 1 : 2 * d + 1].pow(2).sum() / n_aux
         return var_x, var_e, n_tokens
 
     def _sync_gradients(self) -> None:
@@ -415,7 +423,10 @@ class Trainer:
         for name, p in self.sae.named_parameters():
             if p.grad is not None:
                 sharded = bool(self.sae.placement(name).dims)
-                squares[sharded] = squares[sharded] + p.grad.double().pow(2).sum()
+                # the norm in the gradient's precision (a float64 copy of each gradient
+                # cost a tenth of a CPU step), its square summed in float64
+                norm = torch.linalg.vector_norm(p.grad).double()
+                squares[sharded] = squares[sharded] + norm * norm
         sharded = all_reduce(squares[True], self.mesh, MODEL)
         replicated = squares[False]
         norm = float((sharded + replicated).sqrt())
@@ -492,7 +503,8 @@ class Trainer:
         for name, st in state["optimizer"].items():
             p, place = by_name[name], self.sae.placement(name)
             self.optimizer.state[p] = {
-                "step": st["step"].clone(),
+                # a fused Adam keeps its step count beside the parameter
+                "step": st["step"].clone().to(p.device if self.optimizer.defaults["fused"] else "cpu"),
                 "exp_avg": place.distribute(st["exp_avg"], self.mesh).to(p).clone(),
                 "exp_avg_sq": place.distribute(st["exp_avg_sq"], self.mesh).to(p).clone(),
             }

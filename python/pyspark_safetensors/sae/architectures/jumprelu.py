@@ -135,8 +135,8 @@ class JumpReLUSAE(SparseAutoencoder):
             values, indices = z.detach().topk(slots, dim=1, sorted=False)
         return values, indices + self.offset
 
-    def forward(self, x: torch.Tensor, *, k=None, dead=None, k_aux: int = 0) -> SAEOutput:
-        """Encode and decode ``x [B, d]`` (``k``, ``dead``, ``k_aux`` are accepted for the
+    def forward(self, x: torch.Tensor, *, k=None, dead=None, k_aux=0, aux_rows=None) -> SAEOutput:
+        """Encode and decode ``x [B, d]`` (``k`` and the AuxK arguments are accepted for the
         trainer's sake and unused: the thresholds decide)."""
         pre = self._pre_activation(x)
         z = _JumpReLU.apply(pre, self.threshold, self.bandwidth)

@@ -21,53 +21,62 @@ from .base import SAEOutput, SparseAutoencoder
 class _TopKEncode(torch.autograd.Function):
     """ReLU(xc @ W.T + b) followed by top-k, with a backward that scatters gradients into the
     k selected latents only (O(B k d) instead of the dense O(B n d)). Optionally also
-    returns the top ``k_aux`` among ``dead`` latents for the AuxK loss, from the same
-    pre-activations."""
+    returns the top ``k_aux`` among ``dead`` latents of the first ``aux_rows`` rows for the
+    AuxK loss, from the same pre-activations."""
 
     @staticmethod
-    def forward(ctx, xc, weight, bias, k, dead, k_aux):
+    def forward(ctx, xc, weight, bias, k, dead, k_aux, aux_rows):
         pre = torch.addmm(bias, xc, weight.t()).relu_()
         vals, idx = pre.topk(k, dim=1, sorted=False)
         if dead is not None:
-            aux_vals, aux_idx = pre.masked_fill_(~dead, 0).topk(k_aux, dim=1, sorted=False)
+            aux = pre[:aux_rows].masked_fill_(~dead, 0)
+            aux_vals, aux_idx = aux.topk(k_aux, dim=1, sorted=False)
         else:
-            aux_vals, aux_idx = vals[:, :0], idx[:, :0]
-        ctx.save_for_backward(
-            xc, weight, torch.cat([idx, aux_idx], 1), torch.cat([vals, aux_vals], 1)
-        )
+            aux_vals, aux_idx = vals[:0, :0], idx[:0, :0]
+        ctx.save_for_backward(xc, weight, idx, vals, aux_idx, aux_vals)
         ctx.mark_non_differentiable(idx, aux_idx)
         return vals, idx, aux_vals, aux_idx
 
     @staticmethod
     def backward(ctx, grad_vals, _gi, grad_aux, _ga):
-        xc, weight, idx, vals = ctx.saved_tensors
-        g = torch.cat([grad_vals, grad_aux], 1) * (vals > 0)  # ReLU: no gradient at zero
+        xc, weight, idx, vals, aux_idx, aux_vals = ctx.saved_tensors
+        g = grad_vals * (vals > 0)  # ReLU: no gradient at zero
+        g_aux = grad_aux * (aux_vals > 0)
         grad_xc = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_xc = F.embedding_bag(
-                idx, weight, per_sample_weights=g.to(weight.dtype), mode="sum"
-            )
-        flat_idx = idx.flatten()
+            grad_xc = F.embedding_bag(idx, weight, per_sample_weights=g.to(weight.dtype),
+                                      mode="sum")  # fmt: skip
+            if aux_idx.numel():
+                grad_xc[: len(aux_idx)] += F.embedding_bag(
+                    aux_idx, weight, per_sample_weights=g_aux.to(weight.dtype), mode="sum"
+                )
+        # every (row, latent, gradient) triple of the code and of the AuxK code
+        flat_idx = torch.cat([idx.flatten(), aux_idx.flatten()])
+        flat_g = torch.cat([g.flatten(), g_aux.flatten()])
         if ctx.needs_input_grad[1]:
-            # grad_W[i] = sum over (b, j) with idx[b, j] == i of g[b, j] * xc[b]: an
-            # embedding-bag over xc whose bags are the latents.
+            # grad_W[i] = sum over the triples (b, i, g) of g * xc[b]: an embedding-bag over
+            # xc whose bags are the latents.
+            rows = torch.cat([
+                torch.arange(idx.shape[0], device=idx.device).repeat_interleave(idx.shape[1]),
+                torch.arange(aux_idx.shape[0], device=idx.device).repeat_interleave(
+                    aux_idx.shape[1]),
+            ])  # fmt: skip
             order = flat_idx.argsort()
             counts = torch.bincount(flat_idx, minlength=weight.shape[0])
             offsets = torch.zeros(weight.shape[0] + 1, dtype=torch.long, device=idx.device)
             torch.cumsum(counts, 0, out=offsets[1:])
-            rows = torch.div(order, idx.shape[1], rounding_mode="floor")
             grad_w = F.embedding_bag(
-                rows,
+                rows[order],
                 xc,
                 offsets,
                 mode="sum",
-                per_sample_weights=g.flatten()[order].to(xc.dtype),
+                per_sample_weights=flat_g[order].to(xc.dtype),
                 include_last_offset=True,
             ).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_b = torch.zeros(weight.shape[0], dtype=g.dtype, device=g.device)
-            grad_b.index_add_(0, flat_idx, g.flatten())
-        return grad_xc, grad_w, grad_b, None, None, None
+            grad_b.index_add_(0, flat_idx, flat_g)
+        return grad_xc, grad_w, grad_b, None, None, None, None
 
 
 class TopKSAE(SparseAutoencoder):
@@ -101,16 +110,18 @@ class TopKSAE(SparseAutoencoder):
         k: int | None = None,
         dead: torch.Tensor | None = None,
         k_aux: int = 0,
+        aux_rows: int | None = None,
     ) -> SAEOutput:
         """Encode and decode ``x [B, d]``. ``dead`` (bool ``[n_local]``) with ``k_aux``
-        also selects the AuxK latents among the dead ones."""
+        also selects the AuxK latents among the dead ones, for the first ``aux_rows`` rows
+        (None: every row; ``aux_values`` and ``aux_indices`` have that many rows)."""
         k = k or self.k
         xc = copy_to_model(self.encoder_input(x), self.mesh)
         use_aux = dead is not None and k_aux > 0
         k_aux = min(k_aux, self.n_local) if use_aux else 0
         vals, idx, aux_vals, aux_idx = _TopKEncode.apply(
             xc, self.encoder_weight, self.encoder_bias, self._candidates(k),
-            dead if use_aux else None, k_aux,
+            dead if use_aux else None, k_aux, len(x) if aux_rows is None else aux_rows,
         )  # fmt: skip
         vals = self._select_code(vals, k)
         idx = idx + self.offset
