@@ -1,16 +1,17 @@
 """SAE quality at equal L0, dictionary size and token budget: our trainer with its shipped
 defaults against EleutherAI sparsify and SAELens with theirs (when installed: the
 ``baselines`` extra), on MiniLM's layer-0 query input for the demo corpus, split by text
-90/10. Every SAE is scored by one evaluator (``sae.evaluate.evaluate_sae``) on the
-held-out texts, and turned into a LUT for the query layer whose relative error is measured
-on the same texts.
+90/10, at 8x and 32x its width (3,072 and 12,288 latents). Every SAE is scored by one
+evaluator (``sae.evaluate.evaluate_sae``) on the held-out texts, and turned into a LUT for
+the query layer whose relative error is measured on the same texts.
 
     python -m benchmarks sae_quality            # SAE_QUALITY_DATA=dataset dir to reuse one
 
 A second table compares transcoders (plain and skip) with sparsify's ``transcode=True``
 (and ``skip_connection=True``) on synthetic MLP-like pairs (``synthetic_pairs``), both
 read through the same pair loader and scored by the same evaluator (FVU of the target),
-and a third a crosscoder over those two hook points against one SAE per hook point at
+at MiniLM's width (``PAIRS``) and at a research width (``RESEARCH_PAIRS``: d = 768,
+16,384 latents, 524,288 tokens), and a third a crosscoder over those two hook points against one SAE per hook point at
 the same total latents::
 
     python -c "from benchmarks.bench_sae_quality import run_transcoders; print(run_transcoders())"
@@ -38,7 +39,10 @@ from .bench_sae_widths import batches
 from .bench_sae_widths import train_sparsify as sparsify_trainer
 from .common import table
 
-N_LATENTS, K, BATCH, EPOCHS, SEEDS = 3072, 32, 4096, 4, (0, 1)
+K, BATCH, EPOCHS, SEEDS = 32, 4096, 4, (0, 1)
+#: MiniLM's 384 dimensions at 8x and 32x: every trainer at the first, the shipped
+#: defaults of each (no ablation rows) at the second.
+WIDTHS = (3072, 12288)
 HOOK = "encoder.layer.0.attention.self.query:input"
 LAYER = "encoder.layer.0.attention.self.query"
 CACHE = Path(__file__).resolve().parent.parent / "out" / "bench_sae_quality"
@@ -71,33 +75,33 @@ def _loader(train: Path, seed: int):
                             drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
 
 
-def train_ours(train: Path, val: Path, seed: int, steps: int, out: Path, **overrides) -> Path:
+def train_ours(train: Path, n: int, seed: int, steps: int, out: Path, **overrides) -> Path:
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae.train import Trainer
 
-    config = SAEConfig(dataset=str(train), n_latents=N_LATENTS, k=K, batch_size=BATCH,
+    config = SAEConfig(dataset=str(train), n_latents=n, k=K, batch_size=BATCH,
                        tokens=steps * BATCH, seed=seed, out_dir=str(out), checkpoints=0,
                        progress=False, log_every=1000, **overrides)  # fmt: skip
     Trainer(config).fit()
     return out / "sae.safetensors"
 
 
-def train_ours_adam_defaults(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
+def train_ours_adam_defaults(train: Path, n: int, seed: int, steps: int, out: Path) -> Path:
     """Ours with Adam's textbook betas (0.9, 0.999), the defaults before (0.8, 0.98)."""
-    return train_ours(train, val, seed, steps, out, adam_betas=(0.9, 0.999))
+    return train_ours(train, n, seed, steps, out, adam_betas=(0.9, 0.999))
 
 
-def train_sparsify(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
-    return sparsify_trainer(train, N_LATENTS, steps * BATCH, out, seed=seed, batch=BATCH, k=K)
+def train_sparsify(train: Path, n: int, seed: int, steps: int, out: Path) -> Path:
+    return sparsify_trainer(train, n, steps * BATCH, out, seed=seed, batch=BATCH, k=K)
 
 
-def train_saelens(train: Path, val: Path, seed: int, steps: int, out: Path) -> Path:
+def train_saelens(train: Path, n: int, seed: int, steps: int, out: Path) -> Path:
     from sae_lens import TopKTrainingSAE, TopKTrainingSAEConfig
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
 
     torch.manual_seed(seed)
-    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=384, d_sae=N_LATENTS, k=K))
+    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=384, d_sae=n, k=K))
     # the runner config's defaults: lr 3e-4 constant, lr_end = lr / 10 (unused when constant)
     cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH,
                            lr=3e-4, lr_end=3e-5)  # fmt: skip
@@ -106,7 +110,7 @@ def train_saelens(train: Path, val: Path, seed: int, steps: int, out: Path) -> P
     return out
 
 
-HEADER = ["trainer", "seed", "held-out FVU", "L0", "dead", "dense (>10 %)", "train tokens/s",
+HEADER = ["trainer", "latents", "seed", "held-out FVU", "L0", "dead", "dense (>10 %)", "train tokens/s",
           "LUT rel. L2"]  # fmt: skip
 TRAINERS = {
     "ours (defaults)": train_ours,
@@ -138,8 +142,10 @@ def lut_error(sae_path: Path, x: torch.Tensor, *, fold: bool = True) -> float:
 # --- transcoders on synthetic pairs -----------------------------------------------------
 
 #: The transcoder comparison's default size: MiniLM's width at 8x, the SAE table's k and
-#: batch, 64 steps.
+#: batch, 64 steps; and a research width, the SAE width sweep's smallest dictionary
+#: (``bench_sae_widths``) over its longer budget.
 PAIRS = dict(d=384, n_latents=3072, k=32, batch=4096, tokens=262_144, val_tokens=16_384)
+RESEARCH_PAIRS = dict(PAIRS, d=768, n_latents=16_384, tokens=524_288)
 
 
 def synthetic_pairs(root: Path, *, d: int, tokens: int, seed: int = 0) -> dict[str, Path]:
@@ -364,30 +370,34 @@ def run() -> str:
     steps = EPOCHS * len(_loader(train, 0))
     x_val = torch.cat(list(held_out_batches(val)))
     rows, missing = [], []
-    for name, fn in TRAINERS.items():
-        if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
-            missing.append(name)
-            continue
-        for seed in SEEDS:
-            with tempfile.TemporaryDirectory() as tmp:
-                started = time.perf_counter()
-                path = fn(train, val, seed, steps, Path(tmp) / "sae")
-                seconds = time.perf_counter() - started
-                sae = load_sae_model(path, k=K)
-                m = evaluate_sae(sae, held_out_batches(val))
-                extra = ""
-                if name.startswith("ours"):
-                    extra = f" (unfolded: {lut_error(path, x_val[:8192], fold=False):.3f})"
-                rows.append([
-                    name, seed, f"{m['fvu']:.4f}", f"{m['l0']:.1f}",
-                    f"{m['dead_fraction']:.1%}", f"{m['dense_fraction']:.1%}",
-                    f"{steps * BATCH / seconds:,.0f}",
-                    f"{lut_error(path, x_val[:8192]):.3f}{extra}",
-                ])  # fmt: skip
-            print(rows[-1], flush=True)
+    for n in WIDTHS:
+        for name, fn in TRAINERS.items():
+            if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+                missing.append(name) if n == WIDTHS[0] else None
+                continue
+            if n != WIDTHS[0] and fn is train_ours_adam_defaults:  # an ablation, at 8x only
+                continue
+            for seed in SEEDS:
+                with tempfile.TemporaryDirectory() as tmp:
+                    started = time.perf_counter()
+                    path = fn(train, n, seed, steps, Path(tmp) / "sae")
+                    seconds = time.perf_counter() - started
+                    sae = load_sae_model(path, k=K)
+                    m = evaluate_sae(sae, held_out_batches(val))
+                    extra = ""
+                    if name.startswith("ours"):
+                        extra = f" (unfolded: {lut_error(path, x_val[:8192], fold=False):.3f})"
+                    rows.append([
+                        name, f"{n:,}", seed, f"{m['fvu']:.4f}", f"{m['l0']:.1f}",
+                        f"{m['dead_fraction']:.1%}", f"{m['dense_fraction']:.1%}",
+                        f"{steps * BATCH / seconds:,.0f}",
+                        f"{lut_error(path, x_val[:8192]):.3f}{extra}",
+                    ])  # fmt: skip
+                print(rows[-1], flush=True)
     note = f" Not installed, so not measured: {', '.join(missing)}." if missing else ""
+    widths = " and ".join(f"{n:,} ({n // 384}x)" for n in WIDTHS)
     return (
-        f"Held-out quality at equal budget: {N_LATENTS} latents, k = {K}, batch {BATCH}, "
+        f"Held-out quality at equal budget: {widths} latents, k = {K}, batch {BATCH}, "
         f"{steps} steps = {steps * BATCH:,} training tokens ({EPOCHS} epochs of the 90 % of "
         f"texts), evaluated on the other {len(x_val):,} tokens (10 % of the texts). "
         f"LUT error: query layer, k = {K}, no compensation, first 8,192 held-out tokens; "
@@ -395,6 +405,8 @@ def run() -> str:
         + table(HEADER, rows)
         + "\n\n"
         + run_transcoders()
+        + "\n\n"
+        + run_transcoders(RESEARCH_PAIRS)
         + "\n\n"
         + run_crosscoders()
     )

@@ -500,11 +500,11 @@ class Trainer:
             )
         self.sae.load_full_state(tensors)
         by_name = dict(self.sae.named_parameters())
+        fused = self.optimizer.defaults["fused"]  # a fused Adam keeps its step beside p
         for name, st in state["optimizer"].items():
             p, place = by_name[name], self.sae.placement(name)
             self.optimizer.state[p] = {
-                # a fused Adam keeps its step count beside the parameter
-                "step": st["step"].clone().to(p.device if self.optimizer.defaults["fused"] else "cpu"),
+                "step": st["step"].clone().to(p.device if fused else "cpu"),
                 "exp_avg": place.distribute(st["exp_avg"], self.mesh).to(p).clone(),
                 "exp_avg_sq": place.distribute(st["exp_avg_sq"], self.mesh).to(p).clone(),
             }
