@@ -326,8 +326,8 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
 
 def test_the_tied_encoder_starts_at_the_least_squares_scale(tmp_path, activations):
     """The encoder starts as the decoder's transpose times the scale that makes the first
-    reconstruction least-squares right: the FVU at it is below the unscaled tied SAE's and
-    below that of any other scale."""
+    reconstruction least-squares right (the FVU at it is below the unscaled tied SAE's and
+    below that of any other scale), and its learning rate is scaled the same."""
     trainer = Trainer(_config(activations, tmp_path / "run", n_latents=384, k=16))
     sae = trainer.sae
     x = next(iter(trainer.loader))["activation"]
@@ -345,6 +345,13 @@ def test_the_tied_encoder_starts_at_the_least_squares_scale(tmp_path, activation
         return float((x_hat - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
 
     assert fvu(scale) < min(fvu(0.8 * scale), fvu(1.25 * scale), 0.8 * fvu(1.0))
+    # the encoder's steps scale with it: Adam's first step moves each weight by the lr
+    assert trainer.encoder_lr_scale == pytest.approx(scale, rel=1e-5)
+    enc, dec = sae.encoder_weight.detach().clone(), sae.decoder_weight.detach().clone()
+    metrics = trainer.train_step(x)
+    enc_step = (sae.encoder_weight.detach() - enc).abs().max()
+    assert float(enc_step) == pytest.approx(metrics["lr"] * scale, rel=1e-3)
+    assert float((sae.decoder_weight.detach() - dec).abs().max()) > 1.5 * float(enc_step)
     transcoder = Trainer(_config(activations, tmp_path / "tc", architecture="transcoder",
                                  target_dataset=str(activations)))  # fmt: skip
     before = transcoder.sae.encoder_weight.detach().clone()

@@ -156,8 +156,12 @@ class Trainer:
         self.device = _device(config.device)
         self.dp = config.data_parallel_size
         self.sae = self._build_sae()
+        encoder = [self.sae.encoder_weight]
+        rest = [p for p in self.sae.parameters() if p is not self.sae.encoder_weight]
+        #: The encoder's learning rate relative to the rest's (``init_encoder_scale``).
+        self.encoder_lr_scale = 1.0
         self.optimizer = torch.optim.Adam(
-            self.sae.parameters(),
+            [{"params": encoder}, {"params": rest}],  # the encoder's group first
             lr=config.learning_rate,
             betas=config.adam_betas,
             eps=config.adam_eps,
@@ -292,7 +296,13 @@ class Trainer:
         d = 128, 4,096 latents and k = 32 the tied SAE's first FVU is above 1, and the
         first steps are spent shrinking it. Scaling the encoder keeps the top-k's choice
         and scales the code, so ``s = <x - b, x_hat - b> / |x_hat - b|^2`` (b the decoder
-        bias) is exact; about 1 / (1 + 2 k ln(n / k) / d) on isotropic data."""
+        bias) is exact; about 1 / (1 + 2 k ln(n / k) / d) on isotropic data.
+
+        The encoder's learning rate is scaled with it: Adam's steps have the same size
+        whatever the weights' scale, so a smaller encoder would move further relative to
+        its size and its latents drift out of the top-k for good (at d = 128, 4,096
+        latents, 256 steps: 8.1 % dead and FVU 0.138 with the unscaled rate, 1.4 % and
+        0.124 with the scaled one)."""
         b = self.sae.decoder_bias.float()
         x = sample.to(self.device, torch.float32)
         x_hat = self.sae(x).x_hat.float()
@@ -301,6 +311,7 @@ class Trainer:
         scale = float(num / den) if float(den) > TINY else 1.0
         if math.isfinite(scale) and scale > 0:
             self.sae.encoder_weight.mul_(scale)
+            self.encoder_lr_scale = scale
         return scale
 
     # --- one step ------------------------------------------------------------------------
@@ -315,8 +326,8 @@ class Trainer:
         y = x if autoencoder else y.to(self.device, torch.float32)
         k = self.k_at(self.step)
         lr = self.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        encoder, rest = self.optimizer.param_groups
+        encoder["lr"], rest["lr"] = lr * self.encoder_lr_scale, lr
         dead = self.since_fired >= self.dead_tokens
         n_dead = int(all_reduce(dead.sum(), self.mesh, MODEL).item())
         use_aux = n_dead > 0 and c.aux_coef > 0 and sae.USES_AUX
@@ -478,6 +489,7 @@ class Trainer:
             "since_fired": LATENTS.gather(self.since_fired, self.mesh).cpu(),
             "fire_count": LATENTS.gather(self.fire_count, self.mesh).cpu(),
             "rng": torch.get_rng_state(),
+            "encoder_lr_scale": self.encoder_lr_scale,
             "buffers": {n: b.detach().cpu().clone() for n, b in self.sae.named_buffers()},
             "config_hash": self.config.config_hash(),
         }
@@ -520,6 +532,7 @@ class Trainer:
             buffers[name].copy_(value)
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.encoder_lr_scale = state.get("encoder_lr_scale", 1.0)  # older runs: unscaled
         torch.set_rng_state(state["rng"])
         self._truncate_metrics()
 
