@@ -320,6 +320,11 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
     assert short.dead_tokens == 256 * 200 // 10
     assert SAEConfig(d=384, n_latents=16384).learning_rate == pytest.approx(2.8e-3)
     assert SAEConfig(d=384, n_latents=4096).learning_rate == pytest.approx(5.6e-3)
+    # a transcoder: half an SAE's, and falling as 1/sqrt(d) above 128 input dimensions
+    tc = dict(architecture="transcoder", n_latents=16384)
+    assert SAEConfig(d=128, **tc).learning_rate == pytest.approx(1.4e-3)
+    assert SAEConfig(d=512, **tc).learning_rate == pytest.approx(0.7e-3)
+    assert SAEConfig(d=64, **tc).learning_rate == pytest.approx(1.4e-3)
     with pytest.warns(UserWarning, match="little room to train: 4 steps, of which 2 warm up"):
         Trainer(_config(activations, tmp_path, warmup_steps=2, tokens=256 * 4))
 

@@ -23,7 +23,8 @@ d = 64, 512 latents, k = 8, 64 steps of 512; held-out FVU of the target):
   48 % of the latents dead; without, 0.30 and 18 % (sparsify: 0.36, 19 %);
 - the default learning rate is half an SAE's (``config.TRANSCODER_LR_SCALE``): 0.28 and
   1.4 % dead at half, 0.30 at the SAE's, 0.39 at a quarter; at d = 128 with 1,024
-  latents 0.38 at half against 0.44 (sparsify 0.52);
+  latents 0.38 at half against 0.44 (sparsify 0.52); above d = 128 it falls further,
+  as 1 / sqrt(d) (``config.TRANSCODER_LR_WIDTH``: at d = 384 0.44 against 0.79);
 - ``skip_weight`` starts at zero, and the trainer starts ``b_enc`` at ``-W_enc mean(x)``
   (``center_encoder``) so that the uncentred input's mean does not bias which latents
   fire.
