@@ -11,8 +11,8 @@ A second table compares transcoders (plain and skip) with sparsify's ``transcode
 (and ``skip_connection=True``) on synthetic MLP-like pairs (``synthetic_pairs``), both
 read through the same pair loader and scored by the same evaluator (FVU of the target),
 at MiniLM's width (``PAIRS``) and at a research width (``RESEARCH_PAIRS``: d = 768,
-16,384 latents, 524,288 tokens), and a third a crosscoder over those two hook points against one SAE per hook point at
-the same total latents::
+16,384 latents, 524,288 tokens), and a third a crosscoder over those two hook points
+against one SAE per hook point at the same total latents::
 
     python -c "from benchmarks.bench_sae_quality import run_transcoders; print(run_transcoders())"
     python -c "from benchmarks.bench_sae_quality import run_crosscoders; print(run_crosscoders())"
@@ -110,8 +110,8 @@ def train_saelens(train: Path, n: int, seed: int, steps: int, out: Path) -> Path
     return out
 
 
-HEADER = ["trainer", "latents", "seed", "held-out FVU", "L0", "dead", "dense (>10 %)", "train tokens/s",
-          "LUT rel. L2"]  # fmt: skip
+HEADER = ["trainer", "latents", "seed", "held-out FVU", "L0", "dead", "dense (>10 %)",
+          "train tokens/s", "LUT rel. L2"]  # fmt: skip
 TRAINERS = {
     "ours (defaults)": train_ours,
     "ours (Adam betas 0.9/0.999, the previous defaults)": train_ours_adam_defaults,
@@ -369,14 +369,12 @@ def run() -> str:
     train, val = split / "train", split / "val"
     steps = EPOCHS * len(_loader(train, 0))
     x_val = torch.cat(list(held_out_batches(val)))
-    rows, missing = [], []
+    missing = [name for name in NEEDS if importlib.util.find_spec(NEEDS[name]) is None]
+    rows = []
     for n in WIDTHS:
         for name, fn in TRAINERS.items():
-            if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
-                missing.append(name) if n == WIDTHS[0] else None
-                continue
-            if n != WIDTHS[0] and fn is train_ours_adam_defaults:  # an ablation, at 8x only
-                continue
+            if name in missing or (n != WIDTHS[0] and fn is train_ours_adam_defaults):
+                continue  # not installed; or the betas' ablation, measured at 8x only
             for seed in SEEDS:
                 with tempfile.TemporaryDirectory() as tmp:
                     started = time.perf_counter()
