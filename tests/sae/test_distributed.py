@@ -206,9 +206,9 @@ def _dp_worker(rank, tmp, name, config):
         half = x.shape[1] // 2
         mine = slice(rank * half, (rank + 1) * half)
         if y is None:
-            trainer.init_decoder_bias(x[0][mine])
+            trainer.init_from_data(x[0][mine])
         else:
-            trainer.init_decoder_bias(y[0][mine], inputs=x[0][mine])
+            trainer.init_from_data(y[0][mine], inputs=x[0][mine])
         metrics = [
             trainer.train_step(x[i][mine], None if y is None else y[i][mine]) for i in range(3)
         ]
@@ -226,9 +226,9 @@ def _one_process_steps(name, activations, tmp_path):
     single = Trainer(_dp_config(name, activations, tmp_path / "run"))
     x, y = _dp_inputs(name)
     if y is None:
-        single.init_decoder_bias(x[0])
+        single.init_from_data(x[0])
     else:
-        single.init_decoder_bias(y[0], inputs=x[0])
+        single.init_from_data(y[0], inputs=x[0])
     return single, [single.train_step(x[i], None if y is None else y[i]) for i in range(3)]
 
 

@@ -51,7 +51,7 @@ def _config(data, out, architecture, **kw):
     base = dict(architecture=architecture, n_latents=96, k=4, batch_size=256, tokens=256 * 30,
                 warmup_steps=2, out_dir=str(out), log_every=5, checkpoints=1,
                 progress=False, plots=False, val_tokens=512)  # fmt: skip
-    if "transcoder" not in architecture:  # transcoders: their own default (half an SAE's)
+    if "transcoder" not in architecture:  # transcoders: the default rate
         base["lr"] = 5e-3
     base |= pairs["transcoder" if "transcoder" in architecture else architecture]
     return SAEConfig(**{**base, **kw})
@@ -80,6 +80,43 @@ def test_a_transcoder_reads_its_input_uncentred_and_writes_the_target_space():
     plain.center_encoder(mean)  # the trainer's start: the inputs' mean pre-activates at 0
     torch.testing.assert_close(mean @ plain.encoder_weight.T + plain.encoder_bias,
                                torch.zeros(40), atol=1e-5, rtol=0)  # fmt: skip
+
+
+def test_a_transcoder_steps_as_if_its_input_were_centred():
+    """Three Adam steps through ``before_update`` / ``after_update`` land where the same
+    steps land for a twin that reads ``x - mean`` (the bias absorbing ``-W mean``): the
+    uncentred file form, trained in the centred parametrisation."""
+    gen = torch.Generator().manual_seed(4)
+    mu = 5 * torch.randn(D_IN, generator=gen)  # an offset far larger than the signal
+    xs = [torch.randn(32, D_IN, generator=gen) + mu for _ in range(4)]
+    ys = [torch.randn(32, D_OUT, generator=gen) for _ in range(3)]
+    t = _perturbed(SkipTranscoderSAE(D_IN, 40, 5, d_out=D_OUT, seed=3))
+    t.center_encoder(mu)
+    with torch.no_grad():  # the twin's centred parameters: b + W mu, b_dec + W_skip mu
+        twin = {n: p.detach().clone() for n, p in t.named_parameters()}
+        twin["encoder_bias"] += twin["encoder_weight"] @ mu
+        twin["decoder_bias"] += twin["skip_weight"] @ mu
+    twin = {n: p.requires_grad_() for n, p in twin.items()}
+
+    def twin_forward(x):
+        c = x - mu
+        z = _dense_code(c @ twin["encoder_weight"].T + twin["encoder_bias"], 5)
+        return z @ twin["decoder_weight"] + twin["decoder_bias"] + c @ twin["skip_weight"].T
+
+    ours = torch.optim.Adam(t.parameters(), lr=0.05)
+    theirs = torch.optim.Adam(twin.values(), lr=0.05)
+    for x, y in zip(xs, ys, strict=False):
+        (t(x).x_hat - y).pow(2).sum().backward()
+        t.before_update()
+        ours.step()
+        t.after_update()
+        ours.zero_grad()
+        (twin_forward(x) - y).pow(2).sum().backward()
+        theirs.step()
+        theirs.zero_grad()
+    with torch.no_grad():
+        torch.testing.assert_close(t(xs[3]).x_hat, twin_forward(xs[3]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(t.encoder_weight, twin["encoder_weight"])
 
 
 def test_a_matryoshka_prefix_decodes_only_its_latents():

@@ -320,11 +320,11 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
     assert short.dead_tokens == 256 * 200 // 10
     assert SAEConfig(d=384, n_latents=16384).learning_rate == pytest.approx(2.8e-3)
     assert SAEConfig(d=384, n_latents=4096).learning_rate == pytest.approx(5.6e-3)
-    # a transcoder: half an SAE's, and falling as 1/sqrt(d) above 128 input dimensions
-    tc = dict(architecture="transcoder", n_latents=16384)
-    assert SAEConfig(d=128, **tc).learning_rate == pytest.approx(1.4e-3)
-    assert SAEConfig(d=512, **tc).learning_rate == pytest.approx(0.7e-3)
-    assert SAEConfig(d=64, **tc).learning_rate == pytest.approx(1.4e-3)
+    # a transcoder's is an SAE's at every input width (it steps about its inputs' mean)
+    for d in (64, 768):
+        assert SAEConfig(d=d, architecture="transcoder", n_latents=4096).learning_rate == (
+            pytest.approx(5.6e-3)
+        )
     with pytest.warns(UserWarning, match="little room to train: 4 steps, of which 2 warm up"):
         Trainer(_config(activations, tmp_path, warmup_steps=2, tokens=256 * 4))
 
@@ -336,7 +336,7 @@ def test_the_tied_encoder_starts_at_the_least_squares_scale(tmp_path, activation
     trainer = Trainer(_config(activations, tmp_path / "run", n_latents=384, k=16))
     sae = trainer.sae
     x = next(iter(trainer.loader))["activation"]
-    trainer.init_decoder_bias(x)
+    trainer.init_from_data(x)
     ratio = sae.encoder_weight.detach() / sae.decoder_weight.detach()
     scale = float(ratio.mean())
     torch.testing.assert_close(ratio, torch.full_like(ratio, scale))  # still tied
@@ -360,8 +360,14 @@ def test_the_tied_encoder_starts_at_the_least_squares_scale(tmp_path, activation
     transcoder = Trainer(_config(activations, tmp_path / "tc", architecture="transcoder",
                                  target_dataset=str(activations)))  # fmt: skip
     before = transcoder.sae.encoder_weight.detach().clone()
-    transcoder.init_decoder_bias(x, inputs=x)
+    transcoder.init_from_data(x, inputs=x)
     assert torch.equal(transcoder.sae.encoder_weight.detach(), before)  # its own init
+    torch.testing.assert_close(transcoder.sae.input_mean, x.mean(0))  # its steps' centre
+    # fine-tuning (init_from) keeps every weight and re-centres the steps on its data
+    kept = {n: p.detach().clone() for n, p in transcoder.sae.named_parameters()}
+    transcoder.init_from_data(x + 1, inputs=x + 1, fine_tune=True)
+    torch.testing.assert_close(transcoder.sae.input_mean, x.mean(0) + 1)
+    assert all(torch.equal(p, kept[n]) for n, p in transcoder.sae.named_parameters())
 
 
 def test_held_out_figures_in_the_log_the_checkpoint_and_the_summary(tmp_path, capsys):

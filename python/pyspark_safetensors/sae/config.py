@@ -43,21 +43,6 @@ Architecture = Literal[
 #: The architectures trained on pairs (x from ``dataset``, y from ``target_dataset``).
 TRANSCODERS = ("transcoder", "skip_transcoder")
 
-#: A transcoder's default learning rate relative to an SAE's. Its decoder rows keep no
-#: unit norm, so a step moves its outputs more; at half the SAE's rate the held-out FVU
-#: of synthetic MLP-like pairs was 0.28 against 0.30 (d = 64, 512 latents) and 0.38
-#: against 0.44 (d = 128, 1,024 latents), a quarter worse again (``sae/architectures/
-#: transcoder.py``).
-TRANSCODER_LR_SCALE = 0.5
-#: Above this input width a transcoder's rate falls further, as ``sqrt(width / d)``: Adam
-#: moves each weight by about the rate whatever its size, and a transcoder's weights
-#: (unit encoder rows, decoder rows of an output's size) are of ~1 / sqrt(d) each. At
-#: d = 384, 3,072 latents, 64 steps of synthetic pairs the held-out FVU was 0.79 with
-#: 28 % of the latents dead at half the SAE's rate, 0.44 with 2 % at this scaling
-#: (sparsify 0.45; skip transcoders 0.72 and 0.56, sparsify 0.82), and 0.92 at the
-#: SAE's rate; at d = 768, 16,384 latents, 524,288 tokens 0.76 and 0.60 (sparsify 0.41).
-TRANSCODER_LR_WIDTH = 128
-
 
 def default_prefixes(n_latents: int, k: int) -> tuple[int, ...]:
     """Matryoshka's default nested prefixes: n/16, n/8, n/4, n/2, n (none below k)."""
@@ -145,8 +130,8 @@ class SAEConfig:
     lr: float = 0.0
     """Adam learning rate; 0 = LR_BASE / sqrt(n_latents / 16384): the dictionary-size
     scaling of Gao et al. and sparsify, with the base measured on real activations
-    (``docs/sae.md``); for a transcoder half that, and less again above 128 input
-    dimensions (``TRANSCODER_LR_SCALE``, ``TRANSCODER_LR_WIDTH``)."""
+    (``docs/sae.md``); a transcoder's too (``sae/architectures/transcoder.py`` says why
+    it needs no rate of its own)."""
     adam_betas: tuple[float, float] = ADAM_BETAS
     adam_eps: float = 6.25e-10
     warmup_fraction: float = 0.05
@@ -308,11 +293,7 @@ class SAEConfig:
 
     @property
     def learning_rate(self) -> float:
-        scale = 1.0
-        if self.architecture in TRANSCODERS:
-            wide = min(1.0, (TRANSCODER_LR_WIDTH / self.d) ** 0.5) if self.d else 1.0
-            scale = TRANSCODER_LR_SCALE * wide
-        return self.lr or scale * LR_BASE / (self.latents / 16384) ** 0.5
+        return self.lr or LR_BASE / (self.latents / 16384) ** 0.5
 
     def dead_window(self, total_tokens: int) -> int:
         """Tokens without firing after which a latent counts as dead."""

@@ -255,17 +255,24 @@ class Trainer:
     # --- initialisation from data ----------------------------------------------------------
 
     @torch.no_grad()
-    def init_decoder_bias(
-        self, sample: torch.Tensor | None = None, inputs: torch.Tensor | None = None
+    def init_from_data(
+        self,
+        sample: torch.Tensor | None = None,
+        inputs: torch.Tensor | None = None,
+        *,
+        fine_tune: bool = False,
     ) -> None:
         """Set ``decoder_bias`` from a sample of the targets (an SAE's: its activations),
-        and a transcoder's ``encoder_bias`` from the inputs' mean (``center_encoder``),
-        each gathered over the data ranks (so every rank computes the same value); then a
-        tied top-k SAE's encoder scale (``init_encoder_scale``) from the first
-        ``ENCODER_SCALE_SAMPLES`` of the sample. ``sample`` / ``inputs``: this rank's rows;
-        None = ``init_samples`` read from the data."""
+        and a transcoder's ``input_mean`` and ``encoder_bias`` from the inputs' mean
+        (``center_encoder``), each gathered over the data ranks (so every rank computes
+        the same value); then a tied top-k SAE's encoder scale (``init_encoder_scale``)
+        from the first ``ENCODER_SCALE_SAMPLES`` of the sample. ``sample`` / ``inputs``:
+        this rank's rows; None = ``init_samples`` read from the data. ``fine_tune`` (an
+        ``init_from`` run): only a transcoder's ``input_mean``, its weights kept."""
         c = self.config
         centers = isinstance(self.sae, TranscoderSAE)
+        if fine_tune and not centers:
+            return
         if sample is None:
             rows = min(len(self.dataset), max(c.init_samples // self.dp, 1))
             rng = np.random.default_rng([c.seed, mesh_rank(self.mesh, DATA)])
@@ -273,7 +280,12 @@ class Trainer:
             inputs, sample = self.source.pair(self.loader.batches.read_batch(idx))
         if centers and inputs is not None:
             x = all_gather_cat(inputs.to(self.device, torch.float32), self.mesh, DATA)
-            self.sae.center_encoder(x.mean(0))
+            if fine_tune:
+                self.sae.input_mean.copy_(x.mean(0))
+            else:
+                self.sae.center_encoder(x.mean(0))
+        if fine_tune:
+            return
         sample = all_gather_cat(sample.to(self.device, torch.float32), self.mesh, DATA)
         if c.b_dec_init != "zeros":
             median = c.b_dec_init == "geometric_median"
@@ -363,7 +375,7 @@ class Trainer:
         sparsity = sae.sparsity_loss(out)
         if sparsity is not None:
             loss = loss + sparsity
-        sae.after_step()
+        sae.after_forward()
         l0 = (out.values > 0).sum()
         totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double(),
                               recon_sq.detach().double()])  # fmt: skip
@@ -376,10 +388,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._sync_gradients()
-        sae.remove_parallel_gradient()
+        sae.before_update()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
-        sae.normalize_decoder()
+        sae.after_update()
         self._track_firing(out.values, out.indices, int(n_tokens))
         self.step += 1
         self.tokens_seen += int(n_tokens)
@@ -616,8 +628,8 @@ class Trainer:
             (self.out_dir / "config.json").write_text(
                 json.dumps(c.to_dict(), indent=2, sort_keys=True) + "\n"
             )
-        if self.step == 0 and not c.init_from:
-            self.init_decoder_bias()
+        if self.step == 0:
+            self.init_from_data(fine_tune=bool(c.init_from))
         bar = _progress(self.total_steps, self.step, enabled=main and c.progress)
         sinks = MetricSinks(c.log_to, self.out_dir, c.to_dict()) if main and c.log_to else None
         ckpt_steps = self.checkpoint_steps()

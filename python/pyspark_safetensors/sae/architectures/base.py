@@ -9,7 +9,8 @@ another hook point's activations) and shares the LUT spec's four tensors
 on dim 0 (``PLACEMENT``) and ``decoder_bias`` is replicated. An architecture differs in
 how it picks the code from the pre-activations ``W_enc (x - b_dec) + b_enc`` (an SAE;
 a transcoder reads ``x`` uncentred) (``forward``), in what it adds to the trainer's loss
-(``sparsity_loss``), in what it updates after a step (``after_step``), in the tensors
+(``sparsity_loss``), in what it updates after a forward (``after_forward``) and around
+the optimizer's step (``before_update``, ``after_update``), in the tensors
 it adds to a checkpoint (``EXTRA_TENSORS``), and in whether the LUT's per-row top-k
 reproduces its code (``LUT_REFUSAL``).
 
@@ -182,9 +183,20 @@ class SparseAutoencoder(nn.Module):
         Collective on every rank when it is not None."""
         return None
 
-    def after_step(self) -> None:
+    def after_forward(self) -> None:
         """Called by the trainer after each forward of a training step (collective on every
         rank when the architecture keeps batch statistics)."""
+
+    def before_update(self) -> None:
+        """Called by the trainer once the gradients are averaged over "data", before they
+        are clipped and the optimizer steps: an SAE drops the decoder gradient's part along
+        each unit row (``remove_parallel_gradient``)."""
+        self.remove_parallel_gradient()
+
+    def after_update(self) -> None:
+        """Called by the trainer after the optimizer's step: an SAE's decoder rows go back
+        to unit norm (``normalize_decoder``)."""
+        self.normalize_decoder()
 
     def evaluation_parts(
         self, out: SAEOutput, y: torch.Tensor

@@ -41,7 +41,7 @@ class BatchTopKSAE(TopKSAE):
         return vals * (vals >= cut)
 
     @torch.no_grad()
-    def after_step(self) -> None:
+    def after_forward(self) -> None:
         """The inference threshold: a 10-step EMA of the smallest value each training
         batch kept, averaged over the data ranks."""
         if self.last_threshold is None:
