@@ -245,8 +245,8 @@ def body(steps: int, names: list[str]) -> str:
         f"buys. SAELens' inference threshold is a running average (rate 0.01, from 0) of the "
         f"smallest kept activation, so after a short run it lies below its target and the "
         f"held-out L0 exceeds k; its AuxK starts on latents dead for 1,000 steps "
-        f"(`dead_feature_window`), longer than these runs. Train tokens/s: the whole training call on a shared machine (2 cores, "
-        f"niced, other jobs running), a rough figure. Rows are kept across runs "
+        f"(`dead_feature_window`), longer than these runs. Train tokens/s: the whole "
+        f"training call (2 cores, no other job running). Rows are kept across runs "
         f"(`results.json` beside the data).\n\n" + table(header, rows)
     )
 
