@@ -17,9 +17,9 @@ def _step(sae, opt, x, dense: bool) -> float:
     x_hat = dense_reference(sae, x) if dense else sae(x).x_hat
     loss = (x_hat - x).pow(2).sum() / x.shape[0]
     loss.backward()
-    sae.remove_parallel_gradient()
+    sae.before_update()
     opt.step()
-    sae.normalize_decoder()
+    sae.after_update()
     return float(loss.detach())
 
 

@@ -74,12 +74,6 @@ class TranscoderSAE(TopKSAE):
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.encoder_weight.dtype)
 
-    def normalize_decoder(self) -> None:
-        """Nothing: a transcoder's decoder rows keep their own norms (module docstring)."""
-
-    def remove_parallel_gradient(self) -> None:
-        """Nothing: no unit-norm constraint to keep."""
-
     @torch.no_grad()
     def center_encoder(self, mean_x: torch.Tensor) -> None:
         """Record ``mean(x)`` as ``input_mean`` and set ``b_enc = -W_enc mean(x)``: the
@@ -95,7 +89,8 @@ class TranscoderSAE(TopKSAE):
     @torch.no_grad()
     def before_update(self) -> None:
         """Turn each weight's gradient into its gradient about ``input_mean``:
-        ``g_W (x - mu) = g_W x - g_b mu``, and remember ``W mu`` for ``after_update``."""
+        ``g_W (x - mu) = g_W x - g_b mu``, and remember ``W mu`` for ``after_update`` (in
+        place of an SAE's unit-norm hooks: a transcoder's decoder rows keep their norms)."""
         mu = self.input_mean
         self._shifts = []
         for w, b in self._centred_pairs():
