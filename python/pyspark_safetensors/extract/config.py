@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .model import ExtractionError
+from .model import ExtractionError, parse_layers
 
 SHORTEST_SECONDS = 1e-9
 """A duration too short to measure counts as this, so rates stay finite."""
@@ -39,6 +39,13 @@ class ExtractConfig:
     hooks: tuple[str, ...] = DEFAULT_HOOKS
     """Module globs with ":input" (the input of e.g. a linear layer) or ":output". An
     image corpus left with this default takes every transformer block's output."""
+    mlp_layers: str = ""
+    """Also every named block's MLP input and output, found in the model whatever its
+    family calls them (``model.layers.{i}.mlp``, ``transformer.h.{i}.mlp``, BERT's
+    ``intermediate`` ... ``output.dense``; ``model.MLP_MODULES``): "all", a layer "3", a
+    range "0-11" (inclusive) or a comma list "0-3,8"; empty = none. ``hooks`` left at
+    their default are dropped (only the MLPs are extracted). Their datasets are row-aligned
+    with every other hook point's, as always: the cross-layer transcoder's training data."""
     max_length: int = 128
     """Tokens per model input, special tokens included; 0 = the model's context (the
     job records the number it resolved)."""
@@ -105,6 +112,10 @@ class ExtractConfig:
             object.__setattr__(self, "model_dir", "")
         if self.bad_images not in ("skip", "fail"):
             raise ExtractionError(f"bad_images must be 'skip' or 'fail', got {self.bad_images!r}")
+        if self.mlp_layers:
+            parse_layers(self.mlp_layers)  # the syntax now; the model's layers at planning
+            if tuple(self.hooks) == DEFAULT_HOOKS:
+                object.__setattr__(self, "hooks", ())
         if self.images and self.corpus != "demo":
             raise ExtractionError(
                 f"corpus {self.corpus!r} and images {self.images!r}: give one of them"
@@ -172,5 +183,7 @@ def config_hash(config: ExtractConfig, model_hash: str, corpus_hash: str = "") -
     body.pop("max_patches_per_shard")
     if not body["partition_by_hook"]:  # the default layout hashes as it always has
         body.pop("partition_by_hook")
+    if not body["mlp_layers"]:  # so does an extraction of named hook points only
+        body.pop("mlp_layers")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

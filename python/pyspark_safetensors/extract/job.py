@@ -59,7 +59,7 @@ from .corpus import (
     numbered_demo,
 )
 from .images import IMAGE_COLUMNS, aligned_partitions, load_images, number_images
-from .model import ExtractionError, Hook, ModelSource, resolve_model, weights_hash
+from .model import ExtractionError, Hook, MlpBlock, ModelSource, resolve_model, weights_hash
 from .outputs import (
     ExtractionOutput,
     SampleRows,
@@ -99,6 +99,20 @@ class _ModelPlan:
     """Whether the tokenizer puts a BOS token before every text."""
     image_tokens: ImageTokens | None = None
     """A vision model's token layout (an image corpus)."""
+    mlp_blocks: tuple[MlpBlock, ...] = ()
+    """The MLP blocks ``mlp_layers`` named, in layer order."""
+
+    def hook_metadata(self) -> dict[str, dict[str, str]]:
+        """What a hook point's dataset records beyond the extraction's metadata: an MLP's
+        input or output says its layer (``mlp_layer``) and, where one module is the whole
+        MLP, that module (``mlp_block``)."""
+        extra: dict[str, dict[str, str]] = {}
+        for block in self.mlp_blocks:
+            tags = {"mlp_layer": str(block.layer)}
+            if block.module:
+                tags["mlp_block"] = block.module
+            extra[block.input.name] = extra[block.output.name] = tags
+        return extra
 
 
 @dataclass(frozen=True)
@@ -275,9 +289,13 @@ def _plan_model(
         if refusal:
             raise ExtractionError(refusal)
     image = ImageTokens.from_dict(doc["image"]) if "image" in doc else None
+    mlps = tuple(
+        MlpBlock(layer, Hook(read, "input"), Hook(write, "output"))
+        for layer, read, write in doc["mlp_blocks"]
+    )
     return _ModelPlan(
         source, hooks, widths, weights_hash(source.path), doc["max_length"], doc["bos_added"],
-        image,
+        image, mlps,
     )  # fmt: skip
 
 
@@ -363,7 +381,7 @@ class _Extraction:
         rows = SampleRows(
             None, self.plan.hooks, dict(self.plan.widths), self.config.dtype,
             self.config.max_length, self.config.rows_per_shard, self._base_metadata(),
-            self.storage_options, self.plan.image_tokens,
+            self.storage_options, self.plan.image_tokens, self.plan.hook_metadata(),
         )  # fmt: skip
         texts = self.corpus.rows
         if self.plan.image_tokens is not None:  # partitions on the outputs' multiples
@@ -487,6 +505,7 @@ class _Extraction:
                 }
                 for h in self.plan.hooks
             },
+            **({"mlp_blocks": self._mlp_doc()} if self.plan.mlp_blocks else {}),
             "modality": self.config.modality,
             **(self._image_doc() if self.plan.image_tokens is not None else {}),
             "summary": {
@@ -498,6 +517,20 @@ class _Extraction:
                 "tokens_per_s": summary.tokens_per_s,
             },
         }
+
+    def _mlp_doc(self) -> list[dict]:
+        """The MLP blocks ``mlp_layers`` named, in layer order: each one's layer, module
+        (null where the MLP is spread over modules), hook points and datasets."""
+        dataset = {h.name: token_dataset_name(h, self.config.partition_by_hook)
+                   for h in self.plan.hooks}  # fmt: skip
+        return [
+            {
+                "layer": b.layer, "block": b.module or None,
+                "input": b.input.name, "output": b.output.name,
+                "input_dataset": dataset[b.input.name], "output_dataset": dataset[b.output.name],
+            }
+            for b in self.plan.mlp_blocks
+        ]  # fmt: skip
 
     def _image_doc(self) -> dict:
         """What an image extraction adds to ``extraction.json``: the token layout and the

@@ -220,6 +220,148 @@ def resolve_hooks(model: torch.nn.Module, patterns: list[str]) -> list[Hook]:
     return hooks
 
 
+MLP_MODULES = (
+    ("mlp", "mlp"),
+    ("feed_forward", "feed_forward"),
+    ("block_sparse_moe", "block_sparse_moe"),
+    ("ffn", "ffn"),
+    ("intermediate", "output.dense"),
+    ("fc1", "fc2"),
+)
+"""Where a transformer block keeps its MLP, in the order tried: (the module whose input is
+the MLP's input, the module whose output is its output), relative to the block. One
+module that is the whole MLP: ``mlp`` (Llama, Mistral, Mixtral, Qwen, Gemma, GPT-2,
+GPT-NeoX, GPT-J, Falcon, Bloom, Phi, and the vision towers of CLIP, SigLIP, DINOv2),
+``feed_forward`` (Llama 4, Jamba), ``block_sparse_moe`` (Mixtral before transformers 5),
+``ffn`` (DistilBERT); or the two ends of an MLP spread over modules: BERT, RoBERTa, MiniLM
+and ViT (``intermediate`` reads it, ``output.dense`` writes it, before the dropout,
+residual sum and LayerNorm of ``output``), OPT and BART (``fc1``, ``fc2``)."""
+
+
+@dataclass(frozen=True)
+class MlpBlock:
+    """One transformer block's MLP: the hook points of its input and its output."""
+
+    layer: int
+    """The block's index in the model's stack of blocks (``model.layers.{layer}``)."""
+    input: Hook
+    output: Hook
+
+    @property
+    def module(self) -> str:
+        """The module that is the whole MLP (``model.layers.3.mlp``); "" where the MLP is
+        spread over modules (BERT's ``intermediate`` ... ``output.dense``)."""
+        return self.input.module if self.input.module == self.output.module else ""
+
+
+def parse_layers(spec: str) -> tuple[int, ...] | None:
+    """The layers an ``mlp_layers`` value names: None for "all", else ascending indices
+    from a comma list of ``N`` and inclusive ranges ``A-B`` ("0-11", "3", "0-3,8")."""
+    text = spec.strip()
+    if text == "all":
+        return None
+    layers: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if sep else first)
+        except ValueError:
+            raise ExtractionError(
+                f"mlp_layers {spec!r}: {part.strip()!r} is neither a layer number N nor a "
+                "range A-B; write e.g. 'all', '0-11' or '0-3,8'"
+            ) from None
+        if low < 0 or high < low:
+            raise ExtractionError(
+                f"mlp_layers {spec!r}: {part.strip()!r} is no range of layers (A-B needs "
+                "0 <= A <= B)"
+            )
+        layers.update(range(low, high + 1))
+    return tuple(sorted(layers))
+
+
+def _block_mlp(block) -> tuple[str, str] | None:
+    """The first ``MLP_MODULES`` pair both of whose modules ``block`` has, or None."""
+    for pair in MLP_MODULES:
+        try:
+            for path in pair:
+                block.get_submodule(path)
+        except AttributeError:
+            continue
+        return pair
+    return None
+
+
+def mlp_blocks(model: torch.nn.Module) -> list[MlpBlock]:
+    """Every transformer block's MLP, in layer order. The blocks are the children of the
+    model's stack: the ``nn.ModuleList`` each of whose children has an MLP where
+    ``MLP_MODULES`` says (a list inside one, such as an MoE's experts, does not count). A
+    model with no such stack (Mamba's blocks have none; T5's is nested in another list)
+    or with several (an encoder-decoder) is refused: name its hook points instead."""
+    import torch
+
+    stacks: dict[str, list[MlpBlock]] = {}
+    lists = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or not len(module):
+            continue
+        lists.append((name, module))
+        if any(name.startswith(f"{s}.") for s in stacks):
+            continue
+        pairs = [_block_mlp(block) for block in module]
+        if all(pairs):
+            stacks[name] = [
+                MlpBlock(i, Hook(f"{name}.{i}.{p[0]}", "input"), Hook(f"{name}.{i}.{p[1]}", "output"))
+                for i, p in enumerate(pairs)
+            ]  # fmt: skip
+    kind = type(model).__name__
+    if len(stacks) > 1:
+        raise ExtractionError(
+            f"{kind}: several stacks of blocks with MLPs ({', '.join(stacks)}): name the hook "
+            "points in hooks instead of mlp_layers"
+        )
+    if not stacks:
+        seen = "; ".join(
+            f"{name}.0 holds {', '.join(n for n, _ in m[0].named_children()) or 'nothing'}"
+            for name, m in lists[:3]
+        )  # fmt: skip
+        known = ", ".join(dict.fromkeys(p for pair in MLP_MODULES for p in pair))
+        raise ExtractionError(
+            f"{kind}: no MLP module found in its blocks ({seen or 'no nn.ModuleList of blocks'}"
+            f"; an MLP is one of: {known}): name the hook points in hooks instead of mlp_layers"
+        )
+    return next(iter(stacks.values()))
+
+
+def select_mlp_blocks(model: torch.nn.Module, spec: str) -> list[MlpBlock]:
+    """The MLP blocks ``spec`` (an ``mlp_layers`` value) names, in layer order; a layer
+    the model does not have is an error saying which it has."""
+    blocks = mlp_blocks(model)
+    wanted = parse_layers(spec)
+    if wanted is None:
+        return blocks
+    missing = [layer for layer in wanted if layer >= len(blocks)]
+    if missing:
+        raise ExtractionError(
+            f"mlp_layers {spec!r}: layer {missing[0]} does not exist; {type(model).__name__} "
+            f"has {len(blocks)} blocks with an MLP (layers 0-{len(blocks) - 1})"
+        )
+    return [blocks[layer] for layer in wanted]
+
+
+def hook_points(
+    model: torch.nn.Module, patterns: list[str], mlp_layers: str = ""
+) -> tuple[list[Hook], list[MlpBlock]]:
+    """(hooks, MLP blocks): ``patterns`` resolved (``resolve_hooks``), then the input and
+    output of each MLP block ``mlp_layers`` names, layer by layer (once each)."""
+    hooks = resolve_hooks(model, patterns)
+    blocks = select_mlp_blocks(model, mlp_layers) if mlp_layers else []
+    for block in blocks:
+        hooks += [h for h in (block.input, block.output) if h not in hooks]
+    if not hooks:
+        raise ExtractionError("no hook points: give hooks, mlp_layers or both")
+    return hooks, blocks
+
+
 def is_causal_lm(model_dir: str | os.PathLike) -> bool:
     """Whether the directory's ``config.json`` names a causal language model class
     (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...) among its ``architectures``."""
@@ -315,7 +457,8 @@ class Extractor:
     BOS token's activations where the tokenizer adds one (Llama's does); by default they
     are dropped, as SAE training data usually drops them: a BOS position's activations are
     the same in every input and, in a trained LM's residual stream, often many times the
-    norm of the other tokens'.
+    norm of the other tokens'. ``mlp_layers`` ("all", "0-11", "0-3,8"; empty: none) adds
+    the input and output of those blocks' MLPs to ``hooks`` (``mlp_blocks``: which).
 
     A batch is padded on the tokenizer's ``padding_side`` with its pad token (a tokenizer
     without one, as Llama's and GPT-2's, pads with EOS or id 0: the attention mask hides
@@ -334,6 +477,7 @@ class Extractor:
         long_texts: str = "window",
         threads: int = 0,
         keep_bos: bool = False,
+        mlp_layers: str = "",
     ):
         if dtype not in ("F16", "BF16", "F32"):
             raise ExtractionError(f"dtype must be F16, BF16 or F32, got {dtype!r}")
@@ -350,7 +494,7 @@ class Extractor:
             raise ExtractionError(
                 f"max_length {max_length} outside 3..{limit} (the model's context)"
             )
-        self.hooks = resolve_hooks(self.model, hooks)
+        self.hooks, self.mlp_blocks = hook_points(self.model, hooks, mlp_layers)
         self.max_length, self.batch_size = max_length, batch_size
         self.dtype, self.long_texts = dtype, long_texts
         self.drop_bos = not keep_bos and bos_added(self.tokenizer)

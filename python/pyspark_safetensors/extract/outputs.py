@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -64,6 +64,9 @@ class SampleRows:
     sample rows are one per image (``sample_id`` = ``image_id``, ``seq_len`` = every
     token, ``source`` its path) with ``images.IMAGE_COLUMNS``, and each task's rows are
     a contiguous range of image_id in order."""
+    hook_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    """What a hook point's token dataset records beyond ``metadata``, by hook name (an
+    MLP's input or output: ``mlp_layer``, ``mlp_block``)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,17 @@ def partition_multiple(outputs, rows: SampleRows) -> int:
     return multiple
 
 
+TOKEN_INDEX_BYTES = 16
+"""Bytes of a text token's row beside its activation: ``sample_id`` (int64), ``token_pos``
+and ``window`` (int32)."""
+
+
+def token_row_bytes(width: int, dtype: str) -> int:
+    """Bytes of one row of a text extraction's token-level dataset (shard headers aside,
+    under a kilobyte each): the activation and ``TOKEN_INDEX_BYTES``."""
+    return width * get_dtype(dtype).itemsize + TOKEN_INDEX_BYTES
+
+
 def token_dataset_name(hook: Hook, partitioned: bool = False) -> str:
     """Where a hook point's token-level dataset is: its own dataset, or its partition of
     the one dataset partitioned by hook point (``partition_by_hook``)."""
@@ -181,7 +195,8 @@ class SafetensorsDatasets:
                 *(_image_token_fields() if rows.image_tokens else ()),
             ])  # fmt: skip
             for hook in rows.hooks:
-                metadata = {"hook_point": hook.name, "d_model": str(rows.widths[hook.name])}
+                metadata = {"hook_point": hook.name, "d_model": str(rows.widths[hook.name]),
+                            **rows.hook_metadata.get(hook.name, {})}  # fmt: skip
                 if rows.image_tokens:
                     metadata.update(token_kinds=json.dumps(TOKEN_KINDS),
                                     layer=str(hook_layer(hook.name)))  # fmt: skip

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import ExtractionError, _collector_paused, capture_hooks, resolve_hooks, stored
+from .model import ExtractionError, _collector_paused, capture_hooks, hook_points, stored
 
 TOKEN_KINDS = ("cls", "register", "patch")
 """``token_kind`` codes of the token-level datasets: the index in this tuple (a dataset's
@@ -198,7 +198,8 @@ def _vision_config(model):
 
 class VisionExtractor:
     """Runs a vision model on batches of images and captures the hooks' activations:
-    every token of every image (``layout``: CLS, registers, patches)."""
+    every token of every image (``layout``: CLS, registers, patches). ``mlp_layers``: as
+    ``Extractor``'s, inside the tower."""
 
     def __init__(
         self,
@@ -208,6 +209,7 @@ class VisionExtractor:
         batch_size: int = 32,
         dtype: str = "F16",
         threads: int = 0,
+        mlp_layers: str = "",
     ):
         if dtype not in ("F16", "BF16", "F32"):
             raise ExtractionError(f"dtype must be F16, BF16 or F32, got {dtype!r}")
@@ -220,7 +222,7 @@ class VisionExtractor:
 
         if tuple(hooks) == DEFAULT_HOOKS:  # the text default: every block's output instead
             hooks = block_outputs(self.tower)
-        self.hooks = resolve_hooks(self.tower, hooks)
+        self.hooks, self.mlp_blocks = hook_points(self.tower, hooks, mlp_layers)
         self.batch_size, self.dtype = batch_size, dtype
         self._captured = capture_hooks(self.tower, self.hooks)
         self._denormalise = self._pixel_inverse()

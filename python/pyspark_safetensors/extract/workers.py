@@ -64,7 +64,8 @@ def plan_fn(model: ModelSource, config: ExtractConfig, threads: int):
     """The function ``mapInArrow`` runs to plan an extraction: it loads the model as the
     model stage will (``threads`` torch threads; kept loaded in the worker for it) and
     returns one ``MODEL_PLAN_SCHEMA`` row: ``hooks`` ([module, where] pairs), ``widths``
-    (by hook name), ``max_length``, ``bos_added``. A bad model or hook point comes back as
+    (by hook name), ``mlp_blocks`` ([layer, input module, output module] of each MLP
+    ``mlp_layers`` named), ``max_length``, ``bos_added``. A bad model or hook point comes back as
     ``{"error": message}``, for the driver to raise as the ExtractionError it is."""
 
     def plan(batches):
@@ -75,6 +76,9 @@ def plan_fn(model: ModelSource, config: ExtractConfig, threads: int):
             doc = {
                 "hooks": [[h.module, h.where] for h in extractor.hooks],
                 "widths": extractor.widths(),
+                "mlp_blocks": [
+                    [b.layer, b.input.module, b.output.module] for b in extractor.mlp_blocks
+                ],
             }
             if config.modality == "image":
                 layout = extractor.layout
@@ -229,7 +233,7 @@ def extractor_for(model_dir: str, config: ExtractConfig, threads: int = 0):
 
         return VisionExtractor(
             model_dir, list(config.hooks), batch_size=config.batch_size, dtype=config.dtype,
-            threads=threads,
+            threads=threads, mlp_layers=config.mlp_layers,
         )  # fmt: skip
     return Extractor(
         model_dir,
@@ -240,6 +244,7 @@ def extractor_for(model_dir: str, config: ExtractConfig, threads: int = 0):
         long_texts=config.long_texts,
         threads=threads,
         keep_bos=config.keep_bos,
+        mlp_layers=config.mlp_layers,
     )
 
 
@@ -251,7 +256,7 @@ def _cached_extractor(model_dir: str, config: ExtractConfig, threads: int):
     while the next extraction asks for the same model the same way (the fields the
     extractor reads; not the corpus or the outputs)."""
     key = (model_dir, threads, config.modality, config.hooks, config.batch_size, config.dtype,
-           config.max_length, config.long_texts, config.keep_bos)  # fmt: skip
+           config.max_length, config.long_texts, config.keep_bos, config.mlp_layers)  # fmt: skip
     if key not in _EXTRACTORS:
         _EXTRACTORS.clear()
         _EXTRACTORS[key] = extractor_for(model_dir, config, threads)
