@@ -231,11 +231,12 @@ MLP_MODULES = (
 """Where a transformer block keeps its MLP, in the order tried: (the module whose input is
 the MLP's input, the module whose output is its output), relative to the block. One
 module that is the whole MLP: ``mlp`` (Llama, Mistral, Mixtral, Qwen, Gemma, GPT-2,
-GPT-NeoX, GPT-J, Falcon, Bloom, Phi, and the vision towers of CLIP, SigLIP, DINOv2),
+GPT-NeoX, GPT-J, Falcon, Bloom, Phi, ViT, and the vision towers of CLIP, SigLIP, DINOv2),
 ``feed_forward`` (Llama 4, Jamba), ``block_sparse_moe`` (Mixtral before transformers 5),
 ``ffn`` (DistilBERT); or the two ends of an MLP spread over modules: BERT, RoBERTa, MiniLM
-and ViT (``intermediate`` reads it, ``output.dense`` writes it, before the dropout,
-residual sum and LayerNorm of ``output``), OPT and BART (``fc1``, ``fc2``)."""
+and ViT before transformers 5 (``intermediate`` reads it, ``output.dense`` writes it,
+before the dropout, residual sum and LayerNorm of ``output``), OPT and BART (``fc1``,
+``fc2``)."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,8 @@ def mlp_blocks(model: torch.nn.Module) -> list[MlpBlock]:
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or not len(module):
             continue
-        lists.append((name, module))
+        if not any(name.startswith(f"{outer}.") for outer, _ in lists):
+            lists.append((name, module))  # the outermost lists: what the refusal names
         if any(name.startswith(f"{s}.") for s in stacks):
             continue
         pairs = [_block_mlp(block) for block in module]
