@@ -88,6 +88,13 @@ class SafetensorsDataset(torch.utils.data.Dataset):
     def root(self) -> DatasetLocation:
         return self.location
 
+    def grown(self, manifest: Manifest) -> SafetensorsDataset:
+        """This dataset at a later commit ``manifest`` (an append: its shards are these
+        and more), keeping the shards already opened."""
+        ds = SafetensorsDataset(self.location, manifest)
+        ds._shards, ds.checksums = self._shards, self.checksums
+        return ds
+
     # -- facts
 
     @property

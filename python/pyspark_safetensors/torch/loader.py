@@ -166,6 +166,28 @@ def _summary(counts: list[int]) -> str:
     return str(counts) if len(counts) <= 4 else f"[{counts[0]}, {counts[1]}, ..., {counts[-1]}]"
 
 
+def read_batch(
+    dataset, columns: list[str], indices: np.ndarray, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """``{column: tensor [len(indices), ...]}`` of the rows at global ``indices`` of a
+    batch-mode dataset (or ``AlignedDatasets``), floating tensors converted to ``dtype``
+    (None: kept as stored)."""
+    shard_of = np.searchsorted(np.asarray(dataset.starts), indices, side="right") - 1
+    out = {}
+    for column in columns:
+        col = dataset.manifest.schema[column]
+        pieces = np.empty((len(indices), *col.sample_shape), dtype=get_dtype(col.dtype).numpy)
+        for shard in np.unique(shard_of):
+            sel = np.flatnonzero(shard_of == shard)
+            rows = indices[sel] - dataset.starts[shard]
+            pieces[sel] = dataset.read_rows(int(shard), column, rows)
+        t = as_torch(pieces, col.dtype)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        out[column] = t
+    return out
+
+
 class ShuffledBatches(torch.utils.data.IterableDataset):
     """Batches ``{column: tensor [B, ...]}`` for one consumer; use inside a DataLoader
     (``batch_size=None``) or iterate directly."""
@@ -260,21 +282,7 @@ class ShuffledBatches(torch.utils.data.IterableDataset):
     # -- reading
 
     def read_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        ds = self.dataset
-        shard_of = np.searchsorted(np.asarray(ds.starts), indices, side="right") - 1
-        out = {}
-        for column in self.columns:
-            col = ds.manifest.schema[column]
-            pieces = np.empty((len(indices), *col.sample_shape), dtype=get_dtype(col.dtype).numpy)
-            for shard in np.unique(shard_of):
-                sel = np.flatnonzero(shard_of == shard)
-                rows = indices[sel] - ds.starts[shard]
-                pieces[sel] = ds.read_rows(int(shard), column, rows)
-            t = as_torch(pieces, col.dtype)
-            if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-                t = t.to(self.dtype)
-            out[column] = t
-        return out
+        return read_batch(self.dataset, self.columns, indices, self.dtype)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
