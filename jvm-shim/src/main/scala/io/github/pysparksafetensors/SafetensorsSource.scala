@@ -171,7 +171,8 @@ object SafetensorsSource {
       options.asCaseSensitiveMap().asScala.toMap))
 }
 
-/** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation.
+/** A dataset (or safetensors files) as a table: batch reads, appends, overwrite by truncation,
+  * streaming appends (`SafetensorsStreamingWrite`).
   * A read plans itself from the scan's options, completed by the table's (a catalog table's
   * path arrives only among its properties); a schema given by the user names some of the
   * data's columns with their types. A catalog table's schema (all the data's columns, in
@@ -219,7 +220,7 @@ final class SafetensorsTable(tableSchema: StructType, properties: util.Map[Strin
   }
   override def capabilities(): util.Set[TableCapability] =
     util.EnumSet.of(TableCapability.BATCH_READ, TableCapability.BATCH_WRITE, TableCapability.TRUNCATE,
-      TableCapability.OVERWRITE_BY_FILTER, TableCapability.OVERWRITE_DYNAMIC)
+      TableCapability.OVERWRITE_BY_FILTER, TableCapability.OVERWRITE_DYNAMIC, TableCapability.STREAMING_WRITE)
 
   override def newScanBuilder(options: CaseInsensitiveStringMap): ScanBuilder = {
     val planned = stored.filter(_ => options.isEmpty).getOrElse(plan(options.asCaseSensitiveMap()))

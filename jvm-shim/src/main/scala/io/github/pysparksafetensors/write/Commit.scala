@@ -145,16 +145,44 @@ object Commit {
     else Try(ManifestDoc.parse(files.readBytes(Layout.Manifest), where)).fold(
       e => if (overwrite) None else throw e, Some(_))
 
-  /** Publish the shards of `results` as the dataset: the twin of `commit_dataset`. */
+  /** Refuse an append to a dataset its producer declared finished (manifest field `complete`). */
+  def refuseComplete(previous: ManifestDoc, where: String): Unit =
+    if (previous.complete.contains(true))
+      throw new SafetensorsWriteException(
+        s"$where is marked complete (its producer declared it finished: 'complete' in its manifest); " +
+          "appends are refused: overwrite it, or write to another path")
+
+  /** The stream fields of a commit after `previous`: every stream's last batch carried
+    * forward, `stream`'s set to its batch; `complete` carried by an append, dropped by an
+    * overwrite (a new generation starts unfinished). */
+  private[write] def streamFields(previous: Option[ManifestDoc], stream: Option[(String, Long)],
+      overwrite: Boolean): (Seq[(String, Long)], Option[Boolean]) = {
+    val before = previous.getOrElse(ManifestDoc(Nil, Nil, "batch", None, None, None, None, None, None, None, Map.empty, "", None))
+    (stream.fold(before.streamCommits) { case (s, b) => before.withStreamCommit(s, b) },
+      if (overwrite) None else before.complete)
+  }
+
+  /** Whether `previous` has batch `stream` committed already: the replay of a micro-batch
+    * after a restart, which publishes nothing. */
+  private[write] def replayed(previous: Option[ManifestDoc], stream: Option[(String, Long)]): Boolean =
+    stream.exists { case (s, b) => previous.exists(_.committed(s, b)) }
+
+  /** Publish the shards of `results` as the dataset: the twin of `commit_dataset`.
+    * `stream`: the (stream id, batch id) of a streaming micro-batch, recorded in the
+    * manifest's `stream_commits`; a batch recorded already commits nothing, its shards are
+    * deleted and the manifest as it stands is returned. */
   def commit(files: DatasetFiles, jobId: String, results: Seq[TaskCommit], template: ManifestDoc,
-      overwrite: Boolean, generateIndex: Boolean, uniqueKeys: Boolean, keepPrevious: Boolean): ManifestDoc = {
+      overwrite: Boolean, generateIndex: Boolean, uniqueKeys: Boolean, keepPrevious: Boolean,
+      stream: Option[(String, Long)] = None): ManifestDoc = {
     val where = s"dataset '${files.uri}'"
     val staged = results.flatMap(_.shards).sortBy(s => (s.taskId, s.shardIndex))
     var schema = mergeSchemas(results.map(_.schema), where, template.mode == "kv")
     val previous = previousManifest(files, overwrite, s"'${files.uri}/${Layout.Manifest}'")
+    if (replayed(previous, stream)) { abort(files, jobId); return previous.get }
     var kept = Seq.empty[ShardEntry]
     var keptIndex = Seq.empty[IndexRows]
     previous.filter(_ => !overwrite).foreach { p =>
+      refuseComplete(p, where)
       schema = checkAppend(p, template, if (staged.nonEmpty) Some(schema) else None, where)
       kept = p.shards
       if ((generateIndex || uniqueKeys) && p.indexFile.isDefined)
@@ -177,8 +205,10 @@ object Commit {
       val crc = new java.util.zip.CRC32C(); crc.update(data)
       (Layout.indexName(commitId), f"${crc.getValue}%08x")
     }
+    val (streamCommits, complete) = streamFields(previous, stream, overwrite)
     val manifest = template.copy(
       shards = entries(kept, staged),
+      streamCommits = streamCommits, complete = complete,
       schema = schema,
       shapes = schema.map { case (n, c) => n -> template.batchSize.fold(c.sampleShape)(b => b +: c.sampleShape) }.toMap,
       indexFile = indexFile.map(_._1), indexCrc32c = indexFile.map(_._2),

@@ -31,8 +31,21 @@ final case class ManifestDoc(
     /** Full shapes of the schema's columns (batch: `[batch_size, *sample]`). */
     shapes: Map[String, Seq[Int]] = Map.empty,
     /** A partitioned dataset's columns: its shards lie in `col=value/` directories. */
-    partitionColumns: Seq[String] = Nil
+    partitionColumns: Seq[String] = Nil,
+    /** Streaming writes: per stream id, the last batch id committed, in document order. */
+    streamCommits: Seq[(String, Long)] = Nil,
+    /** Whether the producer declared the dataset finished (appends are then refused). */
+    complete: Option[Boolean] = None
 ) {
+  /** Whether batch `batchId` of stream `streamId` is committed already (a replay). */
+  def committed(streamId: String, batchId: Long): Boolean =
+    streamCommits.exists { case (s, b) => s == streamId && b >= batchId }
+
+  /** `streamCommits` with stream `streamId`'s entry set to `batchId`, the others as they were. */
+  def withStreamCommit(streamId: String, batchId: Long): Seq[(String, Long)] =
+    if (streamCommits.exists(_._1 == streamId)) streamCommits.map { case (s, b) => s -> (if (s == streamId) batchId else b) }
+    else streamCommits :+ (streamId -> batchId)
+
   def toJson: Array[Byte] = {
     val m = ManifestDoc.mapper
     val doc = m.createObjectNode()
@@ -68,6 +81,11 @@ final case class ManifestDoc(
       val cols = doc.putArray("partition_columns")
       partitionColumns.foreach(c => cols.add(c))
     }
+    if (streamCommits.nonEmpty) {
+      val commits = doc.putObject("stream_commits")
+      streamCommits.foreach { case (s, b) => commits.put(s, b) }
+    }
+    complete.foreach(doc.put("complete", _))
     doc.put("created_by", createdBy)
     createdAt.foreach(doc.put("created_at", _))
     val md = doc.putObject("metadata")
@@ -134,7 +152,13 @@ object ManifestDoc {
       createdBy = text(doc, "created_by").getOrElse("unknown"),
       createdAt = text(doc, "created_at"),
       shapes = schema.map(s => s._1 -> s._3).toMap,
-      partitionColumns = partitionColumns
+      partitionColumns = partitionColumns,
+      streamCommits = Option(doc.get("stream_commits")).filter(_.isObject).map(_.properties().asScala.toList.map { e =>
+        if (!e.getValue.isIntegralNumber || e.getValue.asLong < 0)
+          fail(where, s"stream_commits['${e.getKey}'] must be a batch id, an integer >= 0")
+        e.getKey -> e.getValue.asLong
+      }).getOrElse(Nil),
+      complete = Option(doc.get("complete")).filter(_.isBoolean).map(_.asBoolean)
     )
   }
 }

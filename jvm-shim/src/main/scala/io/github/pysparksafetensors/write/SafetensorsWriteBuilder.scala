@@ -8,6 +8,7 @@ import scala.jdk.CollectionConverters._
 import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.write._
+import org.apache.spark.sql.connector.write.streaming.StreamingWrite
 import org.apache.spark.sql.sources.{AlwaysTrue, Filter}
 import org.apache.spark.sql.types.{DataType, StringType, StructType}
 
@@ -94,46 +95,65 @@ class SafetensorsWriteBuilder(info: LogicalWriteInfo, tableOptions: util.Map[Str
   override def build(): Write = new Write {
     override def description(): String = "safetensors"
     override def toBatch: BatchWrite = SafetensorsBatchWrite(info, tableOptions, partitionColumns, replace)
+    override def toStreaming: StreamingWrite = {
+      // Spark asks a streaming sink to truncate for outputMode("complete") (and refuses
+      // "update" itself, this builder not being SupportsStreamingUpdateAsAppend)
+      if (replace != Replace.Nothing)
+        throw new SafetensorsWriteException(
+          "a streaming write to a safetensors dataset appends each micro-batch as one commit: " +
+            "outputMode('complete') would rewrite the dataset at every batch; use outputMode('append') " +
+            "(aggregations need a watermark), or write each batch yourself with foreachBatch")
+      SafetensorsStreamingWrite(info, tableOptions, partitionColumns)
+    }
   }
 }
 
 /** Plans the write on the driver (options, column types, the append check), leases the
   * job, and commits or aborts it. */
 final class SafetensorsBatchWrite private (job: WriteJob, replace: Replace) extends BatchWrite {
-  private val partitioned = job.partitioning.columns.nonEmpty
-
   override def createBatchWriterFactory(physical: PhysicalWriteInfo): DataWriterFactory =
     new SafetensorsWriterFactory(job)
 
-  private def template: ManifestDoc = {
+  override def commit(messages: Array[WriterCommitMessage]): Unit =
+    try SafetensorsBatchWrite.commitJob(job, messages, replace, None)
+    catch { case e: Throwable => abort(messages); throw e }
+
+  override def abort(messages: Array[WriterCommitMessage]): Unit = SafetensorsBatchWrite.abortJob(job)
+}
+
+object SafetensorsBatchWrite {
+  /** The manifest fields a job's commit takes from its options. */
+  def template(job: WriteJob): ManifestDoc = {
     val o = job.options
     ManifestDoc(Seq.empty, Seq.empty, o.mode, o.batchSize, o.nameCol,
       if (o.mode == "kv") Some(o.kvSeparator) else None, None, None, None, None, o.metadata,
       s"pyspark-safetensors ${Layout.Version} (JVM)", None, partitionColumns = job.partitioning.columns)
   }
 
-  override def commit(messages: Array[WriterCommitMessage]): Unit = {
+  /** Commit the shards the tasks' `messages` report, as `Commit` (or `PartitionedCommit`)
+    * does; `stream`: a streaming micro-batch's (stream id, batch id). */
+  def commitJob(job: WriteJob, messages: Array[WriterCommitMessage], replace: Replace,
+      stream: Option[(String, Long)]): ManifestDoc = {
     val results = messages.toSeq.flatMap {
       case t: TaskCommit => Seq(t)
       case t: TaskCommits => t.parts
       case _ => Nil
     }
     val o = job.options
-    try {
-      if (partitioned) PartitionedCommit.commit(job.files, job.jobId, results, template, replace,
-        o.generateIndex, uniqueKeys = o.mode == "kv", keepPrevious = o.keepPreviousGeneration)
-      else Commit.commit(job.files, job.jobId, results, template, replace != Replace.Nothing, o.generateIndex,
-        uniqueKeys = o.mode == "kv", keepPrevious = o.keepPreviousGeneration)
-    } catch { case e: Throwable => abort(messages); throw e }
+    if (job.partitioning.columns.nonEmpty) PartitionedCommit.commit(job.files, job.jobId, results, template(job),
+      replace, o.generateIndex, uniqueKeys = o.mode == "kv", keepPrevious = o.keepPreviousGeneration, stream = stream)
+    else Commit.commit(job.files, job.jobId, results, template(job), replace != Replace.Nothing, o.generateIndex,
+      uniqueKeys = o.mode == "kv", keepPrevious = o.keepPreviousGeneration, stream = stream)
   }
 
-  override def abort(messages: Array[WriterCommitMessage]): Unit = {
-    if (partitioned) PartitionedCommit.abort(job.files, job.jobId) else Commit.abort(job.files, job.jobId)
+  /** Delete what the job wrote (its lease, its unlisted shards), and the dataset's
+    * directory when the job made it and it is left empty. */
+  def abortJob(job: WriteJob): Unit = {
+    if (job.partitioning.columns.nonEmpty) PartitionedCommit.abort(job.files, job.jobId)
+    else Commit.abort(job.files, job.jobId)
     if (job.madeDirectory) job.files.removeIfEmpty()
   }
-}
 
-object SafetensorsBatchWrite {
   /** The write's options plus those of the table it writes to that it does not give
     * (keys compared without case) and that `keep` accepts, as `CatalogOptions.of` makes
     * them source options (a table made by CTAS stores write options a scan does not take). */
@@ -179,8 +199,18 @@ object SafetensorsBatchWrite {
 
   def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String], partitionColumns: Seq[String],
       replace: Replace): SafetensorsBatchWrite = {
-    val schema = info.schema()
-    val stated = withTableOptions(info.options().asCaseSensitiveMap(), tableOptions, WriterOptions.takes)
+    val job = plan(info.schema(), withTableOptions(info.options().asCaseSensitiveMap(), tableOptions, WriterOptions.takes),
+      partitionColumns, replace)
+    Commit.beginJob(job.files, job.jobId)
+    new SafetensorsBatchWrite(job,
+      if (job.partitioning.columns.isEmpty && replace != Replace.Nothing) Replace.All else replace)
+  }
+
+  /** The write planned on the driver, before any task: options parsed (completed from the
+    * dataset's manifest), partition columns and column plans checked, an append checked
+    * against the dataset; `jobId` a new one, not yet leased. */
+  def plan(schema: StructType, stated: util.Map[String, String], partitionColumns: Seq[String],
+      replace: Replace): WriteJob = {
     stated.keySet.asScala.filter(_.equalsIgnoreCase(PartitionOverwriteMode)).toSeq.foreach(stated.remove)
     val hadoop = SparkSession.active.sessionState.newHadoopConfWithOptions(
       stated.asScala.toMap ++ WriterOptions.storageConf(stated))
@@ -195,9 +225,8 @@ object SafetensorsBatchWrite {
     val jobId = UUID.randomUUID().toString.replace("-", "")
     val keyOrdinal = options.nameCol.map(schema.fieldIndex).getOrElse(-1)
     val job = WriteJob(options, plans.toArray, keyOrdinal, files, jobId, madeDirectory = !files.exists(), partitioning)
-    if (replace != Replace.All) checkAppend(job)
-    Commit.beginJob(files, jobId)
-    new SafetensorsBatchWrite(job, if (partitioning.columns.isEmpty && replace != Replace.Nothing) Replace.All else replace)
+    if (replace != Replace.All) checkAppend(job, replace == Replace.Nothing)
+    job
   }
 
   /** A partitioned dataset's partition columns, for an append that names none (a plain
@@ -248,10 +277,11 @@ object SafetensorsBatchWrite {
 
   /** Refuse, before any task runs, an append the dataset cannot take: what the
     * DataFrame's types tell is checked with the commit's rule (`Commit.checkAppend`). */
-  private def checkAppend(job: WriteJob): Unit = {
+  private def checkAppend(job: WriteJob, append: Boolean): Unit = {
     val files = job.files
     if (!files.has(Layout.Manifest)) return
     val previous = ManifestDoc.parse(files.readBytes(Layout.Manifest), s"'${files.uri}/${Layout.Manifest}'")
+    if (append) Commit.refuseComplete(previous, s"dataset '${files.uri}'")
     val o = job.options
     val known = job.plans.toSeq.map { p =>
       val prev = previous.schema.find(_._1 == p.name).map(_._2)

@@ -1,0 +1,91 @@
+package io.github.pysparksafetensors.write
+
+import java.util
+import java.util.{Locale, UUID}
+
+import scala.jdk.CollectionConverters._
+
+import org.apache.spark.sql.catalyst.InternalRow
+import org.apache.spark.sql.connector.write.{DataWriter, LogicalWriteInfo, PhysicalWriteInfo, WriterCommitMessage}
+import org.apache.spark.sql.connector.write.streaming.{StreamingDataWriterFactory, StreamingWrite}
+
+/** The streaming sink: `df.writeStream.format("safetensors")` in append mode. Each
+  * micro-batch (epoch) is one append of the dataset, committed as a batch write's
+  * (`Commit`, or `PartitionedCommit` for partition columns) with the writer's options,
+  * and recorded in the manifest's `stream_commits` under the query's id, which Spark keeps
+  * in the checkpoint: a batch a restart replays (its commit landed, Spark's commit log
+  * did not) finds itself recorded, commits nothing and deletes its shards, so every row
+  * lands exactly once. `abort` deletes the batch's files.
+  *
+  * Each micro-batch is a job of its own (lease, shard names), begun when Spark asks for
+  * its writer factory, before its tasks run; batches run one after another.
+  *
+  * @param plan the write as planned at the query's start (its `jobId` unused).
+  * @param streamId the streaming query's id, stable across restarts from its checkpoint.
+  */
+final class SafetensorsStreamingWrite private (plan: WriteJob, streamId: String) extends StreamingWrite {
+  // the job of the batch whose tasks run now: set on the driver, read by commit and abort
+  @volatile private var current: Option[WriteJob] = None
+
+  override def createStreamingWriterFactory(info: PhysicalWriteInfo): StreamingDataWriterFactory = synchronized {
+    current.foreach(SafetensorsBatchWrite.abortJob) // a batch run again: the earlier run's files go
+    val job = plan.copy(jobId = UUID.randomUUID().toString.replace("-", ""))
+    Commit.beginJob(job.files, job.jobId)
+    current = Some(job)
+    new SafetensorsStreamingWriterFactory(job)
+  }
+
+  override def commit(epochId: Long, messages: Array[WriterCommitMessage]): Unit = synchronized {
+    val job = current.getOrElse(throw new IllegalStateException(s"batch $epochId committed with no writer factory"))
+    current = None
+    val written = messages.exists {
+      case t: TaskCommit => t.shards.nonEmpty
+      case t: TaskCommits => t.parts.exists(_.shards.nonEmpty)
+      case _ => false
+    }
+    // A batch without rows publishes nothing: readers see no new commit, and a replay of it
+    // has nothing to write twice.
+    if (!written) { SafetensorsBatchWrite.abortJob(job); return }
+    try SafetensorsBatchWrite.commitJob(job, messages, Replace.Nothing, Some(streamId -> epochId))
+    catch { case e: Throwable => SafetensorsBatchWrite.abortJob(job); throw e }
+  }
+
+  override def abort(epochId: Long, messages: Array[WriterCommitMessage]): Unit = synchronized {
+    current.foreach(SafetensorsBatchWrite.abortJob)
+    current = None
+  }
+}
+
+object SafetensorsStreamingWrite {
+  /** The options of `writeStream` that are the query's, not the sink's. */
+  val QueryOptions: Set[String] = Set("checkpointlocation", "queryname", "asyncprogresstrackingenabled",
+    "asyncprogresstrackingcheckpointintervalms")
+
+  /** The streaming option naming the partition columns, comma-separated: Spark hands a
+    * DataSource V2 streaming sink no `partitionBy`. */
+  val PartitionColumnsOption = "partition_columns"
+
+  def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String],
+      partitionColumns: Seq[String]): SafetensorsStreamingWrite = {
+    val given = new util.HashMap[String, String]()
+    var named = Seq.empty[String]
+    info.options().asCaseSensitiveMap().asScala.foreach { case (k, v) =>
+      val key = k.toLowerCase(Locale.ROOT)
+      if (key == PartitionColumnsOption) named = v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
+      else if (!QueryOptions(key)) given.put(k, v)
+    }
+    if (named.nonEmpty && partitionColumns.nonEmpty && named != partitionColumns)
+      throw new SafetensorsWriteException(
+        s"option $PartitionColumnsOption (${named.mkString(", ")}) differs from the table's partition columns " +
+          s"(${partitionColumns.mkString(", ")}); give one of them")
+    val stated = SafetensorsBatchWrite.withTableOptions(given, tableOptions, WriterOptions.takes)
+    val plan = SafetensorsBatchWrite.plan(info.schema(), stated,
+      if (named.nonEmpty) named else partitionColumns, Replace.Nothing)
+    new SafetensorsStreamingWrite(plan, info.queryId())
+  }
+}
+
+final class SafetensorsStreamingWriterFactory(job: WriteJob) extends StreamingDataWriterFactory {
+  override def createWriter(partitionId: Int, taskId: Long, epochId: Long): DataWriter[InternalRow] =
+    new SafetensorsDataWriter(job, partitionId, taskId)
+}
