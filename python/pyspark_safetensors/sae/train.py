@@ -71,6 +71,33 @@ class NonFiniteLoss(PysparkSafetensorsError, FloatingPointError):
     """The loss became NaN or infinite; the last good state was checkpointed."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepLosses:
+    """One training step's loss and the global sums its metrics are made of."""
+
+    loss: torch.Tensor
+    """What this rank back-propagates: its share of the global FVU, x dp (gradients are
+    averaged over "data"), plus AuxK's and the architecture's terms."""
+    totals: torch.Tensor
+    """float64 sums over "data": squared error, AuxK's squared error, firing latents on
+    this rank's shard, the reconstruction term's squared error (Matryoshka: the prefixes'
+    mean)."""
+    l0_total: torch.Tensor
+    """Firing latents summed over "data" and "model"."""
+    var_x: torch.Tensor
+    """Total variance of the global batch's targets (the FVU's normaliser)."""
+    var_e: torch.Tensor
+    """Total variance of AuxK's residual (its normaliser)."""
+    n_tokens: torch.Tensor
+    """Rows in the global batch."""
+    d: int
+    """Width of the targets."""
+    use_aux: bool
+    """AuxK contributed to this step's loss."""
+    penalised: bool
+    """The architecture added a sparsity term (its ``last_penalty`` is reported)."""
+
+
 def _device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -332,17 +359,46 @@ class Trainer:
         """One optimizer step on this rank's pairs ``x [B_local, d_in]``, ``y [B_local,
         d_out]`` (None: ``y`` is ``x``, an SAE); returns global metrics. The loss is the
         FVU of ``y`` over the global batch (Matryoshka: the mean of its prefixes' FVUs)."""
-        c, sae = self.config, self.sae
         autoencoder = y is None or y is x
         x = x.to(self.device, torch.float32)
         y = x if autoencoder else y.to(self.device, torch.float32)
+        k, lr = self._schedule()
+        dead, n_dead = self._dead_latents()
+        use_aux = n_dead > 0 and self.config.aux_coef > 0 and self.sae.USES_AUX
+        out, err, residual, aux_err = self._forward(x, y, k, dead if use_aux else None, n_dead)
+        losses = self._losses(out, y, err, residual, aux_err)
+        fvu = float(losses.totals[0] / losses.var_x)
+        if not math.isfinite(fvu):
+            raise NonFiniteLoss(f"non-finite loss at step {self.step} (FVU {fvu})")
+        grad_norm = self._update(losses.loss)
+        self._track_firing(out.values, out.indices, int(losses.n_tokens))
+        self.step += 1
+        self.tokens_seen += int(losses.n_tokens)
+        return self._step_metrics(losses, fvu, grad_norm, lr, k)
+
+    def _schedule(self) -> tuple[int, float]:
+        """This step's ``k`` and learning rate, the latter set on the optimizer's groups
+        (the encoder's scaled by ``encoder_lr_scale``)."""
         k = self.k_at(self.step)
         lr = self.lr_at(self.step)
         encoder, rest = self.optimizer.param_groups
         encoder["lr"], rest["lr"] = lr * self.encoder_lr_scale, lr
+        return k, lr
+
+    def _dead_latents(self) -> tuple[torch.Tensor, int]:
+        """This rank's mask of dead latents (unfired for ``dead_tokens``) and how many are
+        dead over the whole SAE (a collective over "model")."""
         dead = self.since_fired >= self.dead_tokens
-        n_dead = int(all_reduce(dead.sum(), self.mesh, MODEL).item())
-        use_aux = n_dead > 0 and c.aux_coef > 0 and sae.USES_AUX
+        return dead, int(all_reduce(dead.sum(), self.mesh, MODEL).item())
+
+    def _forward(
+        self, x: torch.Tensor, y: torch.Tensor, k: int, dead: torch.Tensor | None, n_dead: int
+    ):
+        """The SAE's forward pass (under bf16 autocast on CUDA when ``config.autocast``):
+        its output, the error ``x_hat - y``, the residual AuxK is asked to explain (minus
+        the detached error on this rank's first ``aux_rows`` rows) and AuxK's error on it
+        (None when ``dead`` is None: no AuxK this step)."""
+        c, sae = self.config, self.sae
         # AuxK on this rank's share of the first aux_rows rows; past n_dead latents its
         # top-k would only pick zeros
         aux_rows = -(-c.aux_rows // self.dp) if c.aux_rows else len(x)
@@ -351,15 +407,28 @@ class Trainer:
             if c.autocast and self.device.type == "cuda"
             else nullcontext()
         )
+        aux_err = None
         with amp:
-            out = sae(x, k=k, dead=dead if use_aux else None, k_aux=min(c.aux_k, n_dead),
-                      aux_rows=aux_rows)  # fmt: skip
+            out = sae(x, k=k, dead=dead, k_aux=min(c.aux_k, n_dead), aux_rows=aux_rows)
             err = out.x_hat.float() - y
             residual = -err.detach()[:aux_rows]  # what the dead latents are asked to explain
-            if use_aux:
+            if dead is not None:
                 aux_err = sae.decode_latents(out.aux_values, out.aux_indices).float() - residual
+        return out, err, residual, aux_err
+
+    def _losses(
+        self,
+        out,
+        y: torch.Tensor,
+        err: torch.Tensor,
+        residual: torch.Tensor,
+        aux_err: torch.Tensor | None,
+    ) -> _StepLosses:
+        """The loss this rank back-propagates (reconstruction FVU, AuxK's, the
+        architecture's sparsity term) and the global sums the step's metrics are made of
+        (collectives over "data", then "model")."""
+        c, sae = self.config, self.sae
         var_x, var_e, n_tokens = self._global_variances(y, residual)
-        d = y.shape[1]
         sq = err.pow(2).sum()
         # x dp: gradients are averaged over the data ranks, so each rank's share of the
         # global FVU is scaled up by dp.
@@ -369,7 +438,7 @@ class Trainer:
             recon_sq = sum((h.float() - y).pow(2).sum() for h in out.x_hats) / len(out.x_hats)
         loss = recon_sq * scale
         aux_sq = torch.zeros((), device=self.device)
-        if use_aux:
+        if aux_err is not None:
             aux_sq = aux_err.pow(2).sum()
             loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(TINY).float())
         sparsity = sae.sparsity_loss(out)
@@ -381,31 +450,39 @@ class Trainer:
                               recon_sq.detach().double()])  # fmt: skip
         all_reduce(totals, self.mesh, DATA)
         l0_total = all_reduce(totals[2:3].clone(), self.mesh, MODEL)[0]
-        fvu = float(totals[0] / var_x)
-        if not math.isfinite(fvu):
-            raise NonFiniteLoss(f"non-finite loss at step {self.step} (FVU {fvu})")
+        return _StepLosses(loss, totals, l0_total, var_x, var_e, n_tokens, y.shape[1],
+                           aux_err is not None, sparsity is not None)  # fmt: skip
 
+    def _update(self, loss: torch.Tensor) -> float:
+        """Back-propagate ``loss`` and take the optimizer step: gradients averaged over
+        "data", the architecture's hooks around the update, global-norm clipping; returns
+        the gradient norm before clipping."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._sync_gradients()
-        sae.before_update()
+        self.sae.before_update()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
-        sae.after_update()
-        self._track_firing(out.values, out.indices, int(n_tokens))
-        self.step += 1
-        self.tokens_seen += int(n_tokens)
-        dead_now = all_reduce((self.since_fired >= self.dead_tokens).sum(), self.mesh, MODEL)
-        extra = {"l0_penalty": sae.last_penalty} if sparsity is not None else {}
+        self.sae.after_update()
+        return grad_norm
+
+    def _step_metrics(
+        self, losses: _StepLosses, fvu: float, grad_norm: float, lr: float, k: int
+    ) -> dict[str, float]:
+        """The metrics ``train_step`` returns, after the step (``dead_fraction`` counts the
+        latents dead now: a collective over "model")."""
+        c, t, n_tokens = self.config, losses.totals, losses.n_tokens
+        var_x, var_e, use_aux = losses.var_x, losses.var_e, losses.use_aux
+        extra = {"l0_penalty": self.sae.last_penalty} if losses.penalised else {}
         return extra | {
             "step": self.step,
             "tokens": self.tokens_seen,
-            "loss": float(totals[3] / var_x + c.aux_coef * (totals[1] / var_e if use_aux else 0)),
+            "loss": float(t[3] / var_x + c.aux_coef * (t[1] / var_e if use_aux else 0)),
             "fvu": fvu,
-            "mse": float(totals[0] / (n_tokens * d)),
-            "aux_loss": float(totals[1] / var_e) if use_aux else 0.0,
-            "l0": float(l0_total / n_tokens),
-            "dead_fraction": float(dead_now) / c.latents,
+            "mse": float(t[0] / (n_tokens * losses.d)),
+            "aux_loss": float(t[1] / var_e) if use_aux else 0.0,
+            "l0": float(losses.l0_total / n_tokens),
+            "dead_fraction": self._dead_latents()[1] / c.latents,
             "grad_norm": grad_norm,
             "lr": lr,
             "k": k,
