@@ -19,7 +19,7 @@ from pyspark_safetensors.extract import (
     passages_by_key,
     run_extraction,
 )
-from pyspark_safetensors.extract.model import load_model, parse_layers
+from pyspark_safetensors.extract.model import load_model, mlp_blocks, parse_layers
 from pyspark_safetensors.extract.outputs import token_row_bytes
 from pyspark_safetensors.extract.toy_lm import TINY, toy_lm
 from pyspark_safetensors.torch import open_dataset
@@ -124,6 +124,23 @@ def test_a_missing_layer_or_a_model_without_mlps_is_refused(toy, tmp_path):
         Extractor(tmp_path / "mamba", [], mlp_layers="all")
     with pytest.raises(ExtractionError, match="no hook points"):
         Extractor(toy, [], max_length=0)
+
+    from transformers import BartConfig, BartModel, OPTConfig, OPTForCausalLM
+
+    # an MLP whose ends are two linear layers of the block (OPT), and an encoder-decoder,
+    # whose two stacks of blocks leave the layer numbers ambiguous
+    opt = OPTForCausalLM(OPTConfig(hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                                   num_attention_heads=2, word_embed_proj_dim=16))  # fmt: skip
+    assert [(b.input.name, b.output.name, b.module) for b in mlp_blocks(opt)] == [
+        (f"model.decoder.layers.{i}.fc1:input", f"model.decoder.layers.{i}.fc2:output", "")
+        for i in range(2)
+    ]
+    bart = BartModel(BartConfig(d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                decoder_attention_heads=2))  # fmt: skip
+    with pytest.raises(ExtractionError, match=r"several stacks of blocks with MLPs "
+                       r"\(encoder.layers, decoder.layers\)"):  # fmt: skip
+        mlp_blocks(bart)
 
 
 def _direct_mlps(model_dir, texts, max_length):
