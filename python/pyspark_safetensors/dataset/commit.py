@@ -27,6 +27,7 @@ running when the job ends cleans up after itself.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -130,6 +131,57 @@ class AppendError(PysparkSafetensorsError, ValueError):
     sample shapes, batch size or key settings."""
 
 
+class CompleteDatasetError(AppendError):
+    """An append to a dataset its producer marked complete."""
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    """The streaming micro-batch a commit publishes: ``batch_id`` of the stream
+    ``stream_id`` (a streaming query's id, stable across restarts from its checkpoint)."""
+
+    stream_id: str
+    batch_id: int
+
+    def __post_init__(self):
+        if not self.stream_id or self.batch_id < 0:
+            raise InvalidArgumentError(
+                f"a stream batch needs a stream id and a batch id >= 0, got {self!r}"
+            )
+
+    def committed_in(self, manifest: Manifest | None) -> bool:
+        """Whether ``manifest`` already records this batch (or a later one) of the stream."""
+        if manifest is None:
+            return False
+        return manifest.stream_commits.get(self.stream_id, -1) >= self.batch_id
+
+    @property
+    def job_id(self) -> str:
+        """The write job of this batch, the same in every run of it: a replay after a crash
+        names its shards with the job tag of the run it replays, so its commit (or the
+        replay's clean-up) reclaims what the crashed run left."""
+        digest = hashlib.sha256(f"{self.stream_id}\0{self.batch_id}".encode()).hexdigest()
+        return digest[:32]
+
+
+def begin_stream_batch(location: DatasetLocation, batch: StreamBatch) -> bool:
+    """Lease ``batch``'s job from one of its tasks (a stream's driver has no hook before
+    a micro-batch's tasks run); False, lease dropped, when the dataset already records
+    the batch: a replayed batch writes nothing. The lease names no host, so every
+    implementation ages it out after ``STALE_JOB_SECONDS`` if the stream never comes
+    back; the batch's commit drops it. It is put before the manifest is read: a task
+    racing the batch's commit then either sees the batch committed or finds its lease
+    gone after its last shard, and deletes its shards."""
+    name = lease_name(batch.job_id)
+    lease = {"job_id": batch.job_id, "stream_id": batch.stream_id, "batch_id": batch.batch_id}
+    location.makedirs()
+    location.put_json(name, {**lease, "started": time.time()})
+    if batch.committed_in(_previous_manifest(location, overwrite=False)):
+        location.delete([name])
+        return False
+    return True
+
+
 def check_append(
     previous: Manifest,
     template: Manifest,
@@ -144,6 +196,11 @@ def check_append(
     what the tasks wrote (another write may have committed in between). An empty dataset
     takes any columns; dtypes and sample shapes follow ``merge_schemas``.
     """
+    if previous.complete:
+        raise CompleteDatasetError(
+            f"{where} is marked complete (its producer declared it finished: 'complete' in "
+            "its manifest); appends are refused: overwrite it, or write to another path"
+        )
     if previous.mode != template.mode:
         raise AppendError(
             f"{where}: cannot append {template.mode}-mode data to a {previous.mode}-mode dataset"
@@ -322,6 +379,7 @@ def commit_dataset(
     generate_index: bool,
     unique_keys: bool,
     keep_previous_generation: bool = False,
+    stream: StreamBatch | None = None,
 ) -> Manifest:
     """Publish the shards of ``results`` as the dataset at ``location``.
 
@@ -333,6 +391,11 @@ def commit_dataset(
     shard of the new manifest and is also put as ``_tensor_index.parquet``.
     ``unique_keys`` (KV mode) refuses a tensor key that appears in two shards. Raises
     ``ConcurrentCommitError`` when another commit landed while this one ran.
+
+    ``stream``: the micro-batch this commit is, recorded in ``stream_commits``; when the
+    dataset already records it (a replay after a crash) nothing is published, the
+    batch's shards and lease are deleted and the current manifest is returned. Every
+    commit carries ``stream_commits`` forward; an append to a complete dataset is refused.
     """
     location = DatasetLocation.of(location)
     where = f"dataset {location.uri!r}"
@@ -343,6 +406,10 @@ def commit_dataset(
     new_index = [s.index for s in staged if s.index is not None]
 
     previous = _previous_manifest(location, overwrite)
+    if stream is not None and stream.committed_in(previous):
+        location.delete([s.final_name for s in staged])
+        abort_dataset(location, job_id)
+        return previous
     kept: tuple[ShardEntry, ...] = ()
     kept_index: list[pa.Table] = []
     if previous is not None and not overwrite:
@@ -370,7 +437,9 @@ def commit_dataset(
         index_crc32c=index_crc,
         commit_id=commit_id,
         parent_commit=previous.commit_id if previous is not None else None,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=_now(),
+        stream_commits=_stream_commits(previous, stream),
+        complete=False,
     )
     try:
         _publish_manifest(location, manifest, previous)  # the commit point
@@ -380,6 +449,44 @@ def commit_dataset(
         raise
     _publish_spec_index(location, index_data)
     _clean_up(location, job_id, manifest, previous if keep_previous_generation else None)
+    return manifest
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _stream_commits(previous: Manifest | None, stream: StreamBatch | None) -> dict[str, int]:
+    """``previous``'s stream commits, with ``stream``'s entry set to its batch: an
+    overwrite keeps them too, so a stream replaying a batch after it still commits
+    nothing twice."""
+    commits = dict(previous.stream_commits) if previous is not None else {}
+    if stream is not None:
+        commits[stream.stream_id] = stream.batch_id
+    return commits
+
+
+def mark_complete(location: DatasetLocation | str | os.PathLike) -> Manifest:
+    """Declare the dataset at ``location`` finished: a commit with no new shards that sets
+    ``complete`` (readers following the dataset stop; appends are refused from then on,
+    an overwrite starts anew). Marking a complete dataset again changes nothing. Returns
+    the manifest."""
+    location = DatasetLocation.of(location)
+    previous = _previous_manifest(location, overwrite=False)
+    if previous is None:
+        raise InvalidArgumentError(
+            f"dataset {location.uri!r}: no {MANIFEST} to mark complete; write the dataset first"
+        )
+    if previous.complete:
+        return previous
+    manifest = replace(
+        previous,
+        complete=True,
+        commit_id=os.urandom(16).hex(),
+        parent_commit=previous.commit_id,
+        created_at=_now(),
+    )
+    _publish_manifest(location, manifest, previous)
     return manifest
 
 

@@ -71,6 +71,11 @@ class Manifest:
     partition_columns: tuple[str, ...] = ()
     """A partitioned dataset's columns (the JVM writer's ``partitionBy``): its shards lie in
     ``col=value/`` directories, each a dataset of its own."""
+    stream_commits: dict[str, int] = field(default_factory=dict)
+    """Streams appending to the dataset: stream id -> the last batch id it committed (a
+    replayed batch commits nothing); every commit carries it forward."""
+    complete: bool = False
+    """The producer declared the dataset finished (``mark_complete``): appends refused."""
 
     @property
     def total_samples(self) -> int:
@@ -99,6 +104,8 @@ class Manifest:
             "commit_id": self.commit_id,
             "parent_commit": self.parent_commit,
             "partition_columns": list(self.partition_columns) or None,
+            "stream_commits": dict(self.stream_commits) or None,
+            "complete": self.complete or None,
             "created_by": self.created_by,
             "created_at": self.created_at,
             "metadata": self.metadata,
@@ -156,6 +163,8 @@ class Manifest:
             created_by=doc.get("created_by", "unknown"),
             created_at=doc.get("created_at"),
             partition_columns=tuple(doc.get("partition_columns") or ()),
+            stream_commits=dict(doc.get("stream_commits") or {}),
+            complete=bool(doc.get("complete", False)),
         )
         if (
             manifest.total_samples != doc["total_samples"]

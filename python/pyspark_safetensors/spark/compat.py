@@ -26,6 +26,25 @@ PUSHDOWN_FLAG = "enable_pushdown"
 """Its local variable holding ``spark.sql.python.filterPushdown.enabled``."""
 
 
+STREAM_QUERY_ID = "sql.streaming.queryId"
+"""The task-local property Spark's stream execution sets to its query's id: the id the
+query's checkpoint keeps (its ``metadata`` file), so a restart from it has the same one;
+what the JVM hands a streaming sink as ``LogicalWriteInfo.queryId()``. A Python stream
+writer is told neither, its tasks read it here."""
+
+STREAM_BATCH_ID = "streaming.sql.batchId"
+"""The task-local property holding the micro-batch's id (the ``batchId`` the stream
+writer's ``commit`` gets)."""
+
+
+def stream_task_ids(context) -> tuple[str | None, int | None]:
+    """(query id, batch id) of the micro-batch the task of ``context`` (a
+    ``TaskContext``) computes; None for what Spark did not set."""
+    query = context.getLocalProperty(STREAM_QUERY_ID) or None
+    batch = context.getLocalProperty(STREAM_BATCH_ID)
+    return query, int(batch) if batch not in (None, "") else None
+
+
 def planning_pushdown_flag() -> bool | None:
     """The planning worker's filter-pushdown setting, or None when this call does not run
     inside Spark's read planning (or Spark's internals moved)."""

@@ -136,6 +136,19 @@ class SafetensorsDataSource(DataSource):
             plan = self._plan = plan_read(self.options)
         return plan
 
+    def streamWriter(self, schema: StructType, overwrite: bool):
+        """The streaming sink (``docs/streaming.md``): each micro-batch one append,
+        exactly once by its batch id; output mode append only."""
+        from .stream import stream_writer
+
+        return stream_writer(self.options, schema, overwrite)
+
+    def streamReader(self, schema: StructType):
+        """The streaming source: the rows of each commit that lands on the dataset."""
+        from .stream import SafetensorsStreamReader
+
+        return SafetensorsStreamReader(self._read_plan(), schema)
+
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
         storage, options = split_storage_options(self.options)
         return SafetensorsWriter(WriteJob(WriterOptions.parse(options), schema, overwrite, storage))

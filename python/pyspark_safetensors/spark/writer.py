@@ -9,6 +9,7 @@ datasets as it computes them (the extraction's model stage) is another: it carri
 from __future__ import annotations
 
 import contextlib
+import copy
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -423,7 +424,11 @@ class WriteJob:
         schema: StructType,
         overwrite: bool,
         storage_options: dict[str, str] | None = None,
+        *,
+        lease: bool = True,
     ):
+        """``lease=False``: no job is begun here; the caller runs jobs of its own through
+        ``for_job`` and leases each (a stream's micro-batches, leased by their tasks)."""
         self.options = options
         self.overwrite = overwrite
         self.location = DatasetLocation.of(options.path, storage_options=storage_options)
@@ -433,7 +438,15 @@ class WriteJob:
             self._check_append()
         self.created = not self.location.exists()
         """Whether this job made the dataset's directory (a failed job then removes it)."""
-        begin_job(self.location, self.job_id)
+        if lease:
+            begin_job(self.location, self.job_id)
+
+    def for_job(self, job_id: str) -> WriteJob:
+        """The same planned write as job ``job_id``, whose lease its caller holds; it
+        never removes the dataset's directory (earlier jobs of its caller wrote there)."""
+        job = copy.copy(self)
+        job.job_id, job.created = job_id, False
+        return job
 
     def partition(self, task_id: int, attempt_id: int) -> PartitionWriter:
         """The writer of one task attempt (in the task's process)."""
