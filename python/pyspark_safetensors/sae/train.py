@@ -56,6 +56,7 @@ from .mesh import (
     mesh_rank,
 )
 from .model import TINY, geometric_median
+from .follow import following_loader, open_followed_source
 from .sinks import MetricSinks, check_sinks
 from .sources import TrainingSource, open_source, open_training_source
 
@@ -170,7 +171,9 @@ class Trainer:
             )
         check_run_dir(config)
         check_sinks(config.log_to)
-        self.source = source = open_training_source(config)
+        self.source = source = (
+            open_followed_source(config) if config.follow else open_training_source(config)
+        )
         self.dataset = ds = source.dataset
         d_in, d_out = _widths(source, config)
         self.config = config = dataclasses.replace(
@@ -214,6 +217,11 @@ class Trainer:
                 f"{config.batch_size}: lower batch_size"
             )
         self.total_steps = (config.tokens // config.batch_size if config.tokens else per_epoch) or 1
+        if config.follow:  # the datasets as they grow, to the budget at most
+            self.loader = following_loader(
+                source, config, dp_rank=mesh_rank(mesh, DATA), dp_size=self.dp,
+                max_samples=self.total_steps * config.batch_size,
+            )  # fmt: skip
         self.warmup_steps = config.warmup_steps or round(config.warmup_fraction * self.total_steps)
         self.dead_tokens = config.dead_window(self.total_steps * config.batch_size)
         self._warn_about_schedule()
@@ -304,7 +312,7 @@ class Trainer:
             rows = min(len(self.dataset), max(c.init_samples // self.dp, 1))
             rng = np.random.default_rng([c.seed, mesh_rank(self.mesh, DATA)])
             idx = np.sort(rng.choice(len(self.dataset), size=rows, replace=False))
-            inputs, sample = self.source.pair(self.loader.batches.read_batch(idx))
+            inputs, sample = self.source.read_pairs(idx)
         if centers and inputs is not None:
             x = all_gather_cat(inputs.to(self.device, torch.float32), self.mesh, DATA)
             if fine_tune:
@@ -691,6 +699,11 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------------------
 
+    def _data_ended(self) -> bool:
+        """Whether followed datasets are complete and every batch of them was trained on
+        (the run then ends before ``tokens``; every rank learns it at the same step)."""
+        return self.config.follow and self.loader.finished
+
     def fit(self) -> dict:
         """Train to ``total_steps``; returns the last metrics. Writes ``metrics.jsonl``,
         checkpoints, ``sae.safetensors`` and plots under ``out_dir`` (rank 0)."""
@@ -713,7 +726,7 @@ class Trainer:
         metrics: dict = dict(self.history[-1]) if self.history else {}
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         try:
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not self._data_ended():
                 for batch in self.loader:
                     try:
                         metrics = self.train_step(*self.source.pair(batch))
@@ -722,12 +735,13 @@ class Trainer:
                         raise NonFiniteLoss(f"{e}; last good state saved to {path}") from None
                     elapsed = time.perf_counter() - started
                     metrics["tokens_per_s"] = (self.tokens_seen - tokens_at_start) / elapsed
+                    last = self.step == self.total_steps or self._data_ended()
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(fvu=f"{metrics['fvu']:.3f}", l0=f"{metrics['l0']:.1f}")
-                    if self.step in ckpt_steps or self.step == self.total_steps:
+                    if self.step in ckpt_steps or last:
                         metrics.update(self.evaluate_held_out())
-                    if self.step % c.log_every == 0 or self.step == self.total_steps:
+                    if self.step % c.log_every == 0 or last:
                         self.history.append(metrics)
                         if main:
                             with open(self.out_dir / "metrics.jsonl", "a") as log:
@@ -736,7 +750,7 @@ class Trainer:
                                 sinks.log(metrics, self.step)
                     if self.step in ckpt_steps:
                         self.save(metrics)
-                    if self.step >= self.total_steps:
+                    if last:
                         break
         finally:
             if bar is not None:
@@ -829,7 +843,8 @@ def check_runs(configs: Sequence[SAEConfig]) -> None:
         )
     for config in configs:
         check_run_dir(config)
-        open_training_source(config)
+        if not config.follow:  # a followed dataset may not hold a row yet
+            open_training_source(config)
 
 
 def _user_error(e: Exception) -> int:
