@@ -1,5 +1,5 @@
-"""Sparse autoencoders (TopK, BatchTopK, JumpReLU, Matryoshka), transcoders and
-crosscoders (``architectures/``) trained on activation datasets, on one process or a
+"""Sparse autoencoders (TopK, BatchTopK, JumpReLU, Matryoshka), transcoders,
+crosscoders and cross-layer transcoders (``architectures/``) trained on activation datasets, on one process or a
 ("data", "model") DeviceMesh. Imports torch on first use of any name but ``SAEConfig``."""
 
 import importlib
@@ -13,6 +13,7 @@ _SUBMODULE = {
         (
             "ARCHITECTURES",
             "BatchTopKSAE",
+            "CrossLayerTranscoder",
             "CrosscoderSAE",
             "JumpReLUSAE",
             "MatryoshkaSAE",

@@ -30,13 +30,27 @@ class CheckpointError(PysparkSafetensorsError, ValueError):
     """A checkpoint is missing, incomplete or does not fit."""
 
 
+def required_tensors(metadata: dict) -> dict[str, tuple[int, ...] | None]:
+    """The tensors a file of this metadata's architecture must hold, with their shapes
+    where the metadata fixes them (a cross-layer transcoder's: ``clt_file_shapes``)."""
+    if metadata.get("architecture") == "clt":
+        from .architectures.clt import clt_file_shapes
+
+        try:
+            return dict(clt_file_shapes(metadata))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return dict.fromkeys(SAE_TENSORS)
+
+
 def save_sae(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
     """Write the SAE atomically; ``metadata`` values are JSON-encoded into ``__metadata__``."""
-    missing = [n for n in SAE_TENSORS if n not in tensors]
+    required = required_tensors(metadata)
+    missing = [n for n in required if n not in tensors]
     if missing:
         raise CheckpointError(f"{path}: the SAE lacks tensor(s) {missing}")
-    # the four shared tensors first, then an architecture's own (e.g. JumpReLU's threshold)
-    names = [*SAE_TENSORS, *sorted(set(tensors) - set(SAE_TENSORS))]
+    # the shared tensors first, then an architecture's own (e.g. JumpReLU's threshold)
+    names = [*required, *sorted(set(tensors) - set(required))]
     arrays = {n: tensors[n].detach().to("cpu", torch.float32).numpy() for n in names}
     meta = {"format": "pyspark-safetensors-sae", "version": CHECKPOINT_VERSION}
     meta.update(
@@ -52,14 +66,24 @@ def load_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointError(f"{path}: no SAE file")
     with SafetensorsFile(path) as f:
         names = set(f.keys())
-        missing = [n for n in SAE_TENSORS if n not in names]
+        meta = dict(f.metadata or {})
+        required = required_tensors(meta)
+        missing = [n for n in required if n not in names]
         if missing:
             raise CheckpointError(f"{path}: missing tensor(s) {missing}")
         tensors = {n: torch.from_numpy(np.array(f.tensor(n), dtype=np.float32)) for n in names}
-        meta = dict(f.metadata or {})
     for key in ("config", "metrics"):
         if key in meta:
             meta[key] = json.loads(meta[key])
+    if meta.get("architecture") == "clt":
+        for name, shape in required.items():
+            if tuple(tensors[name].shape) != shape:
+                raise CheckpointError(
+                    f"{path}: {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
+                    f"(a CLT of {meta['n_layers']} layers, {meta['n_latents']} latents per "
+                    f"layer, d_in {meta['d_in']}, d_out {meta['d_out']})"
+                )
+        return tensors, meta
     n, d_in = tensors["encoder_weight"].shape
     d_out = tensors["decoder_bias"].shape[0] if tensors["decoder_bias"].ndim == 1 else -1
     expected = {"encoder_bias": (n,), "decoder_weight": (n, d_out), "decoder_bias": (d_out,)}

@@ -37,8 +37,9 @@ ADAM_BETAS = (0.8, 0.98)
 
 #: The SAE architectures (``sae/architectures/``, registered under these names).
 Architecture = Literal[
-    "topk", "batchtopk", "jumprelu", "matryoshka", "transcoder", "skip_transcoder", "crosscoder"
-]
+    "topk", "batchtopk", "jumprelu", "matryoshka", "transcoder", "skip_transcoder", "crosscoder",
+    "clt",
+]  # fmt: skip
 
 #: The architectures trained on pairs (x from ``dataset``, y from ``target_dataset``).
 TRANSCODERS = ("transcoder", "skip_transcoder")
@@ -71,22 +72,36 @@ class SAEConfig:
     """Transcoders: the held-out targets, row-aligned with ``val_dataset``."""
     datasets: tuple[str, ...] = ()
     """Crosscoders: the row-aligned datasets of the hook points read and reconstructed
-    together (each of the same width; ``dataset`` stays empty)."""
+    together (each of the same width; ``dataset`` stays empty). Cross-layer transcoders:
+    each layer's MLP input, in layer order."""
     val_datasets: tuple[str, ...] = ()
     """Crosscoders: the held-out datasets, one per entry of ``datasets``, in its order."""
+    target_datasets: tuple[str, ...] = ()
+    """Cross-layer transcoders: each layer's MLP output, in the order of ``datasets``
+    (row-aligned with them)."""
+    val_target_datasets: tuple[str, ...] = ()
+    """Cross-layer transcoders: the held-out MLP outputs, one per ``val_datasets`` entry."""
+    clt_tied_decoders: bool = False
+    """Cross-layer transcoders: one decoder per source layer, shared by every target layer
+    at or above it (instead of one per (source, target) pair)."""
+    clt_activation: Literal["topk", "batchtopk"] = "topk"
+    """Cross-layer transcoders: k latents per layer per row ("topk"), or k x batch per
+    layer per batch in training ("batchtopk")."""
     hook_point: str = ""
     """Recorded in the checkpoint; taken from the dataset's ``hook_point`` metadata if empty."""
     # model
     d: int = 0
     """Input width; 0 = the dataset's sample width (a non-zero value must match it); a
-    crosscoder's is the hook points' widths summed."""
+    crosscoder's is the hook points' widths summed; a cross-layer transcoder's is one
+    layer's."""
     d_out: int = 0
-    """Reconstruction width; 0 = the target dataset's width (``d`` for an SAE)."""
+    """Reconstruction width; 0 = the target dataset's width (``d`` for an SAE; a
+    cross-layer transcoder's: one layer's)."""
     expansion_factor: int = 16
     n_latents: int = 0
-    """Dictionary size; 0 = ``expansion_factor * d``."""
+    """Dictionary size (a cross-layer transcoder's: per layer); 0 = ``expansion_factor * d``."""
     k: int = 32
-    """Active latents per token."""
+    """Active latents per token (a cross-layer transcoder's: per layer)."""
     architecture: Architecture = "topk"
     """"topk": k latents per row; "batchtopk": k x batch latents per batch in training
     and a learned threshold at inference; "jumprelu": a learned threshold per latent,
@@ -94,8 +109,9 @@ class SAEConfig:
     prefixes (``matryoshka_prefixes``) each learn to reconstruct; "transcoder" and
     "skip_transcoder": TopK from ``dataset`` to ``target_dataset`` (the skip variant with
     a dense linear path); "crosscoder": TopK over the concatenated ``datasets``, one
-    decoder block per hook point (``docs/sae.md`` says how each maps onto the LUT's
-    per-row top-k)."""
+    decoder block per hook point; "clt": a cross-layer transcoder, a code per layer
+    read from ``datasets`` that reconstructs every ``target_datasets`` entry at or
+    above its layer (``docs/sae.md`` says how each maps onto the LUT's per-row top-k)."""
     matryoshka_prefixes: tuple[int, ...] = ()
     """Matryoshka: the nested prefixes' latent counts, ascending, the last the whole
     dictionary; empty = n/16, n/8, n/4, n/2, n."""
@@ -146,16 +162,6 @@ class SAEConfig:
     """Global batch (tokens per step), split evenly over the data-parallel ranks."""
     tokens: int = 0
     """Training tokens; 0 = one pass over the dataset."""
-    follow: bool = False
-    """Train on datasets still being written (an extraction or a stream appending to
-    them): wait until each holds a global batch, take the rows of each commit as it lands
-    (``torch.FollowingBatches``), and stop at ``tokens`` (required: the schedule is
-    planned on it) or once every dataset is marked complete and read (the run then ends
-    there, before its schedule's decay). ``num_workers`` is not used."""
-    follow_poll_s: float = 1.0
-    """Following: seconds between reads of the manifests while waiting for rows."""
-    follow_timeout_s: float = 600.0
-    """Following: fail after waiting this long with no new row committed; 0 = wait for ever."""
     seed: int = 0
     autocast: bool = True
     """bf16 autocast on CUDA (parameters and optimizer stay float32); ignored on CPU."""
@@ -215,6 +221,7 @@ class SAEConfig:
             ("b_dec_init", ("geometric_median", "mean", "zeros")),
             ("device", ("auto", "cpu", "cuda")),
             ("architecture", typing.get_args(Architecture)),
+            ("clt_activation", ("topk", "batchtopk")),
         ]:
             if getattr(self, name) not in choices:
                 raise InvalidArgumentError(
@@ -222,10 +229,6 @@ class SAEConfig:
                 )
         if self.d_out < 0:
             raise InvalidArgumentError(f"d_out must be >= 0, got {self.d_out}")
-        if self.follow and not self.tokens:
-            raise InvalidArgumentError("follow needs tokens: the budget the schedule is planned on")
-        if self.follow_poll_s <= 0 or self.follow_timeout_s < 0:
-            raise InvalidArgumentError("follow_poll_s must be > 0 and follow_timeout_s >= 0")
         self._check_data()
         n = self.n_latents or self.expansion_factor * self.d
         if self.d and self.matryoshka_prefixes:
@@ -254,6 +257,14 @@ class SAEConfig:
             raise InvalidArgumentError(
                 "val_dataset of a transcoder needs val_target_dataset (its held-out targets)"
             )
+        if self.architecture == "clt":
+            self._check_clt_data()
+        elif any((self.target_datasets, self.val_target_datasets, self.clt_tied_decoders,
+                  self.clt_activation != "topk")):  # fmt: skip
+            raise InvalidArgumentError(
+                "target_datasets, val_target_datasets, clt_tied_decoders and clt_activation "
+                "are for architecture = 'clt' (a cross-layer transcoder)"
+            )
         crosscoder = self.architecture == "crosscoder"
         if crosscoder:
             if self.dataset:
@@ -271,7 +282,7 @@ class SAEConfig:
                 )
             if self.val_dataset:
                 raise InvalidArgumentError("a crosscoder's held-out data is val_datasets")
-        elif self.datasets or self.val_datasets:
+        elif (self.datasets or self.val_datasets) and self.architecture != "clt":
             raise InvalidArgumentError(
                 "datasets = [...] is for crosscoders; give dataset (architecture = "
                 "'crosscoder' to read several hook points)"
@@ -279,10 +290,37 @@ class SAEConfig:
         if self.matryoshka_prefixes and self.architecture != "matryoshka":
             raise InvalidArgumentError("matryoshka_prefixes is for architecture = 'matryoshka'")
 
+    def _check_clt_data(self) -> None:
+        """A cross-layer transcoder reads one input and one target dataset per layer."""
+        if self.dataset or self.target_dataset or self.val_dataset or self.val_target_dataset:
+            raise InvalidArgumentError(
+                "a cross-layer transcoder reads datasets = [MLP input per layer] and "
+                "target_datasets = [MLP output per layer] (val_datasets / "
+                "val_target_datasets held out), not dataset / target_dataset"
+            )
+        if len(self.target_datasets) != len(self.datasets):
+            raise InvalidArgumentError(
+                f"a cross-layer transcoder needs one target dataset per layer: datasets has "
+                f"{len(self.datasets)} entries, target_datasets {len(self.target_datasets)}"
+            )
+        if len(self.val_target_datasets) != len(self.val_datasets):
+            raise InvalidArgumentError(
+                f"val_datasets has {len(self.val_datasets)} entries, val_target_datasets "
+                f"{len(self.val_target_datasets)}: give the held-out output of every layer"
+            )
+        if self.val_datasets and len(self.val_datasets) != len(self.datasets):
+            raise InvalidArgumentError(
+                f"val_datasets has {len(self.val_datasets)} entries, datasets "
+                f"{len(self.datasets)}: give one held-out dataset per layer"
+            )
+
     @property
     def training_datasets(self) -> tuple[str, ...]:
         """Every dataset the run trains on (checked before a launch)."""
-        return tuple(p for p in (self.dataset, self.target_dataset, *self.datasets) if p)
+        return tuple(
+            p for p in (self.dataset, self.target_dataset, *self.datasets, *self.target_datasets)
+            if p
+        )  # fmt: skip
 
     # derived values (valid once ``d`` is known)
 
@@ -339,15 +377,15 @@ class SAEConfig:
             "val_dataset",
             "val_target_dataset",
             "val_datasets",
+            "val_target_datasets",
             "val_tokens",
             "data_parallel_size",
             "model_parallel_size",
-            "follow_poll_s",
-            "follow_timeout_s",
         }
         body = {k: v for k, v in self.to_dict().items() if k not in skip}
-        if not self.follow:  # the runs from before the field keep their hash
-            del body["follow"]
+        if self.architecture != "clt":  # the runs from before these fields keep their hash
+            for name in ("target_datasets", "clt_tied_decoders", "clt_activation"):
+                del body[name]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:

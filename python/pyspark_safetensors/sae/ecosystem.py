@@ -228,7 +228,7 @@ def load_sae_model(
 ):
     """An SAE file or directory (ours, SAELens, sparsify) as its architecture's module
     (``TopKSAE``, ``BatchTopKSAE``, ``JumpReLUSAE``, ``MatryoshkaSAE``, ``TranscoderSAE``,
-    ``SkipTranscoderSAE``, ``CrosscoderSAE``) with ``encode``, ``decode`` and ``forward``
+    ``SkipTranscoderSAE``, ``CrosscoderSAE``, ``CrossLayerTranscoder``) with ``encode``, ``decode`` and ``forward``
     (a skip transcoder's ``forward`` adds its linear path to ``decode``): the trainer's
     exact encoding, on any device, without the trainer.
 
@@ -240,6 +240,8 @@ def load_sae_model(
 
     tensors, info = read_sae(path)
     cls = get_architecture(info["architecture"])
+    if info["architecture"] == "clt":
+        return _clt_model(tensors, info["metadata"], k=k, device=device)
     k = k or info["k"] or (None if cls.SELECTS_TOP_K else 1)  # else k is a training target
     if k is None:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
@@ -251,6 +253,17 @@ def load_sae_model(
     if isinstance(sae, BatchTopKSAE):
         sae.threshold.fill_(float(meta.get("threshold", 0)))
     return sae.eval()
+
+
+def _clt_model(tensors: dict[str, torch.Tensor], meta: dict, *, k=None, device=None):
+    """A ``CrossLayerTranscoder`` of our CLT file's tensors and metadata."""
+    from .architectures import CrossLayerTranscoder as CLT
+
+    _, n, d_in = tensors["encoder_weight"].shape
+    clt = CLT(d_in, n, min(k or int(meta["k"]), n), d_out=tensors["decoder_bias"].shape[1],
+              device=device, **CLT.stored_options(meta))  # fmt: skip
+    clt.load_full_state(tensors)
+    return clt.eval()
 
 
 def export_sae(
@@ -267,6 +280,11 @@ def export_sae(
 
     tensors, info = read_sae(path)
     arch = info["architecture"]
+    if arch == "clt":
+        raise CheckpointError(
+            f"{path}: a cross-layer transcoder; neither SAELens nor sparsify loads our CLT "
+            "layout as one coder (sparsify's cross-layer runs store a coder per layer)"
+        )
     k = k or info["k"]
     if k is None and get_architecture(arch).SELECTS_TOP_K:
         raise CheckpointError(f"{path}: the file records no k; pass k=")

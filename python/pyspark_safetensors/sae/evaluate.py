@@ -14,7 +14,7 @@ import torch
 from ..format.errors import InvalidArgumentError
 from ..torch import ShuffledBatches, open_dataset
 from .mesh import MODEL, all_reduce
-from .model import PLACEMENT, TopKSAE
+from .model import TopKSAE
 
 #: A latent firing on more than this fraction of tokens counts as dense.
 DENSE_FREQUENCY = 0.1
@@ -41,7 +41,10 @@ def evaluate_sae(
     """``{fvu, l0, dead_fraction, dense_fraction, tokens, frequency}`` of ``sae`` on
     ``batches`` (``frequency``: per-latent firing rate, a float64 numpy array over every
     latent), plus ``fvu_<part>`` for each part an architecture reports
-    (``evaluation_parts``: a Matryoshka SAE's prefixes, a crosscoder's hook points). A
+    (``evaluation_parts``: a Matryoshka SAE's prefixes, a crosscoder's hook points, a
+    cross-layer transcoder's target layers), and ``l0_<group>`` and
+    ``dead_fraction_<group>`` for each group of latents it names (``latent_groups``: a
+    cross-layer transcoder's layers). A
     batch is ``x`` (an SAE reconstructs it) or a pair ``(x, y)`` (a transcoder: the FVU is
     that of ``y``). A collective over "model" when the SAE is sharded; every rank passes
     the same batches."""
@@ -73,7 +76,7 @@ class _FVU:
 
 def _evaluate(sae: TopKSAE, batches, mesh) -> dict:
     device = sae.encoder_weight.device
-    whole = _FVU(sae.d_out, device)
+    whole: _FVU | None = None  # of the whole target (a CLT's: every layer's, concatenated)
     parts: dict[str, _FVU] = {}
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # active latents, tokens
     fired = torch.zeros(sae.n_local, dtype=torch.float64, device=device)
@@ -82,22 +85,28 @@ def _evaluate(sae: TopKSAE, batches, mesh) -> dict:
         x = x.to(device, torch.float32)
         y = x if y is batch or y is x else y.to(device, torch.float32)
         out = sae(x)
+        whole = whole or _FVU(y.shape[1], device)
         whole.add(out.x_hat, y)
         for name, (part_hat, part_y) in sae.evaluation_parts(out, y).items():
             parts.setdefault(name, _FVU(part_y.shape[1], device)).add(part_hat, part_y)
         active = out.values > 0
         counts[0] += active.sum()
         counts[1] += x.shape[0]
-        local = (out.indices - sae.offset)[active]
+        local = sae.local_latents(out.indices)[active]
         fired += torch.bincount(local, minlength=sae.n_local).double()
     n = float(counts[1])
     if n == 0:
         raise InvalidArgumentError("no held-out rows to evaluate on")
     l0 = all_reduce(counts[:1].clone(), mesh, MODEL)[0]
-    freq = (PLACEMENT["encoder_bias"].gather(fired, mesh) / n).cpu().numpy()
+    freq = (sae.gather_latents(fired) / n).cpu().numpy()
+    groups = {}
+    for name, latents in sae.latent_groups().items():  # a group's L0 is its frequencies' sum
+        groups[f"l0_{name}"] = float(freq[latents].sum())
+        groups[f"dead_fraction_{name}"] = float((freq[latents] == 0).mean())
     return {
         "fvu": whole.fvu(n),
         **{f"fvu_{name}": part.fvu(n) for name, part in parts.items()},
+        **groups,
         "l0": float(l0) / n,
         "dead_fraction": float((freq == 0).mean()),
         "dense_fraction": float((freq > DENSE_FREQUENCY).mean()),

@@ -9,7 +9,9 @@ reads, each served to the same shuffled, rank-split, resumable loader.
 
 A run trains on pairs ``(x, y)`` (``TrainingSource``): an SAE's ``y`` is its ``x``; a
 transcoder's ``x`` and ``y`` come from two row-aligned datasets read at the same indices
-(``AlignedDatasets``); a crosscoder's ``x = y`` is its hook points' rows concatenated.
+(``AlignedDatasets``); a crosscoder's ``x = y`` is its hook points' rows concatenated;
+a cross-layer transcoder's ``x`` is its L layers' MLP inputs concatenated and ``y`` their
+L outputs, 2L row-aligned datasets read as one.
 """
 
 from __future__ import annotations
@@ -69,10 +71,15 @@ class TrainingSource:
     hook_points: tuple[str, ...]
     """The input hook point of each entry of ``inputs`` ("" where unrecorded)."""
     target_hook_point: str = ""
+    targets: tuple[str, ...] = ()
+    """A cross-layer transcoder's target columns, one per layer (``y`` is their
+    concatenation; ``target`` is then None)."""
+    target_hook_points: tuple[str, ...] = ()
+    """The hook point of each entry of ``targets``."""
 
     @property
     def columns(self) -> list[str]:
-        return [*self.inputs, *([self.target] if self.target else [])]
+        return [*self.inputs, *([self.target] if self.target else []), *self.targets]
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -80,12 +87,20 @@ class TrainingSource:
         return tuple(_width(self.dataset, c) for c in self.inputs)
 
     @property
+    def target_widths(self) -> tuple[int, ...]:
+        """Each target column's row width (none when ``y`` is ``x``)."""
+        targets = self.targets or ((self.target,) if self.target else ())
+        return tuple(_width(self.dataset, c) for c in targets)
+
+    @property
     def d_in(self) -> int:
-        return sum(self.widths)
+        """The SAE's input width: the inputs' widths summed (a CLT's: one layer's)."""
+        return self.widths[0] if self.targets else sum(self.widths)
 
     @property
     def d_out(self) -> int:
-        return _width(self.dataset, self.target) if self.target else self.d_in
+        """The SAE's output width (a CLT's: one layer's)."""
+        return self.target_widths[0] if self.target_widths else self.d_in
 
     @property
     def metadata(self) -> dict:
@@ -96,8 +111,9 @@ class TrainingSource:
 
     def pair(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` of a loader batch."""
-        parts = [batch[c] for c in self.inputs]
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        x = _cat([batch[c] for c in self.inputs])
+        if self.targets:
+            return x, _cat([batch[c] for c in self.targets])
         return x, (batch[self.target] if self.target else x)
 
     def read_pairs(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +130,10 @@ class TrainingSource:
                                  dp_rank=0, dp_size=1)  # fmt: skip
         for start in range(0, n, batch):
             yield self.pair(reader.read_batch(np.arange(start, min(start + batch, n))))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _width(ds, column: str) -> int:
@@ -141,6 +161,8 @@ def open_source(config, *, held_out: bool = False) -> TrainingSource | None:
     (naming both) and crosscoder hook points of different widths."""
     c = config
     view = {"saev_patches": c.saev_patches, "saev_layer": c.saev_layer}
+    if c.architecture == "clt":
+        return _clt_source(c, held_out)
     if c.architecture == "crosscoder":
         paths = c.val_datasets if held_out else c.datasets
         if not paths:
@@ -181,6 +203,39 @@ def open_source(config, *, held_out: bool = False) -> TrainingSource | None:
     _column(ds, path, c.column)
     source = TrainingSource(ds, (c.column,), None, (_hook(ds),))
     _ = source.widths  # refuses rows that are not vectors
+    return source
+
+
+def _clt_source(c, held_out: bool) -> TrainingSource | None:
+    """A cross-layer transcoder's pairs: L input and L target datasets, row-aligned."""
+    inputs, targets = (
+        (c.val_datasets, c.val_target_datasets) if held_out else (c.datasets, c.target_datasets)
+    )
+    if not inputs:
+        if held_out:
+            return None
+        raise InvalidArgumentError(
+            "a cross-layer transcoder needs datasets = [MLP input per layer] and "
+            "target_datasets = [MLP output per layer]"
+        )
+    parts, names = {}, {}
+    for prefix, paths, column in (("x", inputs, c.column), ("y", targets, c.target_column)):
+        for layer, path in enumerate(paths):
+            ds = open_dataset(path)
+            _column(ds, path, column)
+            parts[f"{prefix}{layer}"], names[f"{prefix}{layer}"] = (ds, column), path
+    aligned = AlignedDatasets(parts, names=names)
+    hooks = {key: _hook(ds) for key, (ds, _) in parts.items()}
+    xs, ys = tuple(k for k in parts if k[0] == "x"), tuple(k for k in parts if k[0] == "y")
+    source = TrainingSource(aligned, xs, None, tuple(hooks[k] for k in xs), targets=ys,
+                            target_hook_points=tuple(hooks[k] for k in ys))  # fmt: skip
+    for kind, paths, widths in (("inputs", inputs, source.widths),
+                                ("outputs", targets, source.target_widths)):  # fmt: skip
+        if len(set(widths)) != 1:
+            raise InvalidArgumentError(
+                f"a cross-layer transcoder's layers must have one width; the {kind} "
+                f"{list(paths)} have {list(widths)}"
+            )
     return source
 
 

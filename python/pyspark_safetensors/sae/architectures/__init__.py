@@ -1,6 +1,6 @@
 """SAE architectures behind one protocol (``base.SparseAutoencoder``), keyed by the
 config's ``architecture``: SAEs (TopK, BatchTopK, JumpReLU, Matryoshka), transcoders
-(plain and skip) and crosscoders. Adding one is a module here with a ``SparseAutoencoder``
+(plain and skip), crosscoders and cross-layer transcoders. Adding one is a module here with a ``SparseAutoencoder``
 subclass and a line in ``ARCHITECTURES``."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from ...format.errors import InvalidArgumentError
 from .base import PLACEMENT, TINY, SAEOutput, SparseAutoencoder
 from .batchtopk import BATCH_TOPK_ROW_CAP, BatchTopKSAE
+from .clt import CrossLayerTranscoder
 from .crosscoder import CrosscoderSAE
 from .jumprelu import JumpReLUSAE
 from .matryoshka import MatryoshkaSAE
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, type[SparseAutoencoder]] = {
         TranscoderSAE,
         SkipTranscoderSAE,
         CrosscoderSAE,
+        CrossLayerTranscoder,
     )
 }
 
@@ -51,6 +53,7 @@ __all__ = [
     "PLACEMENT",
     "TINY",
     "BatchTopKSAE",
+    "CrossLayerTranscoder",
     "CrosscoderSAE",
     "JumpReLUSAE",
     "MatryoshkaSAE",

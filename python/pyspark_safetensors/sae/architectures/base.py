@@ -106,22 +106,27 @@ class SparseAutoencoder(nn.Module):
         self.n_local = n_latents // tp
         self.offset = mesh_rank(mesh, MODEL) * self.n_local
         gen = torch.Generator().manual_seed(seed)
-        dec = torch.randn(n_latents, self.d_out, generator=gen, dtype=torch.float32)
-        dec /= dec.norm(dim=1, keepdim=True)
-        if self.TIED_INIT and self.d_out == d:
-            enc = dec.clone()
-        else:
-            enc = torch.randn(n_latents, d, generator=gen, dtype=torch.float32)
-            enc /= enc.norm(dim=1, keepdim=True)
-        full = {
-            "encoder_weight": enc,
-            "encoder_bias": torch.zeros(n_latents),
-            "decoder_weight": dec,
-            "decoder_bias": torch.zeros(self.d_out),
-        } | self._extra_parameters()
+        full = self._initial_state(gen) | self._extra_parameters()
         for name, tensor in full.items():
             local = self.placement(name).distribute(tensor, mesh)
             self.register_parameter(name, nn.Parameter(local.to(device=device, dtype=dtype)))
+
+    def _initial_state(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Full-shape starting values of the shared parameters, drawn from ``gen`` (the
+        same on every rank)."""
+        dec = torch.randn(self.n_latents, self.d_out, generator=gen, dtype=torch.float32)
+        dec /= dec.norm(dim=1, keepdim=True)
+        if self.TIED_INIT and self.d_out == self.d:
+            enc = dec.clone()
+        else:
+            enc = torch.randn(self.n_latents, self.d, generator=gen, dtype=torch.float32)
+            enc /= enc.norm(dim=1, keepdim=True)
+        return {
+            "encoder_weight": enc,
+            "encoder_bias": torch.zeros(self.n_latents),
+            "decoder_weight": dec,
+            "decoder_bias": torch.zeros(self.d_out),
+        }
 
     def _extra_parameters(self) -> dict[str, torch.Tensor]:
         """Full-shape starting values of the parameters an architecture adds to the four
@@ -147,6 +152,37 @@ class SparseAutoencoder(nn.Module):
         """Where parameter ``name`` (or its optimizer state) lives on the mesh: the shared
         ones as ``PLACEMENT`` says, an architecture's per-latent ones with the latents."""
         return PLACEMENT.get(name, DimMap({MODEL: 0}))
+
+    # --- latents and their per-latent state -------------------------------------------------
+
+    @property
+    def latents_total(self) -> int:
+        """Every latent of the dictionary (a cross-layer transcoder: of every layer)."""
+        return self.n_latents
+
+    @property
+    def target_blocks(self) -> int:
+        """Equal-width blocks of ``y`` whose FVUs the trainer's loss sums, each normalised
+        by its own variance (1: the FVU of the whole ``y``)."""
+        return 1
+
+    def local_latents(self, indices: torch.Tensor) -> torch.Tensor:
+        """Positions in this rank's per-latent vectors (``[n_local]``) of global indices
+        this rank holds."""
+        return indices - self.offset
+
+    def gather_latents(self, local: torch.Tensor) -> torch.Tensor:
+        """A per-latent vector ``[n_local]`` gathered in global latent order (collective)."""
+        return PLACEMENT["encoder_bias"].gather(local, self.mesh)
+
+    def distribute_latents(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a per-latent vector in global latent order."""
+        return PLACEMENT["encoder_bias"].distribute(full, self.mesh)
+
+    def latent_groups(self) -> dict[str, slice]:
+        """Named ranges of the global latent order evaluated on their own (held-out
+        ``l0_<name>`` and ``dead_fraction_<name>``); none by default."""
+        return {}
 
     # --- the code ------------------------------------------------------------------------
 

@@ -1,0 +1,495 @@
+"""Cross-layer transcoders (Ameisen et al. 2025, "Circuit Tracing"; sparsify's
+``cross_layer``): L layers of an MLP stack, each with its own sparse code read from that
+layer's MLP input, and each layer's MLP output reconstructed from the codes of every layer
+at or below it:
+
+    z_l = act(W_enc^l x_l + b_enc^l)                         [B, n]  (n latents per layer)
+    y_hat_t = sum_{l <= t} z_l W_dec^{l->t} + b_dec^t         [B, d_out]
+
+``act`` keeps k latents per layer: the k largest of ``ReLU(pre)`` per row ("topk"), or
+the ``k x B`` largest of the batch, per layer, in training ("batchtopk"). A per-layer
+transcoder set is the case whose decoders are only the ``l -> l`` ones. With
+``tied_decoders`` each source layer has one decoder that every target at or above it
+shares (``W_dec^{l->t} = W_dec^l``).
+
+**The file** (one safetensors file, float32; l, t are positions 0..L-1 in
+``hook_points``): ``encoder_weight [L, n, d_in]``, ``encoder_bias [L, n]``,
+``decoder_weight.{l} [n, L - l, d_out]`` (slot j is target layer l + j; tied: ``[n, 1,
+d_out]``), ``decoder_bias [L, d_out]``, ``threshold [L, n]``; the metadata records
+``architecture = "clt"``, ``k``, ``n_layers``, ``d_in``, ``d_out``, ``n_latents`` (per
+layer), ``hook_points``, ``target_hook_points``, ``blocks``, ``tied_decoders`` and
+``activation``.
+
+**Inference** (``encode_layer``): the top k per row by default, or a JumpReLU
+``z = pre * 1[pre > threshold]`` with the per-latent ``threshold``. **The threshold
+rule** (``calibrate_thresholds``, run by the trainer on the first
+``THRESHOLD_SAMPLES`` training rows before every checkpoint): each latent fires as often
+under its threshold as under the training selection on those rows. If latent i was
+selected on c_i of the N rows and ``v_(1) >= v_(2) >= ...`` are its N pre-activations
+sorted, ``threshold_i = max(0, (v_(c_i) + v_(c_i + 1)) / 2)`` (``v_(0) = v_(1)``,
+``v_(N+1) = 0``): exactly c_i rows are above it where values do not tie, so on those rows
+each latent's firing frequency, and each layer's mean L0 (k for TopK), are the
+training code's. The rows it fires on are the latent's c_i largest, which the top-k
+mostly but not always picked (a row may have had k larger competitors).
+
+**Training.** The trainer feeds ``x = concat_l x_l [B, L d_in]`` and
+``y = concat_t y_t [B, L d_out]``; the code is ``(values, indices)`` ``[B, L m]``, layer
+l's m slots first, with global latent indices ``l n + i``. The loss is the sum of the L
+per-layer FVUs, each normalised by its own layer's batch variance (``target_blocks``),
+so a layer of small variance weighs as much as one of large variance. As a transcoder
+(``transcoder.py``), the decoders start at zero and keep no unit norm, the encoders start
+centred on each layer's input mean, and the steps are taken about that mean
+(``input_mean [L, d_in]``, a buffer of the trainer's state, never in the file). AuxK
+picks each layer's dead latents and asks them for the residual of the targets at or
+above their layer. On a mesh the latents of every layer shard along "model" (rank r
+holds latents ``r n/tp .. (r+1) n/tp`` of each layer); the per-layer top-k costs one
+all-gather for all layers, the decoders' partial sums one all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ...format.errors import InvalidArgumentError
+from ..mesh import (
+    MODEL,
+    DimMap,
+    all_gather_cat,
+    copy_to_model,
+    mesh_dim_size,
+    mesh_rank,
+    reduce_from_model,
+)
+from .base import SAEOutput, SparseAutoencoder
+from .batchtopk import BATCH_TOPK_ROW_CAP
+from .topk import _TopKEncode
+
+#: Training rows the per-latent thresholds are calibrated on (module docstring).
+THRESHOLD_SAMPLES = 8192
+#: The activations a CLT trains with.
+ACTIVATIONS = ("topk", "batchtopk")
+
+_BY_LATENT = DimMap({MODEL: 1})  # [L, n] tensors: each layer's latents split over "model"
+_DECODER = DimMap({MODEL: 0})  # [n, S, d_out]: the source layer's latents split
+_REPLICATED = DimMap({})
+
+
+def decoder_name(layer: int) -> str:
+    """The file's name of source layer ``layer``'s decoder."""
+    return f"decoder_weight.{layer}"
+
+
+def block_of(hook_point: str) -> str:
+    """The MLP module of an ``<module>:input`` (or ``:output``) hook point."""
+    module, sep, side = hook_point.rpartition(":")
+    return module if sep and side in ("input", "output") else hook_point
+
+
+def clt_file_shapes(metadata: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a CLT file and its shape, from the file's metadata."""
+    try:
+        n_layers, n = int(metadata["n_layers"]), int(metadata["n_latents"])
+        d_in, d_out = int(metadata["d_in"]), int(metadata["d_out"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"a CLT file's metadata needs integer n_layers, n_latents, d_in, d_out ({e})"
+        ) from None
+    tied = str(metadata.get("tied_decoders", "false")).lower() == "true"
+    shapes = {
+        "encoder_weight": (n_layers, n, d_in),
+        "encoder_bias": (n_layers, n),
+        "decoder_bias": (n_layers, d_out),
+        "threshold": (n_layers, n),
+    }
+    for layer in range(n_layers):
+        shapes[decoder_name(layer)] = (n, 1 if tied else n_layers - layer, d_out)
+    return shapes
+
+
+class CrossLayerTranscoder(SparseAutoencoder):
+    """A cross-layer transcoder over ``n_layers`` MLP layers: ``d`` inputs and ``d_out``
+    outputs per layer, ``n_latents`` latents per layer, ``k`` active per layer."""
+
+    ARCHITECTURE = "clt"
+    TIED_INIT = False
+    LUT_REFUSAL = (
+        "a cross-layer transcoder's block t is decoded from the codes of every layer at or "
+        "below t; its LUT is one per block, made from all of them, not from one SAE"
+    )
+    #: How an eval-mode forward encodes ("topk" or "threshold"; ``encode_layer``).
+    INFERENCE: ClassVar[tuple[str, ...]] = ("topk", "threshold")
+
+    def __init__(
+        self,
+        d: int,
+        n_latents: int,
+        k: int,
+        *,
+        n_layers: int = 1,
+        tied_decoders: bool = False,
+        activation: str = "topk",
+        hook_points: Sequence[str] = (),
+        target_hook_points: Sequence[str] = (),
+        **kwargs,
+    ):
+        if n_layers < 1:
+            raise InvalidArgumentError(f"a CLT needs at least one layer, got {n_layers}")
+        if activation not in ACTIVATIONS:
+            raise InvalidArgumentError(
+                f"clt activation must be one of {ACTIVATIONS}, got {activation!r}"
+            )
+        self.n_layers, self.tied_decoders, self.activation = (
+            n_layers,
+            bool(tied_decoders),
+            activation,
+        )
+        super().__init__(d, n_latents, k, **kwargs)
+        self.n_layer_local = self.n_local
+        self.n_local = n_layers * self.n_layer_local  # the trainer's per-latent vectors
+        self.hook_points = tuple(hook_points)
+        self.target_hook_points = tuple(target_hook_points)
+        self.inference = "topk"
+        device = self.encoder_weight.device
+        self.register_buffer("input_mean", torch.zeros(n_layers, d, device=device))
+        # a plain tensor, not a buffer: it is this rank's shard and travels in the file,
+        # never in the trainer's (rank 0's) buffers
+        self.threshold = torch.zeros(n_layers, self.n_layer_local, device=device)
+        self._shift: torch.Tensor | None = None
+
+    # --- parameters --------------------------------------------------------------------
+
+    def _initial_state(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        L, n = self.n_layers, self.n_latents
+        enc = torch.randn(L, n, self.d, generator=gen, dtype=torch.float32)
+        enc /= enc.norm(dim=2, keepdim=True)
+        state = {"encoder_weight": enc, "encoder_bias": torch.zeros(L, n)}
+        for layer in range(L):  # zero: each latent's first tokens write its outputs
+            slots = 1 if self.tied_decoders else L - layer
+            state[f"decoder_weight_{layer}"] = torch.zeros(n, slots, self.d_out)
+        return state | {"decoder_bias": torch.zeros(L, self.d_out)}
+
+    def placement(self, name: str) -> DimMap:
+        if name in ("encoder_weight", "encoder_bias", "threshold"):
+            return _BY_LATENT
+        if name.startswith("decoder_weight"):
+            return _DECODER
+        return _REPLICATED
+
+    def decoder_weights(self) -> list[torch.Tensor]:
+        """Each source layer's local decoder ``[n_local, S, d_out]``."""
+        return [getattr(self, f"decoder_weight_{layer}") for layer in range(self.n_layers)]
+
+    def decoder(self, source: int, target: int) -> torch.Tensor:
+        """``W_dec^{source->target}``, this rank's rows ``[n_local, d_out]``."""
+        if not 0 <= source <= target < self.n_layers:
+            raise InvalidArgumentError(
+                f"a CLT of {self.n_layers} layers decodes source <= target, got {source} -> {target}"
+            )
+        return self.decoder_weights()[source][:, 0 if self.tied_decoders else target - source]
+
+    @classmethod
+    def config_options(cls, config) -> dict:
+        return {"n_layers": len(config.datasets) or 1, "tied_decoders": config.clt_tied_decoders,
+                "activation": config.clt_activation}  # fmt: skip
+
+    @classmethod
+    def stored_options(cls, metadata: dict) -> dict:
+        def names(key):
+            value = metadata.get(key) or "[]"
+            return tuple(json.loads(value) if isinstance(value, str) else value)
+
+        return {
+            "n_layers": int(metadata["n_layers"]),
+            "tied_decoders": str(metadata.get("tied_decoders", "false")).lower() == "true",
+            "activation": metadata.get("activation", "topk"),
+            "hook_points": names("hook_points"),
+            "target_hook_points": names("target_hook_points"),
+        }
+
+    # --- latents -------------------------------------------------------------------------
+
+    @property
+    def latents_total(self) -> int:
+        return self.n_layers * self.n_latents
+
+    @property
+    def target_blocks(self) -> int:
+        return self.n_layers
+
+    def local_latents(self, indices: torch.Tensor) -> torch.Tensor:
+        layer = torch.div(indices, self.n_latents, rounding_mode="floor")
+        within = indices - layer * self.n_latents - mesh_rank(self.mesh, MODEL) * self.n_layer_local
+        return layer * self.n_layer_local + within
+
+    def gather_latents(self, local: torch.Tensor) -> torch.Tensor:
+        return _BY_LATENT.gather(local.view(self.n_layers, -1), self.mesh).flatten()
+
+    def distribute_latents(self, full: torch.Tensor) -> torch.Tensor:
+        return _BY_LATENT.distribute(full.view(self.n_layers, -1), self.mesh).flatten()
+
+    def latent_groups(self) -> dict[str, slice]:
+        n = self.n_latents
+        return {
+            f"layer{layer}": slice(layer * n, (layer + 1) * n) for layer in range(self.n_layers)
+        }
+
+    # --- the code ------------------------------------------------------------------------
+
+    def split_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``[B, L d_in]`` cut into the layers' ``[B, d_in]`` inputs."""
+        if x.shape[-1] != self.n_layers * self.d:
+            raise InvalidArgumentError(
+                f"a CLT of {self.n_layers} layers of width {self.d} reads [B, {self.n_layers * self.d}], "
+                f"got {list(x.shape)}"
+            )
+        return list(x.to(self.encoder_weight.dtype).split(self.d, dim=-1))
+
+    def _candidates(self, k: int) -> int:
+        cap = BATCH_TOPK_ROW_CAP if self.activation == "batchtopk" else 1
+        return min(cap * k, self.n_layer_local)
+
+    def _select(self, vals: torch.Tensor, k: int, batch: bool) -> torch.Tensor:
+        """Zero the candidates ``[B, L, c]`` that lose their layer's selection: the top k
+        per row, or (``batch``) the ``k B`` largest of the layer's batch."""
+        tp = mesh_dim_size(self.mesh, MODEL)
+        if tp == 1 and not batch and vals.shape[2] <= k:
+            return vals  # the local top-k is the code
+        cand = all_gather_cat(vals.detach(), self.mesh, MODEL, dim=2)  # [B, L, tp c]
+        if batch:
+            if tp > 1:  # the row cap over every rank's candidates, as on one process
+                cap = min(BATCH_TOPK_ROW_CAP * k, self.n_latents)
+                row_cut = cand.topk(cap, dim=2).values[:, :, -1:]
+                cand, vals = cand * (cand >= row_cut), vals * (vals >= row_cut)
+            flat = cand.transpose(0, 1).reshape(self.n_layers, -1)
+            keep = min(k * vals.shape[0], flat.shape[1])
+            cut = flat.topk(keep, dim=1, sorted=False).values.min(dim=1).values
+            return vals * (vals >= cut.clamp_min(torch.finfo(vals.dtype).tiny)[None, :, None])
+        win = torch.zeros_like(cand, dtype=torch.bool)
+        win.scatter_(2, cand.topk(k, dim=2, sorted=False).indices, True)
+        c, rank = vals.shape[2], mesh_rank(self.mesh, MODEL)
+        return vals * win[:, :, rank * c : (rank + 1) * c]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        k: int | None = None,
+        dead: torch.Tensor | None = None,
+        k_aux: int = 0,
+        aux_rows: int | None = None,
+    ) -> SAEOutput:
+        """Encode every layer of ``x [B, L d_in]`` and decode every target ``[B, L d_out]``.
+        In training the activation's selection; in eval mode ``inference``'s rule (the top
+        k per row, or the thresholds). ``dead`` (bool ``[n_local]``, layer-major) with
+        ``k_aux`` also picks each layer's AuxK latents among its dead ones on the first
+        ``aux_rows`` rows."""
+        k = k or self.k
+        use_aux = dead is not None and k_aux > 0
+        k_aux = min(k_aux, self.n_layer_local) if use_aux else 0
+        rows = len(x) if aux_rows is None else aux_rows
+        threshold = not self.training and self.inference == "threshold"
+        c = min(BATCH_TOPK_ROW_CAP * k, self.n_layer_local) if threshold else self._candidates(k)
+        dead_l = dead.view(self.n_layers, -1) if use_aux else None
+        vals, idx, aux_vals, aux_idx = [], [], [], []
+        for layer, x_l in enumerate(self.split_inputs(x)):
+            v, i, av, ai = _TopKEncode.apply(
+                copy_to_model(x_l, self.mesh), self.encoder_weight[layer],
+                self.encoder_bias[layer], c, dead_l[layer] if use_aux else None, k_aux, rows,
+            )  # fmt: skip
+            vals.append(v), idx.append(i), aux_vals.append(av), aux_idx.append(ai)
+        vals, idx = torch.stack(vals, 1), torch.stack(idx, 1)  # [B, L, c]
+        if threshold:
+            vals = vals * (vals > self.threshold.expand(len(x), -1, -1).gather(2, idx))
+        else:
+            vals = self._select(vals, k, batch=self.training and self.activation == "batchtopk")
+        values, indices = vals.flatten(1), self._global(idx).flatten(1)
+        if use_aux:
+            av = self._select(torch.stack(aux_vals, 1), k_aux, batch=False)
+            aux = (av.flatten(1), self._global(torch.stack(aux_idx, 1)).flatten(1))
+        else:
+            aux = (values[:, :0], indices[:, :0])
+        return SAEOutput(self.decode(values, indices), values, indices, *aux)
+
+    def _global(self, idx: torch.Tensor) -> torch.Tensor:
+        """Local indices ``[B, L, c]`` to global ``l n + i``."""
+        layers = torch.arange(self.n_layers, device=idx.device)[None, :, None]
+        return idx + layers * self.n_latents + mesh_rank(self.mesh, MODEL) * self.n_layer_local
+
+    def decode_latents(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``[B, L d_out]``: every target's ``sum_{l <= t} z_l W_dec^{l->t}`` over every
+        model rank, without ``decoder_bias``; ``(values, indices)`` ``[B, L m]`` as
+        ``forward`` gives them."""
+        B, L = values.shape[0], self.n_layers
+        v, i = values.view(B, L, -1), self.local_latents(indices).view(B, L, -1)
+        out = values.new_zeros(B, L, self.d_out, dtype=self.decoder_bias.dtype)
+        for layer, w in enumerate(self.decoder_weights()):
+            local = i[:, layer] - layer * self.n_layer_local
+            part = F.embedding_bag(local, w.flatten(1), per_sample_weights=v[:, layer].to(w.dtype),
+                                   mode="sum").view(B, w.shape[1], self.d_out)  # fmt: skip
+            out[:, layer:] += part  # tied: one slot, broadcast to every target above
+        return reduce_from_model(out.flatten(1), self.mesh)
+
+    def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return self.decode_latents(values, indices) + self.decoder_bias.flatten()
+
+    def evaluation_parts(self, out: SAEOutput, y: torch.Tensor) -> dict:
+        hats = out.x_hat.view(len(y), self.n_layers, -1)
+        ys = y.view(len(y), self.n_layers, -1)
+        return {f"layer{t}": (hats[:, t], ys[:, t]) for t in range(self.n_layers)}
+
+    # --- inference, one layer at a time ----------------------------------------------------
+
+    @torch.no_grad()
+    def encode_layer(
+        self, layer: int, x: torch.Tensor, *, rule: str = "topk", k: int | None = None
+    ) -> torch.Tensor:
+        """Layer ``layer``'s dense code ``[B, n]`` of its MLP input ``x [B, d_in]``: the
+        top ``k`` of ``ReLU(W_enc x + b_enc)`` per row (``rule="topk"``, k = the trained
+        k by default), or ``pre * 1[pre > threshold]`` (``rule="threshold"``). On a mesh
+        every rank gets the whole code."""
+        if rule not in self.INFERENCE:
+            raise InvalidArgumentError(f"rule must be one of {self.INFERENCE}, got {rule!r}")
+        x = x.to(self.encoder_weight.dtype)
+        pre = torch.addmm(self.encoder_bias[layer], x, self.encoder_weight[layer].t())
+        if rule == "threshold":
+            local = pre * (pre > self.threshold[layer])
+            return all_gather_cat(local, self.mesh, MODEL, dim=1)
+        pre = all_gather_cat(pre.relu(), self.mesh, MODEL, dim=1)
+        vals, idx = pre.topk(k or self.k, dim=1)
+        return torch.zeros_like(pre).scatter_(1, idx, vals)
+
+    def decode_layer(self, target: int, codes: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``y_hat_target [B, d_out] = sum_{l <= target} codes[l] W_dec^{l->target} +
+        b_dec^target`` from the dense codes ``[B, n]`` of layers 0..target (more are
+        ignored)."""
+        if len(codes) <= target:
+            raise InvalidArgumentError(
+                f"decoding layer {target} needs the codes of layers 0..{target}, got {len(codes)}"
+            )
+        lo = mesh_rank(self.mesh, MODEL) * self.n_layer_local
+        part = sum(
+            codes[src][:, lo : lo + self.n_layer_local].to(self.decoder_bias.dtype)
+            @ self.decoder(src, target)
+            for src in range(target + 1)
+        )
+        return reduce_from_model(part, self.mesh) + self.decoder_bias[target]
+
+    def forward_layers(
+        self, xs: Sequence[torch.Tensor], *, rule: str = "topk"
+    ) -> list[torch.Tensor]:
+        """Every layer's ``y_hat_t`` from the layers' inputs ``xs`` (L tensors ``[B, d_in]``)."""
+        codes = [self.encode_layer(layer, x, rule=rule) for layer, x in enumerate(xs)]
+        return [self.decode_layer(t, codes) for t in range(len(xs))]
+
+    # --- the threshold rule ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def calibrate_thresholds(self, batches, k: int | None = None) -> None:
+        """Set ``threshold`` by the module docstring's rule from ``batches`` (``x [B, L
+        d_in]`` each, the same on every rank: a collective over "model"), selected as in
+        training (the top k per row, or per batch for BatchTopK)."""
+        was_training = self.training
+        self.train()
+        try:
+            xs = [x.to(self.encoder_weight.device) for x in batches]
+            if not xs:
+                raise InvalidArgumentError("no rows to calibrate the CLT's thresholds on")
+            counts = torch.zeros(self.n_local, dtype=torch.long, device=self.threshold.device)
+            for x in xs:
+                out = self(x, k=k)
+                counts += torch.bincount(self.local_latents(out.indices)[out.values > 0],
+                                         minlength=self.n_local)  # fmt: skip
+            for layer in range(self.n_layers):  # one layer's rows at a time
+                x_l = torch.cat([self.split_inputs(x)[layer] for x in xs])
+                c = counts.view(self.n_layers, -1)[layer]
+                self.threshold[layer] = self._frequency_matched(layer, x_l, c)
+        finally:
+            self.train(was_training)
+
+    def _frequency_matched(self, layer: int, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Each local latent's threshold above which ``count`` of its pre-activations on
+        ``x`` lie (blocks of latents, so memory is ``N x 256`` at a time)."""
+        out = torch.empty(self.n_layer_local, device=x.device)
+        n_rows = len(x)
+        for lo in range(0, self.n_layer_local, 256):
+            w = self.encoder_weight[layer, lo : lo + 256]
+            pre = torch.addmm(self.encoder_bias[layer, lo : lo + 256], x, w.t())
+            ranked = pre.sort(dim=0, descending=True).values  # [N, blk]
+            ranked = torch.cat([ranked[:1], ranked, ranked.new_zeros(1, ranked.shape[1])])
+            c = count[lo : lo + 256].clamp(0, n_rows)[None]
+            between = (ranked.gather(0, c) + ranked.gather(0, c + 1)) / 2
+            out[lo : lo + 256] = between[0].clamp_min(0)
+        return out
+
+    # --- the trainer's hooks ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def center_encoder(self, mean_x: torch.Tensor) -> None:
+        """``input_mean = mean(x_l)`` per layer and ``b_enc^l = -W_enc^l mean(x_l)``
+        (``mean_x``: ``[L d_in]`` or ``[L, d_in]``)."""
+        self.input_mean.copy_(mean_x.reshape(self.n_layers, self.d).to(self.input_mean))
+        self.encoder_bias.copy_(-self._encoder_shift())
+
+    def _encoder_shift(self) -> torch.Tensor:
+        return torch.einsum(
+            "lnd,ld->ln", self.encoder_weight, self.input_mean.to(self.encoder_weight)
+        )
+
+    @torch.no_grad()
+    def before_update(self) -> None:
+        """The encoders' gradients about each layer's ``input_mean`` (``transcoder.py``):
+        ``g_W -= g_b mu^T``; the decoders keep their norms."""
+        w, b = self.encoder_weight, self.encoder_bias
+        self._shift = None
+        if w.grad is not None and b.grad is not None:
+            w.grad.sub_(b.grad[:, :, None] * self.input_mean.to(w.grad)[:, None, :])
+            self._shift = self._encoder_shift()
+
+    @torch.no_grad()
+    def after_update(self) -> None:
+        """``b -= (W_new - W_old) mu``: each step keeps the encoder's centred form."""
+        if self._shift is not None:
+            self.encoder_bias.sub_(self._encoder_shift() - self._shift)
+        self._shift = None
+
+    # --- state ---------------------------------------------------------------------------
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        return clt_file_shapes(self.metadata())
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        state = {"encoder_weight": self.encoder_weight.detach(),
+                 "encoder_bias": self.encoder_bias.detach()}  # fmt: skip
+        for layer, w in enumerate(self.decoder_weights()):
+            state[decoder_name(layer)] = w.detach()
+        return state | {"decoder_bias": self.decoder_bias.detach(), "threshold": self.threshold}
+
+    @torch.no_grad()
+    def load_local_state(self, local: dict[str, torch.Tensor]) -> None:
+        for name, value in local.items():
+            if name == "threshold":
+                self.threshold.copy_(value)
+            elif name.startswith("decoder_weight."):
+                getattr(self, f"decoder_weight_{name.split('.')[1]}").copy_(value)
+            else:
+                getattr(self, name).copy_(value)
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "architecture": self.ARCHITECTURE,
+            "activation": self.activation,
+            "k": str(self.k),
+            "n_layers": str(self.n_layers),
+            "d_in": str(self.d),
+            "d_out": str(self.d_out),
+            "n_latents": str(self.n_latents),
+            "tied_decoders": "true" if self.tied_decoders else "false",
+            "hook_points": json.dumps(list(self.hook_points)),
+            "target_hook_points": json.dumps(list(self.target_hook_points)),
+            "blocks": json.dumps([block_of(h) for h in self.hook_points]),
+        }
