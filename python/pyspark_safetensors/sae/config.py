@@ -162,6 +162,16 @@ class SAEConfig:
     """Global batch (tokens per step), split evenly over the data-parallel ranks."""
     tokens: int = 0
     """Training tokens; 0 = one pass over the dataset."""
+    follow: bool = False
+    """Train on datasets still being written (an extraction or a stream appending to
+    them): wait until each holds a global batch, take the rows of each commit as it lands
+    (``torch.FollowingBatches``), and stop at ``tokens`` (required: the schedule is
+    planned on it) or once every dataset is marked complete and read (the run then ends
+    there, before its schedule's decay). ``num_workers`` is not used."""
+    follow_poll_s: float = 1.0
+    """Following: seconds between reads of the manifests while waiting for rows."""
+    follow_timeout_s: float = 600.0
+    """Following: fail after waiting this long with no new row committed; 0 = wait for ever."""
     seed: int = 0
     autocast: bool = True
     """bf16 autocast on CUDA (parameters and optimizer stay float32); ignored on CPU."""
@@ -229,6 +239,10 @@ class SAEConfig:
                 )
         if self.d_out < 0:
             raise InvalidArgumentError(f"d_out must be >= 0, got {self.d_out}")
+        if self.follow and not self.tokens:
+            raise InvalidArgumentError("follow needs tokens: the budget the schedule is planned on")
+        if self.follow_poll_s <= 0 or self.follow_timeout_s < 0:
+            raise InvalidArgumentError("follow_poll_s must be > 0 and follow_timeout_s >= 0")
         self._check_data()
         n = self.n_latents or self.expansion_factor * self.d
         if self.d and self.matryoshka_prefixes:
@@ -381,11 +395,15 @@ class SAEConfig:
             "val_tokens",
             "data_parallel_size",
             "model_parallel_size",
+            "follow_poll_s",
+            "follow_timeout_s",
         }
         body = {k: v for k, v in self.to_dict().items() if k not in skip}
         if self.architecture != "clt":  # the runs from before these fields keep their hash
             for name in ("target_datasets", "clt_tied_decoders", "clt_activation"):
                 del body[name]
+        if not self.follow:  # the runs from before the field keep their hash
+            del body["follow"]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:
