@@ -10,6 +10,7 @@ import pytest
 
 from pyspark_safetensors.dataset import DatasetBuilder, DatasetReplacedError, mark_complete
 from pyspark_safetensors.torch import FollowingBatches, FollowTimeoutError
+from pyspark_safetensors.torch.loader import MisalignedDatasetsError
 
 ROWS_PER_SHARD = 50
 
@@ -219,3 +220,15 @@ def test_row_aligned_datasets_follow_their_common_commits(tmp_path):
     assert sum(len(b["x"]) for b in batches) == 100
     for b in batches:
         assert np.array_equal(b["x"].numpy(), b["y"].numpy())
+
+
+def test_complete_datasets_that_are_not_row_aligned_are_refused(tmp_path):
+    x, y = tmp_path / "x", tmp_path / "y"
+    append(x, 0, 100)  # two shards of 50
+    with DatasetBuilder(y, batch_size=100) as build:  # the same rows in one shard
+        build.add_batch({"activation": np.zeros((100, 4), np.float32)})
+    mark_complete(x)
+    mark_complete(y)
+    loader = FollowingBatches({"x": (x, "activation"), "y": (y, "activation")}, 10)
+    with pytest.raises(MisalignedDatasetsError, match="not row-aligned"):
+        list(loader)

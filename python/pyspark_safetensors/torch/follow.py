@@ -41,7 +41,12 @@ from ..dataset import (
 from ..dataset.manifest import parse_manifest
 from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
 from .dataset import SafetensorsDataset
-from .loader import AlignedDatasets, data_parallel_rank_and_size, read_batch
+from .loader import (
+    AlignedDatasets,
+    MisalignedDatasetsError,
+    data_parallel_rank_and_size,
+    read_batch,
+)
 
 
 class FollowTimeoutError(PysparkSafetensorsError, TimeoutError):
@@ -208,6 +213,7 @@ class FollowingBatches:
         self.poll_interval_s, self.timeout_s = poll_interval_s, timeout_s
         self.lookahead = lookahead
         self.view: _View | None = None
+        self._commits: tuple = ()
         self.delivered = 0
         """Batches yielded so far (this rank's batch k is its rows [k B, (k + 1) B))."""
         self.window: tuple[int, int] | None = None
@@ -224,17 +230,28 @@ class FollowingBatches:
         if any(ds is None for ds in opened):
             return None
         complete = all(f.complete for f in self.followed)
-        if self.parts is None:
+        commits = tuple(d.manifest.commit_id for d in opened)
+        if self.view is not None and commits == self._commits:
+            ds = self.view.dataset  # nothing landed: no shard to check again
+        elif self.parts is None:
             ds = opened[0]
         else:
-            ds = self._aligned(opened)
-            complete = complete and len({len(d.counts) for d in opened}) == 1
+            ds = self._aligned(opened, complete)
+        self._commits = commits
         self._check_columns(ds)
         self.view = _View(ds, len(ds), complete)
         return self.view
 
-    def _aligned(self, opened: list[SafetensorsDataset]) -> AlignedDatasets:
+    def _aligned(self, opened: list[SafetensorsDataset], complete: bool) -> AlignedDatasets:
+        """The datasets over the shards every one has committed; when all are complete,
+        those must be all their shards."""
         shards = _common_prefix(opened)
+        if complete and any(len(d.counts) != shards for d in opened):
+            names = [p for p, _ in self.parts.values()]
+            raise MisalignedDatasetsError(
+                f"{names} are complete but not row-aligned: their shards agree on the first "
+                f"{shards} only (write them from the same extraction)"
+            )
         cut = [d.grown(replace(d.manifest, shards=d.manifest.shards[:shards])) for d in opened]
         if self.view is not None and shards < len(self.view.dataset.counts):
             raise DatasetReplacedError("row-aligned datasets no longer agree on their shards")
