@@ -790,8 +790,10 @@ def _compact_shapes(shape_texts: list[str]):
     return shapes, numel
 
 
-def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: int, path):
-    """(columns, metadata) of a compact, valid header, else None."""
+def _compact_entries(data: bytes, text: str | None, path):
+    """(metadata, entries) of a compact header: its metadata (None when it has none) and
+    the bytes of its tensor entries as uint8, each followed by a comma; None when the
+    header is not of that form or its entries hold escapes or control characters."""
     body = data.rstrip(b" \t\n\r")
     if not body.endswith(b"}"):
         return None
@@ -802,12 +804,19 @@ def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: 
     entries = np.frombuffer(body[pos:-1] + b",", np.uint8)
     if (entries < 0x20).any() or (entries == ord("\\")).any():  # escapes, control characters
         return None
+    return metadata, entries
+
+
+def _entry_slots(entries: np.ndarray):
+    """(begins, ends), ``[n, 10]`` each: slot k of tensor i is ``entries[begins[i, k]:
+    ends[i, k]]``, after its quote k up to the next quote (0 the name, 4 the dtype, 7 the
+    shape, 9 the offsets); None unless every entry has its ten quotes and fixed slots."""
     quotes = np.flatnonzero(entries == _QUOTE)
     n = len(quotes) // 10
     if n == 0 or len(quotes) != 10 * n or quotes[0] != 0:
         return None
     quotes = quotes.reshape(n, 10)
-    begins = quotes + 1  # slot k of a tensor: after its quote k up to the next quote
+    begins = quotes + 1
     ends = np.empty_like(quotes)
     ends[:, :9] = quotes[:, 1:]
     ends[:-1, 9] = quotes[1:, 0]
@@ -818,7 +827,66 @@ def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: 
         got = entries[quotes[:, a, None] + np.arange(len(piece))]
         if not (got == np.frombuffer(piece, np.uint8)).all():
             return None
+    return begins, ends
 
+
+def _compact_offsets(entries: np.ndarray, begins: np.ndarray, ends: np.ndarray):
+    """(starts, stops) of the tensors from their offsets slots (``:[start,stop]},``), or
+    None when a slot is not exactly one such pair."""
+    # Each slot starts with ':', which a run of pairs holds only at a pair's start: n
+    # slots matching n pairs are one pair each.
+    offsets_text = _cut(entries, begins, ends)[0].tobytes()
+    if not (entries[begins] == _COLON).all() or not _COMPACT_OFFSETS.fullmatch(offsets_text):
+        return None
+    # np.fromstring's text mode (sep), not its removed binary mode; the text was checked above.
+    numbers = np.fromstring(offsets_text.replace(b"]},:[", b",")[2:-3], dtype=np.int64, sep=",")
+    if len(numbers) != 2 * len(begins):
+        return None
+    return numbers[0::2], numbers[1::2]
+
+
+def _buffer_order(starts: np.ndarray, stops: np.ndarray) -> np.ndarray | None:
+    """The permutation that puts the tensors in byte-buffer order (by start, then stop),
+    or None when they are in that order already (the usual case: no sort)."""
+    in_order = (starts[1:] > starts[:-1]) | (
+        (starts[1:] == starts[:-1]) & (stops[1:] >= stops[:-1])
+    )
+    return None if in_order.all() else np.lexsort((stops, starts))
+
+
+def _tiles_buffer(starts: np.ndarray, stops: np.ndarray, file_size: int, data_start: int) -> bool:
+    """Whether the byte ranges, in buffer order, cover the byte buffer exactly: from 0,
+    each starting where the previous stops, the last ending with the file."""
+    return not (
+        starts[0] != 0
+        or (starts[1:] != stops[:-1]).any()
+        or data_start + int(stops[-1]) != file_size
+    )
+
+
+def _names_distinct(name_data: np.ndarray, name_offsets: np.ndarray) -> bool:
+    """Whether the names are surely distinct and none is ``__metadata__`` (else the
+    general path decides and says which)."""
+    if _may_repeat(name_data, name_offsets):
+        return False
+    reserved = METADATA_KEY.encode()
+    lengths = np.diff(name_offsets)
+    for i in np.flatnonzero(lengths == len(reserved)).tolist():
+        if name_data[name_offsets[i] : name_offsets[i + 1]].tobytes() == reserved:
+            return False
+    return True
+
+
+def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: int, path):
+    """(columns, metadata) of a compact, valid header, else None."""
+    found = _compact_entries(data, text, path)
+    if found is None:
+        return None
+    metadata, entries = found
+    slots = _entry_slots(entries)
+    if slots is None:
+        return None
+    begins, ends = slots
     dtype_texts, dtype_of = _distinct(*_cut(entries, begins[:, 4], ends[:, 4]))
     dtypes = [DTYPES.get(t.decode("utf-8")) for t in dtype_texts]
     if None in dtypes:
@@ -828,28 +896,19 @@ def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: 
     if shaped is None:
         return None
     shapes, numel = shaped
-    # Each slot starts with ':', which a run of pairs holds only at a pair's start: n
-    # slots matching n pairs are one pair each.
-    offsets_text = _cut(entries, begins[:, 9], ends[:, 9])[0].tobytes()
-    if not (entries[begins[:, 9]] == _COLON).all() or not _COMPACT_OFFSETS.fullmatch(offsets_text):
+    offsets = _compact_offsets(entries, begins[:, 9], ends[:, 9])
+    if offsets is None:
         return None
-    # np.fromstring's text mode (sep), not its removed binary mode; the text was checked above.
-    numbers = np.fromstring(offsets_text.replace(b"]},:[", b",")[2:-3], dtype=np.int64, sep=",")
-    if len(numbers) != 2 * n:
-        return None
-    starts, stops = numbers[0::2], numbers[1::2]
+    starts, stops = offsets
     bits = (
         np.array([d.bits for d in dtypes], dtype=np.int64)[dtype_of]
         * np.array(numel, dtype=np.int64)[shape_of]
     )
     if (bits % 8).any() or ((stops - starts) * 8 != bits).any():
         return None
-    in_order = (starts[1:] > starts[:-1]) | (
-        (starts[1:] == starts[:-1]) & (stops[1:] >= stops[:-1])
-    )
     name_begins, name_ends = begins[:, 0], ends[:, 0]
-    if not in_order.all():
-        order = np.lexsort((stops, starts))
+    order = _buffer_order(starts, stops)
+    if order is not None:
         starts, stops, dtype_of, shape_of = (
             starts[order],
             stops[order],
@@ -857,21 +916,11 @@ def _compact_columns(data: bytes, text: str | None, file_size: int, data_start: 
             shape_of[order],
         )
         name_begins, name_ends = name_begins[order], name_ends[order]
-    if (
-        starts[0] != 0
-        or (starts[1:] != stops[:-1]).any()
-        or data_start + int(stops[-1]) != file_size
-    ):
+    if not _tiles_buffer(starts, stops, file_size, data_start):
         return None
     name_data, name_offsets = _cut(entries, name_begins, name_ends)
-    # A repeated key, or __metadata__ used as a tensor: the general path says so.
-    if _may_repeat(name_data, name_offsets):
+    if not _names_distinct(name_data, name_offsets):
         return None
-    reserved = METADATA_KEY.encode()
-    lengths = np.diff(name_offsets)
-    for i in np.flatnonzero(lengths == len(reserved)).tolist():
-        if name_data[name_offsets[i] : name_offsets[i + 1]].tobytes() == reserved:
-            return None
     columns = HeaderColumns(
         name_data, name_offsets, tuple(dtypes), dtype_of, tuple(shapes), shape_of, starts, stops
     )
