@@ -174,76 +174,20 @@ def plan_features(
     """Check the inputs (one-line errors naming the file or setting) and resolve the hook,
     the widths and the tokenizer. ``config.extraction`` may be a URI (``s3://...``);
     ``storage_options`` configure its filesystem (else the usual ``AWS_*`` variables)."""
-    from ..sae.architectures import get_architecture
-    from ..sae.ecosystem import read_sae
-
     options = dict(storage_options or {})
     src = DatasetLocation.of(config.extraction, storage_options=options)
+    doc = read_extraction_doc(config, src)
     doc_path = src.display(EXTRACTION_DOC)
-    if not src.has(EXTRACTION_DOC):
-        raise FeaturesError(f"{doc_path}: no extraction here (run `pyspark-safetensors extract`)")
-    doc = json.loads(src.read_bytes(EXTRACTION_DOC))
-    image = doc.get("modality", "text") == "image"
-    for option in ("factors", "token_kinds"):
-        if getattr(config, option) and not image:
-            raise FeaturesError(
-                f"{option}: {doc_path} is not an image extraction (modality 'image')"
-            )
-    for table in (IMAGES_TABLE,) if image else (SAMPLES_TABLE, TEXTS_TABLE):
-        if not src.has(table):
-            raise FeaturesError(f"{src.display(table)}: missing token table; re-run the extraction")
-    tensors, info = read_sae(config.sae)
-    n, d = tensors["encoder_weight"].shape
-    del tensors  # the tasks load the SAE themselves
-    try:
-        cls = get_architecture(info["architecture"])
-    except ValueError as e:
-        raise FeaturesError(f"{config.sae}: {e}") from None
+    cls, info, n, d = sae_architecture(config)
     architecture = cls.ARCHITECTURE
-    hooks = doc["hooks"]
-    inputs: tuple[str, ...] = ()
-    if architecture == "crosscoder":
-        inputs, names = crosscoder_inputs(config, info, doc, src)
-        hook, dataset = " + ".join(names), inputs[0]
-    elif config.datasets:
-        raise FeaturesError(
-            f"datasets: {config.sae} is a {architecture} SAE, which reads one hook point "
-            "(set hook); datasets are a crosscoder's"
-        )
-    else:
-        hook = config.hook or (info.get("metadata") or {}).get("hook_point", "")
-        if not hook and len(hooks) == 1:
-            hook = next(iter(hooks))
-        if hook not in hooks:
-            raise FeaturesError(
-                f"hook point {hook!r} is not in {doc_path} (it has {sorted(hooks)}); set --hook"
-            )
-        width = int(hooks[hook]["width"])
-        if width != d:
-            raise FeaturesError(
-                f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {src}"
-            )
-        dataset = hooks[hook]["dataset"]
-        dataset = src.local_file(dataset) or src.display(dataset)
+    hook, dataset, inputs = hook_and_dataset(config, info, doc, src, architecture, d)
     if info["k"] is None and cls.SELECTS_TOP_K:
         raise FeaturesError(
             f"{config.sae}: a {architecture} SAE that records no k (its top-k selection "
             "needs one); record k in its metadata or config"
         )
-    model_dir = doc.get("model_dir") or ""
     cfg = doc["config"]
-    layout = None
-    if image:  # no tokenizer: the layout of an image's tokens instead
-        from ..torch import open_dataset
-
-        layout = layout_of(doc, doc_path)
-        check_layout(layout, open_dataset(dataset, storage_options=options or None), dataset)
-    elif not Path(model_dir, "config.json").is_file():
-        from ..extract import resolve_model
-
-        model_dir = str(resolve_model(cfg.get("model", "")).path)
-    if model_dir:  # the tasks' working directory need not be the driver's
-        model_dir = os.path.abspath(model_dir)
+    model_dir, layout = model_and_layout(doc, doc_path, dataset, options)
     plan = FeaturesPlan(
         dataset=dataset, hook=hook, width=d, n_latents=n,
         k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
@@ -260,6 +204,99 @@ def plan_features(
                 f"have rows of {shapes}"
             )
     return plan
+
+
+def is_image_extraction(doc: dict) -> bool:
+    """The extraction document ``doc`` describes an image extraction (modality 'image')."""
+    return doc.get("modality", "text") == "image"
+
+
+def read_extraction_doc(config: FeaturesConfig, src: DatasetLocation) -> dict:
+    """The extraction document at ``src``, checked: it exists, the image-only options are
+    set only for an image extraction, and the token tables its modality needs are there."""
+    doc_path = src.display(EXTRACTION_DOC)
+    if not src.has(EXTRACTION_DOC):
+        raise FeaturesError(f"{doc_path}: no extraction here (run `pyspark-safetensors extract`)")
+    doc = json.loads(src.read_bytes(EXTRACTION_DOC))
+    image = is_image_extraction(doc)
+    for option in ("factors", "token_kinds"):
+        if getattr(config, option) and not image:
+            raise FeaturesError(
+                f"{option}: {doc_path} is not an image extraction (modality 'image')"
+            )
+    for table in (IMAGES_TABLE,) if image else (SAMPLES_TABLE, TEXTS_TABLE):
+        if not src.has(table):
+            raise FeaturesError(f"{src.display(table)}: missing token table; re-run the extraction")
+    return doc
+
+
+def sae_architecture(config: FeaturesConfig):
+    """The architecture class of ``config.sae``, its ``info`` (``read_sae``'s), its latent
+    count and input width."""
+    from ..sae.architectures import get_architecture
+    from ..sae.ecosystem import read_sae
+
+    tensors, info = read_sae(config.sae)
+    n, d = tensors["encoder_weight"].shape
+    del tensors  # the tasks load the SAE themselves
+    try:
+        cls = get_architecture(info["architecture"])
+    except ValueError as e:
+        raise FeaturesError(f"{config.sae}: {e}") from None
+    return cls, info, n, d
+
+
+def hook_and_dataset(
+    config: FeaturesConfig, info: dict, doc: dict, src: DatasetLocation, architecture: str, d: int
+) -> tuple[str, str, tuple[str, ...]]:
+    """The hook point the SAE reads, the dataset of its activations and, for a crosscoder,
+    its input datasets (its hook is their names joined by ``+``, its dataset the first);
+    an SAE's hook is ``config.hook``, else its metadata's, else the extraction's only one,
+    and its width must be the SAE's input width ``d``."""
+    doc_path = src.display(EXTRACTION_DOC)
+    hooks = doc["hooks"]
+    if architecture == "crosscoder":
+        inputs, names = crosscoder_inputs(config, info, doc, src)
+        return " + ".join(names), inputs[0], inputs
+    if config.datasets:
+        raise FeaturesError(
+            f"datasets: {config.sae} is a {architecture} SAE, which reads one hook point "
+            "(set hook); datasets are a crosscoder's"
+        )
+    hook = config.hook or (info.get("metadata") or {}).get("hook_point", "")
+    if not hook and len(hooks) == 1:
+        hook = next(iter(hooks))
+    if hook not in hooks:
+        raise FeaturesError(
+            f"hook point {hook!r} is not in {doc_path} (it has {sorted(hooks)}); set --hook"
+        )
+    width = int(hooks[hook]["width"])
+    if width != d:
+        raise FeaturesError(
+            f"{config.sae}: SAE input width {d} differs from {hook}'s width {width} in {src}"
+        )
+    dataset = hooks[hook]["dataset"]
+    return hook, src.local_file(dataset) or src.display(dataset), ()
+
+
+def model_and_layout(doc: dict, doc_path: str, dataset: str, options: dict):
+    """The model directory the tasks load (absolute; a text extraction's tokenizer, its
+    recorded model resolved when the directory is gone) and, for an image extraction, the
+    layout of an image's tokens (checked against ``dataset``) instead of a tokenizer."""
+    model_dir = doc.get("model_dir") or ""
+    layout = None
+    if is_image_extraction(doc):  # no tokenizer: the layout of an image's tokens instead
+        from ..torch import open_dataset
+
+        layout = layout_of(doc, doc_path)
+        check_layout(layout, open_dataset(dataset, storage_options=options or None), dataset)
+    elif not Path(model_dir, "config.json").is_file():
+        from ..extract import resolve_model
+
+        model_dir = str(resolve_model(doc["config"].get("model", "")).path)
+    if model_dir:  # the tasks' working directory need not be the driver's
+        model_dir = os.path.abspath(model_dir)
+    return model_dir, layout
 
 
 def crosscoder_inputs(config: FeaturesConfig, info: dict, doc: dict, src: DatasetLocation):
