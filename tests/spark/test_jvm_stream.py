@@ -65,6 +65,13 @@ def run(df, out: Path, checkpoint: Path, *, mode="append", **options):
     return query
 
 
+def forget_commit(checkpoint: Path, batch: int) -> None:
+    """The crash a replay follows: the sink's commit of ``batch`` landed, Spark's commit
+    log entry (and its checksum file) did not."""
+    for name in (str(batch), f".{batch}.crc"):
+        (checkpoint / "commits" / name).unlink(missing_ok=True)
+
+
 def manifest(path: Path) -> dict:
     return json.loads((path / "dataset_manifest.json").read_text())
 
@@ -125,9 +132,7 @@ def test_a_replayed_batch_commits_nothing(spark, jvm, tmp_path):
     first = run(file_stream(spark, inputs), out, ck, batch_size=4)
     before, shards = manifest(out), files_on_disk(out)
     assert before["stream_commits"] == {first.id: 1}
-    # the crash this mimics: the sink's commit landed, Spark's commit log entry did not
-    for name in ("1", ".1.crc"):
-        (ck / "commits" / name).unlink(missing_ok=True)
+    forget_commit(ck, 1)
     replay = run(file_stream(spark, inputs), out, ck, batch_size=4)
     replayed = [p for p in replay.recentProgress if p["batchId"] == 1]
     assert replayed and replayed[0]["numInputRows"] == ROWS_PER_FILE  # Spark did run it again
@@ -162,6 +167,23 @@ def test_kv_mode_and_partition_columns(spark, jvm, tmp_path):
     back = reader(spark, jvm).load(str(tmp_path / "part"))
     assert sorted((r.p, r.id) for r in back.collect()) == sorted((i % 2, i) for i in range(6))
     assert ids_by_reference_library(tmp_path / "part" / "p=1") == [1, 3, 5]
+    # a replay writes into the partitions' directories too: its shards go from there (this
+    # source also hands the restarted query one new batch, which lands once)
+    forget_commit(tmp_path / "ck-part", 0)
+    again = run(
+        rows.drop("key"),
+        tmp_path / "part",
+        tmp_path / "ck-part",
+        batch_size=2,
+        partition_columns="p",
+    )
+    batches = [p["batchId"] for p in again.recentProgress]
+    assert batches[0] == 0 and manifest(tmp_path / "part")["stream_commits"] == {
+        part.id: batches[-1]
+    }
+    ids = ids_by_reference_library(tmp_path / "part")
+    assert ids == list(range(6 * len(batches)))  # batch 0's rows once
+    assert files_on_disk(tmp_path / "part") == listed(tmp_path / "part")
 
 
 def test_update_and_complete_output_modes_are_refused(spark, jvm, tmp_path):
@@ -173,6 +195,17 @@ def test_update_and_complete_output_modes_are_refused(spark, jvm, tmp_path):
     with pytest.raises(Exception, match="safetensors does not support Update mode"):
         run(counts, tmp_path / "u", tmp_path / "ck-u", mode="update", batch_size=2)
     assert not (tmp_path / "c" / "dataset_manifest.json").exists()
+    rows = spark.readStream.format("rate").load().selectExpr("array(CAST(value AS FLOAT)) AS x")
+    w = (
+        rows.writeStream.format("safetensors")
+        .option("implementation", "jvm")
+        .option("batch_size", 2)
+    )
+    continuous = w.option("checkpointLocation", str(tmp_path / "ck-r")).trigger(
+        continuous="1 second"
+    )
+    with pytest.raises(Exception, match="the continuous trigger is not supported"):
+        continuous.start(str(tmp_path / "r")).awaitTermination(60)
 
 
 def test_a_complete_dataset_refuses_appends_and_a_failed_batch_leaves_nothing(spark, jvm, tmp_path):

@@ -5,6 +5,7 @@ import java.util.{Locale, UUID}
 
 import scala.jdk.CollectionConverters._
 
+import org.apache.spark.sql.SparkSession
 import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.connector.write.{DataWriter, LogicalWriteInfo, PhysicalWriteInfo, WriterCommitMessage}
 import org.apache.spark.sql.connector.write.streaming.{StreamingDataWriterFactory, StreamingWrite}
@@ -18,7 +19,8 @@ import org.apache.spark.sql.connector.write.streaming.{StreamingDataWriterFactor
   * lands exactly once. `abort` deletes the batch's files.
   *
   * Each micro-batch is a job of its own (lease, shard names), begun when Spark asks for
-  * its writer factory, before its tasks run; batches run one after another.
+  * its writer factory, before its tasks run; batches run one after another. The
+  * continuous trigger is refused.
   *
   * @param plan the write as planned at the query's start (its `jobId` unused).
   * @param streamId the streaming query's id, stable across restarts from its checkpoint.
@@ -28,6 +30,12 @@ final class SafetensorsStreamingWrite private (plan: WriteJob, streamId: String)
   @volatile private var current: Option[WriteJob] = None
 
   override def createStreamingWriterFactory(info: PhysicalWriteInfo): StreamingDataWriterFactory = synchronized {
+    // A continuous query asks once and then commits epochs whose tasks overlap: a commit's
+    // reclaim would take the next epoch's shards for a dead attempt's.
+    if (SparkSession.active.sparkContext.getLocalProperty(SafetensorsStreamingWrite.Continuous) == "true")
+      throw new SafetensorsWriteException(
+        "a safetensors dataset takes a stream one micro-batch at a time: the continuous trigger is not " +
+          "supported; use a micro-batch trigger (processingTime, availableNow)")
     current.foreach(SafetensorsBatchWrite.abortJob) // a batch run again: the earlier run's files go
     val job = plan.copy(jobId = UUID.randomUUID().toString.replace("-", ""))
     Commit.beginJob(job.files, job.jobId)
@@ -60,6 +68,10 @@ object SafetensorsStreamingWrite {
   /** The options of `writeStream` that are the query's, not the sink's. */
   val QueryOptions: Set[String] = Set("checkpointlocation", "queryname", "asyncprogresstrackingenabled",
     "asyncprogresstrackingcheckpointintervalms")
+
+  /** The local property Spark sets on a continuous query's thread (`StreamExecution`'s
+    * `IS_CONTINUOUS_PROCESSING`, the same on every line, its object's package not). */
+  val Continuous = "__is_continuous_processing"
 
   /** The streaming option naming the partition columns, comma-separated: Spark hands a
     * DataSource V2 streaming sink no `partitionBy`. */
