@@ -108,6 +108,13 @@ class SafetensorsDataSource(DataSource):
                                   partitions of about 128 MiB)
     ============================  ========================================================
 
+    Streaming (``docs/streaming.md``): ``df.writeStream.format("safetensors")`` appends each
+    micro-batch, exactly once across restarts (its batch id recorded in the manifest's
+    ``stream_commits`` under the query's id, or under the option ``stream_id``), output mode
+    ``append`` only, with the writer's options; ``spark.readStream.format("safetensors")
+    .load(path)`` gives the rows of each commit that lands on a dataset, in the reader's
+    views and options.
+
     Example::
 
         (df.write.format("safetensors")
