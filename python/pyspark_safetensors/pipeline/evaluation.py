@@ -137,6 +137,99 @@ def mlp_lut_latency(model, lut_dir: Path, tokens: Sequence[int] = (1, 512)) -> d
     return {block: time_mlp(lut, modules[block], tuple(tokens)) for block, lut in luts.items()}
 
 
+def held_out_activations(
+    model_dir: str | os.PathLike,
+    hook_points: Sequence[str],
+    texts: Sequence[str],
+    max_length: int,
+):
+    """The model's activations at each of ``hook_points`` on ``texts`` (float32, every
+    window's tokens concatenated: ``{hook: [N, d]}``) and the extractor that made them
+    (its model and resolved ``max_length`` are reused)."""
+    from ..extract import Extractor
+
+    hook_points = list(dict.fromkeys(hook_points))
+    extractor = Extractor(model_dir, hook_points, max_length=max_length)
+    windows = extractor.run(list(texts))
+    acts = {
+        hook: torch.cat([torch.from_numpy(w.activations[hook].astype(np.float32)) for w in windows])
+        for hook in hook_points
+    }
+    return extractor, acts
+
+
+def lut_figures(
+    *,
+    model_dir: str | os.PathLike,
+    hooks: Mapping[str, Sequence[str]],
+    lut_dir: Path,
+    acts: Mapping[str, torch.Tensor],
+    ks: Sequence[int],
+    ms: Sequence[int],
+    out_dir: Path,
+) -> dict:
+    """The LUT's ``k_active``, each LUT layer against the exact layer on its hook point's
+    held-out inputs (``lut.evaluate``: its rows, writing ``evaluation.md``/``.png`` into
+    ``out_dir``) and each hook point's LUT layers timed against its dense layers
+    (``lut_latency``)."""
+    from ..lut import evaluate, load_lut_layers
+    from ..lut.precompute import ModelWeights
+    from ..lut.spec import validate_lut
+
+    k_active = validate_lut(lut_dir)["sae_config"]["k_active"]
+    layer_inputs = {layer: acts[hook] for hook, layers in hooks.items() for layer in layers}
+    rows = (
+        evaluate(lut_dir, model_dir, layer_inputs, ks=list(ks) or None, ms=list(ms), out_dir=out_dir)
+        if layer_inputs else []
+    )  # fmt: skip
+    weights = ModelWeights(model_dir)
+    latency = {  # per hook point: what a patched model runs for that input
+        hook: lut_latency(
+            load_lut_layers(lut_dir, list(layers), k_active=k_active),
+            {layer: weights.weight(layer) for layer in layers},
+            acts[hook],
+        )
+        for hook, layers in hooks.items()
+    }
+    return {"lut": rows, "k_active": k_active, "latency": latency}
+
+
+def model_figures(
+    *,
+    model_dir: str | os.PathLike,
+    sae_files: Mapping[str, Path],
+    lut_dir: Path,
+    texts: Sequence[str],
+    ms: Sequence[int],
+    max_length: int,
+    resolved_max_length: int,
+    transcoders: Mapping[str, tuple[str, str, Path]],
+) -> dict:
+    """What the model itself gives with the SAEs and LUTs in place: a causal LM's
+    ``lm_loss`` (``lut.evaluate_lm``, over windows of ``resolved_max_length``, the
+    extractor's), else an encoder's ``embedding_cosine`` per compensation ``m`` (over
+    ``max_length`` as given)."""
+    from ..extract.model import is_causal_lm
+    from ..lut import embedding_agreement
+    from ..lut.evaluate import evaluate_lm
+
+    if is_causal_lm(model_dir):
+        lm = evaluate_lm(
+            model_dir, texts, saes=dict(sae_files), lut_dir=lut_dir, compensate=list(ms),
+            max_length=resolved_max_length,
+            transcoders={block: path for block, (_, _, path) in transcoders.items()},
+        )  # fmt: skip
+        return {"lm_loss": {**lm, "lut": {str(m): v for m, v in lm["lut"].items()}}}
+    return {
+        "embedding_cosine": {
+            str(m): embedding_agreement(
+                model_dir, lut_dir, texts, compensate=m, max_length=max_length
+            )
+            for m in ms
+        }
+    }
+
+
 def evaluate_pipeline(
     *,
     model_dir: str | os.PathLike,
@@ -159,73 +252,36 @@ def evaluate_pipeline(
     (``lut.latency.mlp_latency``: 1.8 GB of random tables). Writes
     ``evaluation.md``/``evaluation.png`` (LUT error against k) and ``latent_frequency.png``
     into ``out_dir``."""
-    from ..extract import Extractor
-    from ..extract.model import is_causal_lm
-    from ..lut import embedding_agreement, evaluate, load_lut_layers
-    from ..lut.evaluate import evaluate_lm
     from ..lut.latency import mlp_latency
-    from ..lut.precompute import ModelWeights
-    from ..lut.spec import validate_lut
 
     transcoders, crosscoders = dict(transcoders or {}), dict(crosscoders or {})
     texts = list(texts)
     needed = [*hooks, *(h for t in transcoders.values() for h in t[:2]),
               *(h for hs, _ in crosscoders.values() for h in hs)]  # fmt: skip
-    extractor = Extractor(model_dir, list(dict.fromkeys(needed)), max_length=max_length)
-    windows = extractor.run(texts)
-    acts = {
-        hook: torch.cat([torch.from_numpy(w.activations[hook].astype(np.float32)) for w in windows])
-        for hook in dict.fromkeys(needed)
-    }
+    extractor, acts = held_out_activations(model_dir, needed, texts, max_length)
     saes, freqs = {}, {}
     for hook, path in sae_files.items():
         saes[hook], freqs[hook] = sae_figures(path, acts[hook])
     families = family_figures(acts, transcoders, crosscoders, saes)
     freqs.update(families[2])
     plot_frequencies(freqs, min(len(x) for x in acts.values()), out_dir / "latent_frequency.png")
-
-    k_active = validate_lut(lut_dir)["sae_config"]["k_active"]
-    layer_inputs = {layer: acts[hook] for hook, layers in hooks.items() for layer in layers}
-    rows = (
-        evaluate(lut_dir, model_dir, layer_inputs, ks=list(ks) or None, ms=list(ms), out_dir=out_dir)
-        if layer_inputs else []
-    )  # fmt: skip
-    weights = ModelWeights(model_dir)
-    latency = {  # per hook point: what a patched model runs for that input
-        hook: lut_latency(
-            load_lut_layers(lut_dir, list(layers), k_active=k_active),
-            {layer: weights.weight(layer) for layer in layers},
-            acts[hook],
-        )
-        for hook, layers in hooks.items()
-    }
+    luts = lut_figures(model_dir=model_dir, hooks=hooks, lut_dir=lut_dir, acts=acts, ks=ks,
+                       ms=ms, out_dir=out_dir)  # fmt: skip
     figures = {
         "held_out_texts": len(texts),
         "held_out_tokens": {hook: len(x) for hook, x in acts.items()},
         "sae": saes,
         "transcoders": families[0],
         "crosscoders": families[1],
-        "lut": rows,
-        "k_active": k_active,
-        "latency": latency,
+        **luts,
     }
     if transcoders:
         figures["mlp_latency"] = mlp_lut_latency(extractor.model, lut_dir)
     if transcoders and llama3_8b_latency:
         figures["mlp_latency_llama3_8b"] = mlp_latency()
-    if is_causal_lm(model_dir):
-        # the extractor's length: max_length 0 resolved to the model's context
-        lm = evaluate_lm(
-            model_dir, texts, saes=dict(sae_files), lut_dir=lut_dir, compensate=list(ms),
-            max_length=extractor.max_length,
-            transcoders={block: path for block, (_, _, path) in transcoders.items()},
-        )  # fmt: skip
-        figures["lm_loss"] = {**lm, "lut": {str(m): v for m, v in lm["lut"].items()}}
-    else:
-        figures["embedding_cosine"] = {
-            str(m): embedding_agreement(
-                model_dir, lut_dir, texts, compensate=m, max_length=max_length
-            )
-            for m in ms
-        }
-    return figures
+    # the extractor's length: max_length 0 resolved to the model's context
+    return figures | model_figures(
+        model_dir=model_dir, sae_files=sae_files, lut_dir=lut_dir, texts=texts, ms=ms,
+        max_length=max_length, resolved_max_length=extractor.max_length,
+        transcoders=transcoders,
+    )  # fmt: skip
