@@ -1,8 +1,9 @@
 """The layer table of docs/ARCHITECTURE.md is the import rule: every module of the package
 imports only its own layer and the layers its row lists, so the table and the code cannot
 drift apart. Also checked: the Rules section's "never import" sentences, "lazily" (package
-imports only inside functions), "only inside its functions" (third-party imports), and that
-every package and root module has a row.
+imports only inside functions), "only inside its functions" (third-party imports), that
+every package and root module has a row, and that no two modules of a package import each
+other (even lazily).
 """
 
 import ast
@@ -248,3 +249,56 @@ def test_function_level_and_relative_imports_are_found():
     assert found[("pyspark_safetensors.extract.job", "pyspark_safetensors.dataset")] is False
     # `from . import loader` in a module __getattr__: the submodule, lazy
     assert found[("pyspark_safetensors.interop.zarr", "pyspark_safetensors.interop.zarr.loader")]
+
+
+def _sibling_imports() -> dict[str, set[str]]:
+    """``{module: the modules of its own package it imports}``, lazily or not (a package's
+    ``__init__`` is its parent's module, so re-exports are not edges)."""
+    modules = {name for name, _, _ in _modules()}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for imp in imports():
+        target = imp.target
+        while target not in modules and "." in target:  # `from .run import X`: the module
+            target = target.rpartition(".")[0]
+        parent = imp.module.rpartition(".")[0]
+        if target != imp.module and target.rpartition(".")[0] == parent:
+            graph[imp.module].add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as the modules along it, or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path, stack = [], [(start, iter(sorted(graph[start])))]
+        while stack:
+            node, edges = stack[-1]
+            if not path or path[-1] != node:
+                path.append(node)
+            nxt = next(edges, None)
+            if nxt is None:
+                done.add(node)
+                stack.pop()
+                path.pop()
+            elif nxt in path:
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt not in done:
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+    return None
+
+
+def test_no_package_has_an_import_cycle_between_its_modules():
+    cycle = _cycle(_sibling_imports())
+    assert cycle is None, (
+        f"{' -> '.join(cycle)}: modules of one package import each other (lazily counts); "
+        "move what they share (an error, a constant) into a module of its own"
+    )
+
+
+def test_the_cycle_check_sees_a_lazy_cycle():
+    assert _cycle({"p.a": {"p.b"}, "p.b": {"p.a"}}) == ["p.a", "p.b", "p.a"]
+    assert _cycle({"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": set()}) is None
+    graph = _sibling_imports()
+    assert "pyspark_safetensors.pipeline.errors" in graph["pyspark_safetensors.pipeline.vision"]
+    # `from .vision import image_set` inside a method of run.py: a (lazy) edge
+    assert "pyspark_safetensors.pipeline.vision" in graph["pyspark_safetensors.pipeline.run"]

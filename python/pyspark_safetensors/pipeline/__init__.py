@@ -2,6 +2,7 @@
 LUTs for the linear layers they feed, held-out evaluation, one report
 (``pyspark-safetensors pipeline``). Imports torch and pyspark only when run."""
 
-from .run import Pipeline, PipelineConfig, PipelineError
+from .errors import PipelineError
+from .run import Pipeline, PipelineConfig
 
 __all__ = ["Pipeline", "PipelineConfig", "PipelineError"]

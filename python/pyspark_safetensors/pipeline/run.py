@@ -41,7 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ..dataset.publish import publishing
-from ..format.errors import PysparkSafetensorsError
+from .errors import PipelineError
 
 MARKER = ".pyspark-safetensors-pipeline"
 TOY_LLAMA = "toy-llama"
@@ -59,10 +59,6 @@ DEFAULT_HOOKS = {
     ),
     "encoder.layer.0.intermediate.dense:input": ("encoder.layer.0.intermediate.dense",),
 }
-
-
-class PipelineError(PysparkSafetensorsError, ValueError):
-    """A pipeline that cannot run as configured; the message says what to change."""
 
 
 @dataclass(frozen=True)

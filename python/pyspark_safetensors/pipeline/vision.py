@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .run import PipelineError
+from .errors import PipelineError
 
 TOKEN_SETS = ("image", "cls")
 """What an image SAE trains on, as the saev views name it: the patches, or the CLS token."""
