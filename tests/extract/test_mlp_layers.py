@@ -22,6 +22,10 @@ from pyspark_safetensors.extract import (
 from pyspark_safetensors.extract.model import load_model, mlp_blocks, parse_layers
 from pyspark_safetensors.extract.outputs import token_row_bytes
 from pyspark_safetensors.extract.toy_lm import TINY, toy_lm
+from pyspark_safetensors.extract.workers import (
+    MODEL_BATCHES_PER_OUTPUT_BATCH,
+    texts_per_output_batch,
+)
 from pyspark_safetensors.torch import open_dataset
 from pyspark_safetensors.torch.loader import AlignedDatasets
 
@@ -53,6 +57,15 @@ def test_layer_values_and_their_refusals():
     assert ExtractConfig(mlp_layers="all", hooks=("a:input",)).hooks == ("a:input",)
     hashes = {config_hash(ExtractConfig(mlp_layers=v), "w") for v in ("", "all", "0-1")}
     assert len(hashes) == 3
+
+
+def test_wide_extractions_take_fewer_texts_per_output_batch():
+    # MiniLM's two default hook points (F16): eight model batches, as always
+    assert texts_per_output_batch(32, 128, 2 * 384 * 2) == 32 * MODEL_BATCHES_PER_OUTPUT_BATCH
+    # every MLP of Llama-3.2-1B (BF16): 537 MB a model batch at 128 tokens a text; one
+    assert texts_per_output_batch(32, 128, 32 * 2048 * 2) == 32
+    assert texts_per_output_batch(8, 128, 32 * 2048 * 2) == 8 * 2  # 134 MB: two fit
+    assert texts_per_output_batch(1, 4096, 52 * 2304 * 4) == 1  # never none
 
 
 def _check_blocks_compute_their_mlp(extractor, texts, mlp_of):

@@ -23,12 +23,19 @@ import pickle
 
 import pyarrow as pa
 
+from ..format import get_dtype
 from .config import ExtractConfig
 from .images import IMAGE_COLUMNS
 from .model import ExtractionError, Extractor, ModelSource, bos_added
 
 MODEL_BATCHES_PER_OUTPUT_BATCH = 8
 """Texts per ``mapInArrow`` output batch, in model batches: bounds a worker's memory."""
+OUTPUT_BATCH_BYTES = 256 << 20
+"""The activations of one output batch, at most (every hook point, each text's
+``max_length`` tokens), in whole model batches but at least one: a task holds about three
+output batches at once (the last one, which its datasets' open shards still view, and the
+next one as the model's arrays and as Arrow), so a wide extraction (every layer's MLP of a
+large model) takes fewer texts per output batch."""
 
 
 SCALAR_COLUMNS = ("sample_id", "window", "key", "seq_len", "first_pos", "text_chars", "source")
@@ -106,8 +113,12 @@ def run_model_fn(
         from pyspark import TaskContext
 
         extractor = _cached_extractor(str(model.local_dir()), config, threads)
-        texts_per_batch = config.batch_size * MODEL_BATCHES_PER_OUTPUT_BATCH
-        make_rows = _images_batch if config.modality == "image" else _windows_batch
+        image = config.modality == "image"
+        texts_per_batch = texts_per_output_batch(
+            config.batch_size, extractor.layout.n_tokens if image else extractor.max_length,
+            sum(extractor.widths().values()) * get_dtype(config.dtype).itemsize,
+        )  # fmt: skip
+        make_rows = _images_batch if image else _windows_batch
         scalars = list(scalar_columns(config))
         ctx = TaskContext.get()
         # a partition computed again after the commit (a lost stored block) writes nothing
@@ -137,6 +148,15 @@ def run_model_fn(
             yield _with_commits(held, pickle.dumps(results) if writers else None)
 
     return run
+
+
+def texts_per_output_batch(batch_size: int, tokens_per_text: int, bytes_per_token: int) -> int:
+    """Texts per output batch: ``MODEL_BATCHES_PER_OUTPUT_BATCH`` model batches, fewer
+    where their activations (``tokens_per_text`` tokens of ``bytes_per_token`` a text)
+    would pass ``OUTPUT_BATCH_BYTES``; one model batch at least."""
+    model_batch = max(1, batch_size * tokens_per_text * bytes_per_token)
+    fit = OUTPUT_BATCH_BYTES // model_batch
+    return batch_size * max(1, min(MODEL_BATCHES_PER_OUTPUT_BATCH, fit))
 
 
 def _with_commits(rows: pa.RecordBatch, commits: bytes | None) -> pa.RecordBatch:
