@@ -100,6 +100,11 @@ def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
                          "k": _int_or_none(meta.get("k")), "metadata": meta}  # fmt: skip
     if not path.is_dir():
         raise CheckpointError(f"{path}: no SAE file or directory")
+    from . import clt_interop
+
+    layout = clt_interop.detect(path)
+    if layout is not None:  # another library's cross-layer transcoder or transcoder set
+        return clt_interop.read_clt(path, layout)
     if (path / SAELENS_WEIGHTS).is_file() and (path / FOREIGN_CONFIG).is_file():
         return _read_saelens(path)
     if (path / SPARSIFY_WEIGHTS).is_file():
@@ -260,7 +265,13 @@ def _clt_model(tensors: dict[str, torch.Tensor], meta: dict, *, k=None, device=N
     from .architectures import CrossLayerTranscoder as CLT
 
     _, n, d_in = tensors["encoder_weight"].shape
-    clt = CLT(d_in, n, min(k or int(meta["k"]), n), d_out=tensors["decoder_bias"].shape[1],
+    k = k or int(meta.get("k") or 0)
+    if not k:
+        raise CheckpointError(
+            f"a CLT read from {meta.get('source_layout', 'a file')} records no k (it encodes "
+            "with its thresholds: encode_layer(..., rule='threshold')); pass k= for the top-k rule"
+        )
+    clt = CLT(d_in, n, min(k, n), d_out=tensors["decoder_bias"].shape[1],
               device=device, **CLT.stored_options(meta))  # fmt: skip
     clt.load_full_state(tensors)
     return clt.eval()
@@ -269,21 +280,30 @@ def _clt_model(tensors: dict[str, torch.Tensor], meta: dict, *, k=None, device=N
 def export_sae(
     path: str | os.PathLike,
     out_dir: str | os.PathLike,
-    layout: Literal["saelens", "sparsify"],
+    layout: Literal["saelens", "sparsify", "circuit-tracer", "circuit-tracer-transcoders"],
     *,
     k: int | None = None,
 ) -> Path:
     """Write the SAE at ``path`` (any recognised layout) as a directory that SAELens
     (``SAE.load_from_disk``) or sparsify (``SparseCoder.load_from_disk``) loads and that
-    encodes exactly as ours; written whole or not at all."""
+    encodes exactly as ours; a cross-layer transcoder in circuit-tracer's layouts or
+    sparsify's cross-layer one (``clt_interop``); written whole or not at all."""
+    from . import clt_interop
     from .architectures import get_architecture
 
     tensors, info = read_sae(path)
     arch = info["architecture"]
     if arch == "clt":
+        if layout not in (clt_interop.CIRCUIT_TRACER, clt_interop.CIRCUIT_TRACER_SET, "sparsify"):
+            raise CheckpointError(
+                f"{path}: a cross-layer transcoder; SAELens has no cross-layer layout "
+                "(write it as 'circuit-tracer' or 'sparsify')"
+            )
+        return clt_interop.export_clt(tensors, info["metadata"], Path(out_dir), layout, k=k)
+    if layout.startswith("circuit-tracer"):
         raise CheckpointError(
-            f"{path}: a cross-layer transcoder; neither SAELens nor sparsify loads our CLT "
-            "layout as one coder (sparsify's cross-layer runs store a coder per layer)"
+            f"{path}: a {arch} SAE; circuit-tracer's layouts take a CLT (a per-layer "
+            "transcoder set is a CLT with only l -> l decoders)"
         )
     k = k or info["k"]
     if k is None and get_architecture(arch).SELECTS_TOP_K:
