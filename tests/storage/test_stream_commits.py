@@ -163,3 +163,26 @@ def test_a_stream_batch_needs_its_ids():
     with pytest.raises(ValueError, match="stream id and a batch id"):
         StreamBatch("q", -1)
     assert StreamBatch("q", 1).job_id == StreamBatch("q", 1).job_id != StreamBatch("q", 2).job_id
+
+
+def test_a_batch_whose_commit_races_another_streams_is_committed_on_a_retry(tmp_path, monkeypatch):
+    import pyspark_safetensors.dataset.commit as protocol
+
+    root = tmp_path / "ds"
+    commit(root, "a", 0, (0, 4))
+    publish, raced = protocol._publish_manifest, []
+
+    def racing(location, manifest, previous):
+        if not raced:  # stream b's batch lands between a's read of the manifest and its put
+            raced.append(None)
+            raced[0] = commit(root, "b", 0, (100, 4))
+        return publish(location, manifest, previous)
+
+    monkeypatch.setattr(protocol, "_publish_manifest", racing)
+    manifest = commit(root, "a", 1, (4, 4))
+    assert manifest.parent_commit == raced[0].commit_id
+    assert manifest.stream_commits == {"a": 1, "b": 0}
+    assert ids(root) == [*range(8), *range(100, 104)]
+    assert {n for n in files(root) if n.endswith(".safetensors")} == {
+        s.shard_path for s in manifest.shards
+    }
