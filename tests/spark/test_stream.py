@@ -161,3 +161,37 @@ def test_a_stream_source_refuses_loose_files(spark, tmp_path):
         spark.readStream.format("safetensors").option("implementation", "python").load(
             str(tmp_path / "one.safetensors")
         ).writeStream.format("memory").queryName("nope").start().processAllAvailable()
+
+
+def test_offsets_are_positions_in_the_shard_list_and_an_overwrite_stops_the_stream(tmp_path):
+    from pyspark_safetensors.dataset import DatasetBuilder
+    from pyspark_safetensors.spark.reader import plan_read
+    from pyspark_safetensors.spark.stream import SafetensorsStreamReader, StreamError
+
+    out = tmp_path / "ds"
+
+    def append(start, n, overwrite=False):
+        with DatasetBuilder(out, batch_size=4, overwrite=overwrite) as build:
+            for a in range(start, start + n, 4):  # a shard per 4 rows
+                m = min(4, start + n - a)
+                build.add_batch({"id": np.arange(a, a + m), "x": np.ones((m, 2), np.float32)})
+
+    def rows(reader, start, end):
+        parts = reader.partitions(start, end)
+        return sorted(i for p in parts for b in reader.read(p) for i in b.column("id").to_pylist())
+
+    append(0, 6)  # two shards
+    plan = plan_read({"path": str(out)})
+    reader = SafetensorsStreamReader(plan, plan.schema)
+    start, first = reader.initialOffset(), reader.latestOffset()
+    assert (
+        start == {"shards": 0} and first["shards"] == 2 and first["last"].endswith(".safetensors")
+    )
+    assert rows(reader, start, first) == list(range(6))
+    append(6, 3)
+    second = reader.latestOffset()
+    assert second["shards"] == 3 and rows(reader, first, second) == [6, 7, 8]
+    assert reader.latestOffset() == second  # nothing new: the same offset
+    append(0, 12, overwrite=True)  # as many shards as the offsets count, others
+    with pytest.raises(StreamError, match="overwritten or rewritten under this stream"):
+        reader.partitions(first, second)
