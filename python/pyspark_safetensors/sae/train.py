@@ -31,7 +31,13 @@ import torch
 
 from ..format.errors import USER_ERRORS, InvalidArgumentError, PysparkSafetensorsError
 from ..torch import ActivationLoader
-from .architectures import CrosscoderSAE, SparseAutoencoder, TranscoderSAE, build_sae
+from .architectures import (
+    CrosscoderSAE,
+    CrossLayerTranscoder,
+    SparseAutoencoder,
+    build_sae,
+)
+from .architectures.clt import THRESHOLD_SAMPLES
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -42,10 +48,10 @@ from .checkpoint import (
 from .config import SAEConfig
 from .ecosystem import read_sae
 from .evaluate import evaluate_sae
+from .follow import following_loader, open_followed_source
 from .mesh import (
     DATA,
     MODEL,
-    DimMap,
     all_gather_cat,
     all_reduce,
     barrier,
@@ -56,13 +62,11 @@ from .mesh import (
     mesh_rank,
 )
 from .model import TINY, geometric_median
-from .follow import following_loader, open_followed_source
 from .sinks import MetricSinks, check_sinks
 from .sources import TrainingSource, open_source, open_training_source
 
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
                 "val_dead_fraction", "val_dense_fraction")  # fmt: skip
-LATENTS = DimMap({MODEL: 0})  # per-latent trainer state is sharded like the encoder bias
 #: Rows of the initialisation sample that fit the encoder's starting scale (a scalar: a
 #: few thousand tokens pin it; the forward pass costs a training step's half).
 ENCODER_SCALE_SAMPLES = 4096
@@ -97,6 +101,32 @@ class _StepLosses:
     """AuxK contributed to this step's loss."""
     penalised: bool
     """The architecture added a sparsity term (its ``last_penalty`` is reported)."""
+    block_variances: tuple[torch.Tensor, torch.Tensor] | None = None
+    """When the loss sums the FVUs of several blocks of ``y`` (a cross-layer
+    transcoder's layers): each block's variance and each block's AuxK residual variance
+    (``[blocks]`` each); ``totals`` then continues with each block's squared error,
+    reconstruction term and AuxK squared error."""
+
+
+def _block_sums(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``[blocks]``: the sum of squares of each of ``t``'s equal column blocks."""
+    if blocks == 1:
+        return t.pow(2).sum()[None]
+    return t.pow(2).view(len(t), blocks, -1).sum((0, 2))
+
+
+def _block_metrics(losses: _StepLosses, aux_coef: float) -> dict[str, float]:
+    """A loss of several blocks' FVUs (a CLT's layers): that loss, AuxK's, and each
+    block's FVU (``fvu_layer<t>``)."""
+    var_x, var_e = (v.clamp_min(TINY) for v in losses.block_variances)
+    sq, recon, aux = losses.totals[4:].view(3, -1)
+    aux_loss = float((aux / var_e).sum()) if losses.use_aux else 0.0
+    fvus = sq / var_x
+    return {
+        "loss": float((recon / var_x).sum()) + aux_coef * aux_loss,
+        "aux_loss": aux_loss,
+        **{f"fvu_layer{t}": float(f) for t, f in enumerate(fvus)},
+    }
 
 
 def _device(choice: str) -> torch.device:
@@ -150,7 +180,8 @@ def _held_out_source(config: SAEConfig, train: TrainingSource) -> TrainingSource
         val = open_source(config, held_out=True)
     except InvalidArgumentError as e:
         raise InvalidArgumentError(f"val_dataset: {e}") from None
-    if val is not None and (val.widths, val.d_out) != (train.widths, train.d_out):
+    shape = lambda s: (s.widths, s.target_widths, s.d_out)  # noqa: E731
+    if val is not None and shape(val) != shape(train):
         raise InvalidArgumentError(
             f"val_dataset {config.val_dataset or list(config.val_datasets)}: column "
             f"{config.column!r} has rows of shape {list(val.widths)} (targets {val.d_out}), "
@@ -240,8 +271,14 @@ class Trainer:
         sae = build_sae(c, mesh=self.mesh, device=self.device)
         if isinstance(sae, CrosscoderSAE):  # its blocks, named by its datasets
             sae.hook_points = self.source.hook_points
+        if isinstance(sae, CrossLayerTranscoder):  # its layers, named by its datasets
+            sae.hook_points = self.source.hook_points
+            sae.target_hook_points = self.source.target_hook_points
         if c.init_from:
             tensors, _ = read_sae(c.init_from)
+            if isinstance(sae, CrossLayerTranscoder):  # its load names any tensor that misfits
+                sae.load_full_state(tensors)
+                return sae
             got = (*tensors["encoder_weight"].shape, tensors["decoder_bias"].shape[0])
             if got != (c.latents, c.d, c.d_out):
                 outputs = f" -> {got[2]} outputs" if got[2] != got[1] else ""
@@ -305,7 +342,7 @@ class Trainer:
         this rank's rows; None = ``init_samples`` read from the data. ``fine_tune`` (an
         ``init_from`` run): only a transcoder's ``input_mean``, its weights kept."""
         c = self.config
-        centers = isinstance(self.sae, TranscoderSAE)
+        centers = hasattr(self.sae, "center_encoder")  # transcoders, CLTs
         if fine_tune and not centers:
             return
         if sample is None:
@@ -325,7 +362,7 @@ class Trainer:
         if c.b_dec_init != "zeros":
             median = c.b_dec_init == "geometric_median"
             center = geometric_median(sample) if median else sample.mean(0)
-            self.sae.decoder_bias.copy_(center.to(self.sae.decoder_bias))
+            self.sae.decoder_bias.copy_(center.view_as(self.sae.decoder_bias))
         if self._fits_encoder_scale():
             self.init_encoder_scale(sample[:ENCODER_SCALE_SAMPLES])
 
@@ -436,30 +473,35 @@ class Trainer:
         architecture's sparsity term) and the global sums the step's metrics are made of
         (collectives over "data", then "model")."""
         c, sae = self.config, self.sae
-        var_x, var_e, n_tokens = self._global_variances(y, residual)
-        sq = err.pow(2).sum()
+        blocks = sae.target_blocks  # a CLT: the sum of its layers' FVUs, each normalised
+        var_x, var_e, n_tokens = self._global_variances(y, residual, blocks)
+        sq = _block_sums(err, blocks)
         # x dp: gradients are averaged over the data ranks, so each rank's share of the
         # global FVU is scaled up by dp.
         scale = self.dp / var_x.clamp_min(TINY).float()
         recon_sq = sq  # what the loss's reconstruction term sums
         if out.x_hats:  # Matryoshka: every prefix's FVU, averaged (the last is x_hat)
-            recon_sq = sum((h.float() - y).pow(2).sum() for h in out.x_hats) / len(out.x_hats)
-        loss = recon_sq * scale
-        aux_sq = torch.zeros((), device=self.device)
+            recon_sq = sum(_block_sums(h.float() - y, blocks) for h in out.x_hats) / len(out.x_hats)
+        loss = (recon_sq * scale).sum()
+        aux_sq = torch.zeros(blocks, device=self.device)
         if aux_err is not None:
-            aux_sq = aux_err.pow(2).sum()
-            loss = loss + c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(TINY).float())
+            aux_sq = _block_sums(aux_err, blocks)
+            loss = loss + (c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(TINY).float())).sum()
         sparsity = sae.sparsity_loss(out)
         if sparsity is not None:
             loss = loss + sparsity
         sae.after_forward()
         l0 = (out.values > 0).sum()
-        totals = torch.stack([sq.detach().double(), aux_sq.detach().double(), l0.double(),
-                              recon_sq.detach().double()])  # fmt: skip
+        parts = (sq.detach(), recon_sq.detach(), aux_sq.detach())
+        totals = torch.cat([torch.stack([sq.detach().sum().double(), aux_sq.detach().sum().double(),
+                                         l0.double(), recon_sq.detach().sum().double()]),
+                            *(p.double() for p in parts if blocks > 1)])  # fmt: skip
         all_reduce(totals, self.mesh, DATA)
         l0_total = all_reduce(totals[2:3].clone(), self.mesh, MODEL)[0]
-        return _StepLosses(loss, totals, l0_total, var_x, var_e, n_tokens, y.shape[1],
-                           aux_err is not None, sparsity is not None)  # fmt: skip
+        per_block = (var_x, var_e) if blocks > 1 else None
+        return _StepLosses(loss, totals, l0_total, var_x.sum(), var_e.sum(), n_tokens,
+                           y.shape[1], aux_err is not None, sparsity is not None,
+                           per_block)  # fmt: skip
 
     def _update(self, loss: torch.Tensor) -> float:
         """Back-propagate ``loss`` and take the optimizer step: gradients averaged over
@@ -482,7 +524,9 @@ class Trainer:
         c, t, n_tokens = self.config, losses.totals, losses.n_tokens
         var_x, var_e, use_aux = losses.var_x, losses.var_e, losses.use_aux
         extra = {"l0_penalty": self.sae.last_penalty} if losses.penalised else {}
-        return extra | {
+        if losses.block_variances is not None:  # the loss: its blocks' FVUs summed
+            extra |= _block_metrics(losses, c.aux_coef)
+        return {
             "step": self.step,
             "tokens": self.tokens_seen,
             "loss": float(t[3] / var_x + c.aux_coef * (t[1] / var_e if use_aux else 0)),
@@ -490,16 +534,34 @@ class Trainer:
             "mse": float(t[0] / (n_tokens * losses.d)),
             "aux_loss": float(t[1] / var_e) if use_aux else 0.0,
             "l0": float(losses.l0_total / n_tokens),
-            "dead_fraction": self._dead_latents()[1] / c.latents,
+            "dead_fraction": self._dead_latents()[1] / self.sae.latents_total,
             "grad_norm": grad_norm,
             "lr": lr,
             "k": k,
-        }
+        } | extra
 
-    def _global_variances(self, x: torch.Tensor, e: torch.Tensor):
+    def _global_variances(self, x: torch.Tensor, e: torch.Tensor, blocks: int = 1):
         """Total variance of the global batch ``x`` and of the residual ``e`` (the FVU's and
-        AuxK's normalisers, each over its own rows) and the global token count, in one
-        collective."""
+        AuxK's normalisers, each over its own rows; ``[blocks]`` each: of each of
+        ``blocks`` equal column blocks) and the global token count, in one collective."""
+        if blocks > 1:
+            return self._block_variances(x, e, blocks)
+        var_x, var_e, n_tokens = self._whole_variances(x, e)
+        return var_x.reshape(1), var_e.reshape(1), n_tokens
+
+    def _block_variances(self, x: torch.Tensor, e: torch.Tensor, blocks: int):
+        """``_global_variances`` of each column block (a CLT's layers)."""
+        d = x.shape[1]
+        stats = torch.cat([x.sum(0), _block_sums(x, blocks), e.sum(0), _block_sums(e, blocks)])
+        stats = torch.cat([stats.double(), stats.new_tensor([x.shape[0], e.shape[0]]).double()])
+        all_reduce(stats, self.mesh, DATA)
+        n_tokens, n_aux = stats[-2], stats[-1]
+        var_x = stats[d : d + blocks] - stats[:d].pow(2).view(blocks, -1).sum(1) / n_tokens
+        e_sums = stats[d + blocks : 2 * d + blocks]
+        var_e = stats[2 * d + blocks : -2] - e_sums.pow(2).view(blocks, -1).sum(1) / n_aux
+        return var_x, var_e, n_tokens
+
+    def _whole_variances(self, x: torch.Tensor, e: torch.Tensor):
         stats = torch.cat([x.sum(0), (x * x).sum()[None], e.sum(0), (e * e).sum()[None]]).double()
         stats = torch.cat([stats, stats.new_tensor([x.shape[0], e.shape[0]])])
         all_reduce(stats, self.mesh, DATA)
@@ -547,7 +609,7 @@ class Trainer:
 
     @torch.no_grad()
     def _track_firing(self, values: torch.Tensor, indices: torch.Tensor, n_tokens: int) -> None:
-        local = (indices - self.sae.offset)[values > 0]
+        local = self.sae.local_latents(indices)[values > 0]
         fired = torch.bincount(local, minlength=self.sae.n_local)
         all_reduce(fired, self.mesh, DATA)
         self.fire_count += fired
@@ -583,8 +645,8 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "loader": self.loader.state_dict(),
             "optimizer": optimizer,
-            "since_fired": LATENTS.gather(self.since_fired, self.mesh).cpu(),
-            "fire_count": LATENTS.gather(self.fire_count, self.mesh).cpu(),
+            "since_fired": self.sae.gather_latents(self.since_fired).cpu(),
+            "fire_count": self.sae.gather_latents(self.fire_count).cpu(),
             "rng": torch.get_rng_state(),
             "encoder_lr_scale": self.encoder_lr_scale,
             "buffers": {n: b.detach().cpu().clone() for n, b in self.sae.named_buffers()},
@@ -617,10 +679,8 @@ class Trainer:
                 "exp_avg": place.distribute(st["exp_avg"], self.mesh).to(p).clone(),
                 "exp_avg_sq": place.distribute(st["exp_avg_sq"], self.mesh).to(p).clone(),
             }
-        self.since_fired = (
-            LATENTS.distribute(state["since_fired"], self.mesh).to(self.device).clone()
-        )
-        self.fire_count = LATENTS.distribute(state["fire_count"], self.mesh).to(self.device).clone()
+        self.since_fired = self.sae.distribute_latents(state["since_fired"]).to(self.device).clone()
+        self.fire_count = self.sae.distribute_latents(state["fire_count"]).to(self.device).clone()
         buffers = dict(self.sae.named_buffers())
         saved = state.get("buffers", {})
         if "threshold" in state and "threshold" in buffers:  # BatchTopK's, before "buffers"
@@ -680,6 +740,7 @@ class Trainer:
 
     def save(self, metrics: dict | None = None) -> Path:
         """Checkpoint ``out_dir/checkpoints/step-NNNNNNNN`` (collective; rank 0 writes)."""
+        self.calibrate()
         tensors = self.sae.full_state()
         state = self.trainer_state()
         path = self.out_dir / "checkpoints" / f"step-{self.step:08d}"
@@ -689,6 +750,18 @@ class Trainer:
             )
         barrier()
         return path
+
+    @torch.no_grad()
+    def calibrate(self) -> None:
+        """A cross-layer transcoder's inference thresholds, from its training selection on
+        the first ``THRESHOLD_SAMPLES`` training rows (every rank reads the same; the rule
+        is ``architectures/clt.py``'s); nothing for the other architectures."""
+        calibrate = getattr(self.sae, "calibrate_thresholds", None)
+        if calibrate is None:
+            return
+        rows = min(len(self.source), THRESHOLD_SAMPLES)
+        batches = self.source.batches(tokens=rows, batch=self.config.batch_size)
+        calibrate([x.to(self.device, torch.float32) for x, _ in batches], k=self.k_at(self.step))
 
     def checkpoint_steps(self) -> set[int]:
         n = self.config.checkpoints
@@ -759,7 +832,7 @@ class Trainer:
                 sinks.close()
         self.save(metrics)
         if c.plots:  # on every rank: the firing counts' gather is a collective
-            counts = LATENTS.gather(self.fire_count, self.mesh).cpu()
+            counts = self.sae.gather_latents(self.fire_count).cpu()
             if main:
                 from .plots import plot_training
 
