@@ -15,7 +15,13 @@ from .inference import (
     load_lut_mlps,
     patch_model,
 )
-from .precompute import ModelWeights, precompute_layer, precompute_lut, precompute_mlp
+from .precompute import (
+    ModelWeights,
+    precompute_clt,
+    precompute_layer,
+    precompute_lut,
+    precompute_mlp,
+)
 from .spec import LUTError, validate_lut
 
 __all__ = [
@@ -34,6 +40,7 @@ __all__ = [
     "load_lut_layers",
     "load_lut_mlps",
     "patch_model",
+    "precompute_clt",
     "precompute_layer",
     "precompute_lut",
     "precompute_mlp",

@@ -241,6 +241,12 @@ class LUTMLP(nn.Module):
                 "these tensors are a linear layer's LUT (they hold decoder_weight), not an MLP "
                 "block's: use LUTLinear"
             )
+        if tensors["precomputed_products"].shape[0] != tensors["encoder_weight"].shape[0]:
+            raise LUTError(
+                "a cross-layer transcoder's block (its products span the codes of several "
+                "blocks, 'sources'): run the LUT's blocks together with "
+                "circuits.lut_replacement and ReplacementModel"
+            )
         self.in_features = tensors["encoder_weight"].shape[1]
         self.out_features = tensors["precomputed_products"].shape[1]
         enc_w, enc_b = (tensors[n].to(dtype) for n in ("encoder_weight", "encoder_bias"))

@@ -31,7 +31,7 @@ from ..format import SafetensorsFile, write_shard
 from ..format.dtypes import canonical_dtype
 from ..sae.architectures import get_architecture
 from ..sae.checkpoint import CheckpointError
-from ..sae.ecosystem import read_sae
+from ..sae.ecosystem import load_sae_model, read_sae
 from ..torch.dtypes import TORCH_DTYPES, to_numpy
 from .spec import (
     LINEAR,
@@ -239,6 +239,76 @@ def precompute_mlp(
         names["skip_weight"] = "skip_weight"
     return {ours: transcoder[theirs].to("cpu", store_dtype).contiguous()
             for ours, theirs in names.items()}  # fmt: skip
+
+
+def precompute_clt(
+    model_dir: str | os.PathLike,
+    clt_path: str | os.PathLike,
+    *,
+    out_dir: str | os.PathLike | None = None,
+    dtype: str = "float16",
+    overwrite: bool = False,
+    source_model: str | None = None,
+) -> dict:
+    """The whole-model LUT of a cross-layer transcoder (our CLT file): one MLP block file
+    per block the CLT covers (``model.layers.N.mlp``), holding that layer's encoder, the
+    rows of ``W_dec^{l->N}`` of every source ``l <= N`` stacked in source order as
+    ``precomputed_products``, ``b_dec^N`` as ``bias_product``, and the sources' block
+    names in ``sources`` (``spec``'s module docstring). ``k_active`` is the CLT's ``k``
+    (per layer), ``num_basis`` its latents per layer. Returns the metadata."""
+    store = STORE_DTYPES[_store_dtype(dtype)]
+    model = ModelWeights(model_dir)
+    out_dir = Path(out_dir) if out_dir is not None else model.dir / "lut"
+    if out_dir.exists() and not overwrite:
+        raise LUTError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    clt = load_sae_model(clt_path)
+    blocks = [h.rpartition(":")[0] for h in getattr(clt, "hook_points", ())]
+    if getattr(clt, "ARCHITECTURE", "") != "clt" or len(blocks) != clt.n_layers:
+        raise LUTError(f"{clt_path}: not a cross-layer transcoder that names its blocks")
+    hidden = model_config(model.config()).get("hidden_size")
+    for block in blocks:
+        model.block(block)
+        if hidden is not None and (clt.d, clt.d_out) != (hidden, hidden):
+            raise LUTError(
+                f"{clt_path}: widths {clt.d}->{clt.d_out}; {block!r} reads and writes {hidden}"
+            )
+    layers = {}
+    staging = out_dir.with_name(f".{out_dir.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        _write_clt_files(staging, clt, blocks, store, layers)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    plan = _LUTPlan(layers, {}, clt.n_latents, clt.k)
+    meta = _metadata(model, plan, source_model)
+    meta["creation_info"]["sae_model"] = Path(clt_path).name
+    (staging / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+    validate_lut(staging)
+    publish(staging, out_dir)
+    return meta
+
+
+@torch.no_grad()
+def _write_clt_files(
+    staging: Path, clt, blocks: list[str], store: torch.dtype, layers: dict
+) -> None:
+    """Each block's file of ``precompute_clt`` into ``staging``, its entry into ``layers``."""
+    for t, block in enumerate(blocks):
+        sources = blocks[: t + 1]
+        tensors = {
+            "encoder_weight": clt.encoder_weight[t], "encoder_bias": clt.encoder_bias[t],
+            "precomputed_products": torch.cat([clt.decoder(s, t) for s in range(t + 1)]),
+            "bias_product": clt.decoder_bias[t],
+        }  # fmt: skip
+        header = {"format": "lut", "version": VERSION, "layer": block, "kind": MLP,
+                  "sources": json.dumps(sources)}  # fmt: skip
+        write_shard(staging / layer_file(block),
+                    {n: to_numpy(v.to("cpu", store).contiguous()) for n, v in tensors.items()},
+                    header)  # fmt: skip
+        layers[block] = {"input_dim": clt.d, "output_dim": clt.d_out, "file": layer_file(block),
+                         "kind": MLP, "skip": False, "sources": sources}  # fmt: skip
 
 
 def _rank_world() -> tuple[int, int]:

@@ -8,7 +8,14 @@ layer's ``metadata.json`` entry and in its file's header): a transcoder of the b
 ``precomputed_products`` = the transcoder's decoder rows (the block's output per latent),
 ``bias_product`` = its decoder bias, plus ``skip_weight [output_dim, input_dim]`` for a
 skip transcoder. It has no ``decoder_weight``/``decoder_bias``: a transcoder reconstructs
-the block's output, not its input, so there is nothing to compensate from."""
+the block's output, not its input, so there is nothing to compensate from.
+
+A cross-layer transcoder's block (``sources`` in its entry and in its file's header: the
+MLP blocks of the same LUT, at or below it and ending with itself, whose codes it is
+decoded from) stores its own layer's encoder only, and ``precomputed_products`` of
+``len(sources) * num_basis`` rows: the rows of ``W_dec^{l->N}`` of each source in
+``sources``' order, so its code is the concatenation of the sources' codes, each computed
+by that source's own file from that block's input."""
 
 from __future__ import annotations
 
@@ -167,18 +174,53 @@ def validate_lut(lut_dir: str | os.PathLike) -> dict:
         kind = entry_kind(entry, lw)
         if kind == MLP and not isinstance(entry.get("skip"), bool):
             raise LUTError(f"{lw}: an MLP block's entry needs 'skip' (true or false)")
-        _check_layer_file(path, dims, kind, entry.get("skip", False))
+        sources = _sources(layers, name, entry, lw)
+        dims["len(sources) * num_basis"] = len(sources) * num_basis
+        _check_layer_file(path, dims, kind, entry.get("skip", False), sources)
     check_blocks({name: entry_kind(entry) for name, entry in layers.items()})
     return meta
 
 
-def _check_layer_file(path: Path, dims: dict[str, int], kind: str, skip: bool) -> None:
+def _sources(layers: dict, name: str, entry: dict, where: str) -> list[str]:
+    """An MLP block's ``sources`` (itself alone when absent), checked: MLP blocks of this
+    LUT listed before it, then itself, each once."""
+    if entry_kind(entry) != MLP:
+        if "sources" in entry:
+            raise LUTError(f"{where}: 'sources' belongs to an MLP block's entry")
+        return [name]
+    sources = entry.get("sources", [name])
+    names = list(layers)
+    if (
+        not isinstance(sources, list)
+        or not sources
+        or sources[-1] != name
+        or len(set(sources)) != len(sources)
+        or any(s not in layers or entry_kind(layers[s]) != MLP for s in sources)
+        or [s for s in names if s in sources] != sources
+    ):
+        raise LUTError(
+            f"{where}: sources {sources!r} must list MLP blocks of this LUT in its order, "
+            f"ending with {name!r}"
+        )
+    return sources
+
+
+def _check_layer_file(
+    path: Path, dims: dict[str, int], kind: str, skip: bool, sources: list[str]
+) -> None:
     with SafetensorsFile(path) as f:
         infos = {i.name: i for i in f.header.tensors}
         recorded = (f.metadata or {}).get("kind", LINEAR)
+        recorded_sources = (f.metadata or {}).get("sources")
     if recorded != kind:
         raise LUTError(f"{path}: its header says kind {recorded!r}, metadata.json {kind!r}")
+    if len(sources) > 1 and recorded_sources != json.dumps(sources):
+        raise LUTError(
+            f"{path}: its header's sources {recorded_sources} differ from metadata.json's {sources}"
+        )
     want = TENSORS if kind == LINEAR else dict(MLP_TENSORS)
+    if kind == MLP:
+        want["precomputed_products"] = ("len(sources) * num_basis", "output_dim")
     if kind == MLP and skip:
         want[SKIP_TENSOR[0]] = SKIP_TENSOR[1]
     missing = sorted(set(want) - set(infos))
