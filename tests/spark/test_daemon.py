@@ -12,6 +12,7 @@ pytestmark = pytest.mark.spark
 
 def test_workers_fork_from_a_daemon_holding_pandas_and_pyarrow(spark):
     def parent(batches):
+        import gc
         import os
 
         import pyarrow as pa
@@ -25,17 +26,25 @@ def test_workers_fork_from_a_daemon_holding_pandas_and_pyarrow(spark):
             for line in Path(f"/proc/{ppid}/maps").read_text().splitlines()
             if "/" in line
         }
-        yield pa.RecordBatch.from_pydict({"command": [command], "libraries": [sorted(libraries)]})
+        yield pa.RecordBatch.from_pydict(
+            {
+                "command": [command],
+                "libraries": [sorted(libraries)],
+                "frozen": [gc.get_freeze_count()],
+            }
+        )
 
     row = (
         spark.range(1, numPartitions=1)
-        .mapInArrow(parent, "command array<string>, libraries array<string>")
+        .mapInArrow(parent, "command array<string>, libraries array<string>, frozen long")
         .first()
     )
     assert row.command[1:3] == ["-m", "pyspark_safetensors.spark.daemon"], row.command
     # native libraries of pandas and pyarrow, mapped by the daemon before any fork
     assert any(name.startswith("libarrow.so") for name in row.libraries), row.libraries
     assert any(name.startswith("hashtable.cpython") for name in row.libraries), row.libraries
+    # the daemon froze what it imported: the collection Spark runs after each task skips it
+    assert row.frozen > 10_000, row.frozen
 
 
 def test_a_module_that_cannot_be_preloaded_is_left_to_the_workers():
