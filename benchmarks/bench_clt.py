@@ -8,10 +8,13 @@ of rows).
 
 A second table trains on a real model's MLPs (``CLT_TOY=0`` leaves it out): the
 package's toy Llama (``extract.toy_lm``, 4 layers, hidden 128, trained here once and
-cached under the temporary directory), every layer's MLP input and output captured by the
-extraction's ``Extractor`` over the demo corpus (training passages; the held-out
-passages for evaluation), BOS dropped. The CLT is compared with one transcoder per
-layer of the same width, k, batches and tokens (``architecture = "transcoder"``).
+cached under the temporary directory), or with ``CLT_MODEL=minilm`` the packaged
+all-MiniLM-L6-v2 (6 BERT layers, hidden 384, its MLP read at ``intermediate`` and
+written at ``output.dense``), every layer's MLP input and output captured by the
+extraction's ``Extractor`` over the demo corpus (the toy model's training passages, at
+most ``CLT_MODEL_TOKENS`` tokens; its held-out passages for evaluation), BOS dropped.
+The CLT is compared with one transcoder per layer of the same width, k, batches and
+tokens (``architecture = "transcoder"``).
 
 The data (``clt_pairs``): ``LAYERS`` MLP-like layers. Layer l's input is its own sparse
 code (``ACTIVE`` of ``FEATURES`` atoms, log-normal magnitudes) through a random
@@ -144,25 +147,38 @@ def measure(n_tokens: int) -> dict:
 
 
 TOY_LATENTS, TOY_K, TOY_BATCH = 1024, 16, 1024
+MODELS = {"toy-llama": "The toy Llama (hidden 128, intermediate 384)",
+          "minilm": "all-MiniLM-L6-v2 (hidden 384, intermediate 1536)"}  # fmt: skip
 
 
-def toy_llama_pairs(root: Path) -> dict[str, list[str]]:
-    """The toy Llama's MLP inputs and outputs, every layer, training and held-out texts."""
+def _model_dir(name: str) -> str:
+    from pyspark_safetensors.extract.model import resolve_model
+    from pyspark_safetensors.extract.toy_lm import toy_lm
+
+    if name == "minilm":
+        return resolve_model("").path
+    return str(toy_lm(Path(tempfile.gettempdir()) / "bench-clt-models"))
+
+
+def model_pairs(root: Path, model: str, max_tokens: int) -> dict[str, list[str]]:
+    """A model's MLP inputs and outputs, every layer, training and held-out texts."""
     from pyspark_safetensors.dataset import write_batch_dataset
     from pyspark_safetensors.extract.model import Extractor
-    from pyspark_safetensors.extract.toy_lm import toy_lm, toy_lm_texts
+    from pyspark_safetensors.extract.toy_lm import toy_lm_texts
 
-    model_dir = toy_lm(Path(tempfile.gettempdir()) / "bench-clt-models")
     train, held_out = toy_lm_texts()
-    extractor = Extractor(model_dir, [], mlp_layers="all", dtype="F32", batch_size=16)
+    extractor = Extractor(_model_dir(model), [], mlp_layers="all", dtype="F32", batch_size=16)
     names = [h.name for h in extractor.hooks]
     paths: dict[str, list[str]] = {}
-    for split, texts in (("train", train), ("val", held_out)):
-        rows = {name: [] for name in names}
+    for split, texts, budget in (("train", train, max_tokens), ("val", held_out, max_tokens // 4)):
+        rows, n = {name: [] for name in names}, 0
         for start in range(0, len(texts), 64):
             for window in extractor.run(texts[start : start + 64]):
                 for name in names:
                     rows[name].append(window.activations[name])
+                n += window.seq_len
+            if n >= budget:
+                break
         for name in names:  # "model.layers.3.mlp:input" -> train_x, layer order kept
             side = "x" if name.endswith(":input") else "y"
             a = np.concatenate(rows[name]).astype(np.float32)
@@ -173,15 +189,16 @@ def toy_llama_pairs(root: Path) -> dict[str, list[str]]:
     return paths
 
 
-def toy_llama_table() -> str:
+def model_table() -> str:
     import torch
 
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae.train import Trainer
 
     torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory(prefix="bench-clt-toy-") as tmp:
-        p = toy_llama_pairs(Path(tmp))
+    model = os.environ.get("CLT_MODEL", "toy-llama")
+    with tempfile.TemporaryDirectory(prefix="bench-clt-model-") as tmp:
+        p = model_pairs(Path(tmp), model, int(os.environ.get("CLT_MODEL_TOKENS", 131072)))
         layers = len(p["train_x"])
         common = dict(n_latents=TOY_LATENTS, k=TOY_K, batch_size=TOY_BATCH, checkpoints=0,
                       progress=False, plots=False, val_tokens=0)  # fmt: skip
@@ -209,7 +226,7 @@ def toy_llama_table() -> str:
     header = ["", *(f"held-out FVU, layer {t}" for t in range(layers)), "L0 per layer",
               "seconds (2 cores)"]  # fmt: skip
     return (
-        f"The toy Llama's {layers} MLPs (hidden 128, intermediate 384), {tokens:,} training "
+        f"{MODELS[model]}'s {layers} MLPs, {tokens:,} training "
         f"tokens (one pass), {TOY_LATENTS} latents and k = {TOY_K} per layer, batch "
         f"{TOY_BATCH}, defaults otherwise; held-out: the model's held-out passages.\n\n"
         + table(header, rows)
@@ -224,7 +241,7 @@ def run() -> str:
     raw = os.environ.get("CLT_TOKENS", "")
     counts = [int(t) for t in raw.split(",") if t.strip()] or list(TOKENS)
     results = [measure(n) for n in counts]
-    toy = toy_llama_table() if os.environ.get("CLT_TOY", "1") != "0" else ""
+    toy = model_table() if os.environ.get("CLT_TOY", "1") != "0" else ""
     header = ["training tokens", "steps", "held-out FVU per layer", "L0 per layer",
               "dead per layer", "peak RssAnon MiB", "VmHWM MiB", "seconds"]  # fmt: skip
     rows = []
