@@ -24,6 +24,23 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 os.environ["SPARK_SUBMIT_OPTS"] = with_archive(os.environ["SPARK_SUBMIT_OPTS"])
 
+# Toy models (``extract.toy_lm``, ``toy_vit``) are trained once per run, by the first
+# process asking for one, into a directory every later one copies it from: the xdist
+# workers, the documentation pages and the pipelines' CLI runs inherit the variable set
+# here, in the run's first process, which removes the directory at the end.
+_TOY_CACHE = None
+if "PYTEST_XDIST_WORKER" not in os.environ and "PYSPARK_SAFETENSORS_TOY_CACHE" not in os.environ:
+    import tempfile
+
+    _TOY_CACHE = os.environ["PYSPARK_SAFETENSORS_TOY_CACHE"] = tempfile.mkdtemp(prefix="toys-")
+
+
+def pytest_unconfigure(config):
+    if _TOY_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_TOY_CACHE, ignore_errors=True)
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

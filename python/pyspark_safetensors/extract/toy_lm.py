@@ -8,7 +8,9 @@ Like Llama's and GPT-2's, the tokenizer has no pad token and puts a BOS token be
 text. ``toy_lm`` caches the model under a name made of the content hash of its config and
 training texts, as the pipeline's stages are cached; ``train_toy_lm`` trains one into a
 directory. ``toy_lm.json`` in the directory records the config and the losses: the model's
-held-out next-token cross-entropy beside a unigram model's.
+held-out next-token cross-entropy beside a unigram model's. Where the environment variable
+``PYSPARK_SAFETENSORS_TOY_CACHE`` names a directory, every process asking for the same toy
+model (this one and ``toy_vit``'s) copies it from there, trained once (``cached_toy``).
 
     path = toy_lm("out/models")                   # trained once, then reused
     held_out = toy_lm_texts()[1]                  # passages the model never saw
@@ -21,7 +23,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,8 @@ from .model import ExtractionError
 BOS, EOS = "<|bos|>", "<|eos|>"
 RECORD = "toy_lm.json"
 """Written into the model directory: config, content hash, losses."""
+CACHE_ENV = "PYSPARK_SAFETENSORS_TOY_CACHE"
+"""The environment variable naming a directory of toy models shared by processes."""
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,59 @@ def toy_lm(
 ) -> Path:
     """The model directory ``root/toy-llama-{hash[:16]}``: trained and published whole
     the first time, reused afterwards (its ``toy_lm.json`` records the losses)."""
-    from ..dataset.publish import publishing
-
-    final = Path(root) / f"toy-llama-{toy_lm_hash(config)[:16]}"
+    digest = toy_lm_hash(config)
+    final = Path(root) / f"toy-llama-{digest[:16]}"
     if (final / RECORD).is_file():
         return final
+    return cached_toy(
+        final, f"toy-llama-{digest}", lambda d: train_toy_lm(d, config, progress=progress)
+    )
+
+
+def cached_toy(final: Path, key: str, train: Callable[[Path], object]) -> Path:
+    """Publish at ``final`` the toy model ``key`` names (its kind and content hash), which
+    ``train(directory)`` trains. Where ``$PYSPARK_SAFETENSORS_TOY_CACHE`` names a
+    directory, the model is trained there once and copied from there: processes asking
+    for it at the same time wait for the one training it (a file lock), and the key also
+    names what else makes torch's arithmetic differ between processes (its threads, its
+    deterministic mode), so a copy has the bytes this process would train. A cached model
+    is never retrained: the variable is meant for one run of one version of the code."""
+    from ..dataset.publish import publishing
+
+    cache = os.environ.get(CACHE_ENV)
     with publishing(final) as staging:
-        train_toy_lm(staging, config, progress=progress)
+        if cache:
+            shutil.copytree(_trained_once(Path(cache), key, train), staging, dirs_exist_ok=True)
+        else:
+            train(staging)
     return final
+
+
+def _trained_once(cache: Path, key: str, train: Callable[[Path], object]) -> Path:
+    """``cache/key-{torch's settings}``, trained by the first process to ask for it."""
+    import torch
+
+    from ..dataset.publish import publishing
+
+    deterministic = "-deterministic" if torch.are_deterministic_algorithms_enabled() else ""
+    cached = cache / f"{key}-threads{torch.get_num_threads()}{deterministic}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{cached.name}.lock", "a") as lock:
+        _lock(lock)  # released when the file closes, or its process dies
+        if not cached.is_dir():
+            with publishing(cached) as staging:
+                train(staging)
+    return cached
+
+
+def _lock(file) -> None:
+    """An exclusive lock on an open file, held until it closes (a no-op without
+    ``fcntl``: two processes may then both train, and the last one published wins)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return
+    fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
 def train_byte_bpe(texts: list[str], vocab_size: int):

@@ -205,15 +205,17 @@ def toy_vit(
     root: str | os.PathLike, config: ToyViTConfig = ToyViTConfig(), *, progress: bool = False
 ) -> Path:
     """The model directory ``root/toy-vit-{hash[:16]}``: trained and published whole the
-    first time, reused afterwards (its ``toy_vit.json`` records the accuracies)."""
-    from ..dataset.publish import publishing
+    first time (or copied from ``$PYSPARK_SAFETENSORS_TOY_CACHE``, as ``toy_lm``'s), reused
+    afterwards (its ``toy_vit.json`` records the accuracies)."""
+    from .toy_lm import cached_toy
 
-    final = Path(root) / f"toy-vit-{toy_vit_hash(config)[:16]}"
+    digest = toy_vit_hash(config)
+    final = Path(root) / f"toy-vit-{digest[:16]}"
     if (final / RECORD).is_file():
         return final
-    with publishing(final) as staging:
-        train_toy_vit(staging, config, progress=progress)
-    return final
+    return cached_toy(
+        final, f"toy-vit-{digest}", lambda d: train_toy_vit(d, config, progress=progress)
+    )
 
 
 def image_processor(config: ToyViTConfig):
