@@ -15,7 +15,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
     sections = (_overview, _stages, _extraction, _saes, _transcoders, _crosscoders, _lm_loss,
-                _mlp_replacement, _classifier, _lut_errors, _lut_latency, _mlp_latency,
+                _mlp_replacement, _whole_network, _classifier, _lut_errors, _lut_latency, _mlp_latency,
                 _embeddings, _features, _configuration)  # fmt: skip
     return "\n".join(line for section in sections for line in section(summary))
 
@@ -249,6 +249,62 @@ def _mlp_replacement(summary: dict) -> list[str]:
         ),
         "",
     ]
+
+
+_REPLACEMENTS = {"clt": "CLT", "clt_lut": "CLT's LUT", "per_layer": "per-layer transcoders",
+                 "per_layer_lut": "per-layer transcoders' LUT"}  # fmt: skip
+
+
+def _whole_network(summary: dict) -> list[str]:
+    """Each cross-layer transcoder's replacement model: every MLP replaced at once by the
+    CLT, its whole-model LUT and the per-layer transcoders (and theirs)."""
+    lines = []
+    for name, ev in (summary.get("circuits") or {}).items():
+        latents = ev.get("latents", {})
+        rows = [
+            [_REPLACEMENTS.get(model, model), latents.get(model, {}).get("total", ""),
+             f"{m['ce']:.4f}", f"**{_num(m['ce_loss_recovered'], '.3f')}**",
+             _num(m["ce_loss_recovered_mean"], ".3f"), f"{m['kl']:.4f}", f"{m['top1']:.3f}"]
+            for model, m in ev["models"].items()
+        ]  # fmt: skip
+        fvu_rows = [
+            [f"`{block}`", *(f"{m['fvu_replaced'][block]:.3f} / {m['fvu_clean'][block]:.3f}"
+                             for m in ev["models"].values())]
+            for block in ev["blocks"]
+        ]  # fmt: skip
+        lines += [
+            f"## The whole network replaced: CLT `{name}`",
+            "",
+            f"Every MLP block ({len(ev['blocks'])}) replaced at once, each block's output the "
+            "replacement's from the MLP inputs the replaced model itself produces (errors "
+            f"compound), on {ev['tokens']} held-out next tokens (in `{ev['dir']}`). Clean CE "
+            f"{ev['ce_clean']:.4f}; every MLP zero-ablated {ev['ce_zero_ablated']:.4f} (KL "
+            f"{ev['kl_zero_ablated']:.3f}, top-1 {ev['top1_zero_ablated']:.3f}), mean-ablated "
+            f"{ev['ce_mean_ablated']:.4f} (KL {ev['kl_mean_ablated']:.3f}, top-1 "
+            f"{ev['top1_mean_ablated']:.3f}). CE loss recovered against zero (and mean) "
+            "ablation, KL to the clean next-token distributions (nats per token), top-1: the "
+            "share of tokens whose most likely next token is the clean model's.",
+            "",
+            *_table(
+                [
+                    "replacement",
+                    "latents",
+                    "CE",
+                    "CE loss recovered",
+                    "recovered vs mean",
+                    "KL",
+                    "top-1",
+                ],
+                rows,
+            ),
+            "",
+            "FVU of each block's output, in the replaced run (against the block's own output on "
+            "the inputs the replaced model gives it) / in the clean run (from clean inputs):",
+            "",
+            *_table(["block", *(_REPLACEMENTS.get(m, m) for m in ev["models"])], fvu_rows),
+            "",
+        ]
+    return lines
 
 
 def _mlp_latency(summary: dict) -> list[str]:

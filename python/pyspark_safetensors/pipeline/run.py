@@ -65,8 +65,9 @@ DEFAULT_HOOKS = {
 class TrainingRun:
     """One dictionary the pipeline trains (``docs/sae.md``'s families): ``kind`` "sae" (its
     ``name`` the hook point it reads and reconstructs), "transcoder" (``name`` the block it
-    replaces; ``hooks`` = (input, target)) or "crosscoder" (``name`` from the config;
-    ``hooks`` those it reads and reconstructs)."""
+    replaces; ``hooks`` = (input, target)), "crosscoder" (``name`` from the config;
+    ``hooks`` those it reads and reconstructs) or "clt" (a cross-layer transcoder, ``name``
+    from the config; ``hooks`` = the blocks' inputs, then their outputs)."""
 
     kind: str
     name: str
@@ -88,7 +89,7 @@ class TrainingRun:
         """The trainer's architecture this kind fixes (None: ``[sae]``'s, an SAE's)."""
         if self.kind == "transcoder":
             return "skip_transcoder" if self.skip else "transcoder"
-        return "crosscoder" if self.kind == "crosscoder" else None
+        return self.kind if self.kind in ("crosscoder", "clt") else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,12 @@ class PipelineConfig:
     crosscoders: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Name -> hook points (of one width): one crosscoder reading and reconstructing them
     all, with each hook point's FVU set against its own SAE's where ``hooks`` has one."""
+    clts: dict[str, dict] = field(default_factory=dict)
+    """Name -> ``{layers = "all" | "0-3,5", per_layer = true}``: a cross-layer transcoder
+    over those layers' MLP blocks (``model.layers.N.mlp``; ``[sae]``'s latents and k per
+    layer), with ``per_layer`` a transcoder per block on the same tokens (the same total
+    latents) as its baseline, its whole-model LUT, and both replacement models evaluated
+    (``circuits``)."""
     model: str = ""
     """A Hugging Face model directory or model id (from the local Hub cache); empty = the
     packaged all-MiniLM-L6-v2; "toy-llama" = a small Llama trained on the demo corpus as
@@ -161,7 +168,7 @@ class PipelineConfig:
             raise PipelineError("texts, held_out_texts, epochs and nproc must be >= 1")
         if self.parallel not in ("data", "model"):
             raise PipelineError(f"parallel must be 'data' or 'model', got {self.parallel!r}")
-        if not (self.hooks or self.transcoders or self.crosscoders):
+        if not (self.hooks or self.transcoders or self.crosscoders or self.clts):
             raise PipelineError(
                 "hooks, transcoders and crosscoders are all empty: name at least one hook "
                 "point and its layers"
@@ -169,7 +176,7 @@ class PipelineConfig:
         for hook, layers in self.hooks.items():
             if not layers and not self.vision:
                 raise PipelineError(f"hook {hook!r} names no linear layer to build a LUT for")
-        if self.vision and (self.transcoders or self.crosscoders):
+        if self.vision and (self.transcoders or self.crosscoders or self.clts):
             raise PipelineError(
                 "the image pipeline trains SAEs only: leave transcoders and crosscoders out"
             )
@@ -188,6 +195,9 @@ class PipelineConfig:
                 )
             if not isinstance(spec.get("skip", False), bool):
                 raise PipelineError(f"transcoder {block!r}: skip must be true or false")
+        for name, spec in self.clts.items():
+            if set(spec) - {"layers", "per_layer"}:
+                raise PipelineError(f"clt {name!r}: only layers and per_layer, got {sorted(spec)}")
         for name, hooks in self.crosscoders.items():
             if len(set(hooks)) < 2 or len(set(hooks)) != len(hooks):
                 raise PipelineError(
@@ -199,7 +209,7 @@ class PipelineConfig:
             self.toy_config()  # a bad preset or field fails here, before any stage
         reserved = {"dataset", "out_dir", "tokens", "data_parallel_size", "model_parallel_size",
                     "target_dataset", "datasets", "val_dataset", "val_target_dataset",
-                    "val_datasets"}  # fmt: skip
+                    "val_datasets", "target_datasets", "val_target_datasets"}  # fmt: skip
         if reserved & set(self.sae):
             raise PipelineError(
                 f"[sae] may not set {sorted(reserved & set(self.sae))}: the pipeline sets them"
@@ -242,7 +252,23 @@ class PipelineConfig:
                 TrainingRun("crosscoder", name, tuple(hooks))
                 for name, hooks in self.crosscoders.items()
             ),
+            *(run for name in self.clts for run in self.clt_runs(name)),
         )
+
+    def clt_runs(self, name: str) -> tuple[TrainingRun, ...]:
+        """A CLT's run, then (``per_layer``) one transcoder per block it covers."""
+        from ..extract.model import parse_layers
+
+        spec = self.clts[name]
+        layers = parse_layers(str(spec.get("layers", "all")))
+        if layers is None:
+            layers = range(self.toy_config().num_layers if self.model == TOY_LLAMA
+                           else _num_layers(self.model))  # fmt: skip
+        blocks = [f"model.layers.{i}.mlp" for i in layers]
+        ins, outs = [f"{b}:input" for b in blocks], [f"{b}:output" for b in blocks]
+        per_layer = [TrainingRun("transcoder", b, (f"{b}:input", f"{b}:output")) for b in blocks]
+        keep = spec.get("per_layer", True)
+        return (TrainingRun("clt", name, (*ins, *outs)), *(per_layer if keep else ()))
 
     @property
     def extracted_hooks(self) -> tuple[str, ...]:
@@ -283,6 +309,14 @@ class PipelineConfig:
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def _num_layers(model: str) -> int:
+    """The number of blocks a Hugging Face model's config names."""
+    from ..extract import resolve_model
+
+    config = json.loads((Path(resolve_model(model).path) / "config.json").read_text())
+    return int(config.get("num_hidden_layers") or config["n_layer"])
 
 
 def _preset(table: dict, presets: dict, name: str):
@@ -429,9 +463,12 @@ class Pipeline:
         if c.vision:
             self.evaluate_images(trained)
         else:
-            self.evaluate(trained, self.lut(trained))
-        if c.features:
-            self.features(trained, extract_dir)
+            lut_dir = self.lut(trained)
+            self.evaluate({r: p for r, p in trained.items() if r.kind != "clt"}, lut_dir)
+            for run in (r for r in trained if r.kind == "clt"):
+                self.circuits(run, trained, lut_dir)
+        if c.features:  # a CLT's latents have no browser yet
+            self.features({r: p for r, p in trained.items() if r.kind != "clt"}, extract_dir)
         self.summary["seconds"] = time.perf_counter() - started
         self.write_report()
         return self.summary
@@ -552,6 +589,10 @@ class Pipeline:
             datasets = {"dataset": data[run.name]}
         elif run.kind == "transcoder":
             datasets = {"dataset": data[run.hooks[0]], "target_dataset": data[run.hooks[1]]}
+        elif run.kind == "clt":
+            half = len(run.hooks) // 2
+            datasets = {"datasets": [data[h] for h in run.hooks[:half]],
+                        "target_datasets": [data[h] for h in run.hooks[half:]]}  # fmt: skip
         else:
             datasets = {"datasets": [data[hook] for hook in run.hooks]}
         return {
@@ -587,7 +628,7 @@ class Pipeline:
         }  # fmt: skip
         counts = {
             kind: sum(r.kind == kind for r in c.runs)
-            for kind in ("sae", "transcoder", "crosscoder")
+            for kind in ("sae", "transcoder", "crosscoder", "clt")
         }
         trained = ", ".join(f"{n} {kind}{'s' * (n > 1)}" for kind, n in counts.items() if n)
         self.announce(
@@ -623,7 +664,9 @@ class Pipeline:
         layers = {layer: sae_files[hook] for hook, names in c.hooks.items() for layer in names}
         blocks = {run.name: path for run, path in trained.items() if run.kind == "transcoder"}
         keys = [
-            self.summary["stages"][run.stage]["hash"] for run in trained if run.kind != "crosscoder"
+            self.summary["stages"][run.stage]["hash"]
+            for run in trained
+            if run.kind not in ("crosscoder", "clt")
         ]
         # the key of a LUT without MLP blocks is the one it had before transcoders existed
         key = digest(keys, sorted({**layers, **blocks}), c.lut_dtype, self.model_hash)
@@ -680,6 +723,38 @@ class Pipeline:
         self.summary["evaluation"] = json.loads((path / "figures.json").read_text())
         self.summary["evaluation_dir"] = path.name
 
+    def circuits(self, run: TrainingRun, trained: dict[TrainingRun, Path], lut_dir: Path) -> None:
+        """Stage ``circuits-{name}`` (``circuits.stage.clt_figures``): the CLT's whole-model
+        LUT, the CLT, its LUT and the per-layer transcoders (and their LUT) each replacing
+        every MLP at once, on the held-out passages."""
+        from ..circuits.stage import clt_figures
+        from ..extract import passages_by_key
+
+        c = self.config
+        blocks = [h.rpartition(":")[0] for h in run.hooks[: len(run.hooks) // 2]]
+        per_layer = {
+            r.name: p for r, p in trained.items() if r.kind == "transcoder" and r.name in blocks
+        }
+        stages = [
+            self.summary["stages"][r.stage]["hash"]
+            for r in trained
+            if r.name in (run.name, *per_layer)
+        ]
+        key = digest(stages, self.summary["stages"]["lut"]["hash"], c.held_out_texts, c.lut_dtype)
+        texts = getattr(self, "held_out", None) or passages_by_key(c.texts, c.held_out_texts)
+        self.announce(f"circuits: every MLP replaced by CLT {run.name!r}, its LUT and "
+                      f"{len(per_layer)} per-layer transcoders, on {len(texts)} held-out passages")  # fmt: skip
+
+        def build(tmp: Path) -> None:
+            figures = clt_figures(model_dir=self.model_dir, clt_file=trained[run], transcoders=per_layer,
+                                  per_layer_lut=lut_dir, texts=texts, max_length=c.max_length,
+                                  out_dir=tmp, lut_dtype=c.lut_dtype)  # fmt: skip
+            (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+        path = self.stage(f"circuits-{hook_slug(run.name)}", key, build)
+        figures = json.loads((path / "figures.json").read_text())
+        self.summary.setdefault("circuits", {})[run.name] = {**figures, "dir": path.name}
+
     def evaluate_images(self, trained: dict[TrainingRun, Path]) -> None:
         """Stage ``evaluation`` of an image run (``vision.evaluate_vision``): each SAE on the
         held-out images' tokens it reads, the classifier with each spliced in."""
@@ -709,7 +784,7 @@ class Pipeline:
         c = self.config
         if c.vision:  # model, images, extract, train, evaluate, (features), report
             return 6 + c.features
-        return 3 + c.features + (c.model == TOY_LLAMA) + 1
+        return 3 + c.features + (c.model == TOY_LLAMA) + 1 + len(c.clts)
 
     def features(self, trained: dict[TrainingRun, Path], extract_dir: Path) -> None:
         """One feature browser per SAE, transcoder and crosscoder (``features-{hook}``,
