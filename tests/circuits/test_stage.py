@@ -59,7 +59,7 @@ def test_clt_figures_set_the_clt_its_lut_and_the_per_layer_baseline_side_by_side
     for i, block in enumerate(BLOCKS):
         tc = _random(TranscoderSAE(D, N, K, d_out=D), 2 + i)
         tcs[block] = tmp_path / f"tc{i}.safetensors"
-        save_sae(tcs[block], tc.full_state(), tc.metadata())
+        save_sae(tcs[block], tc.full_state(), {**tc.metadata(), "k": str(K)})
     precompute_lut(model_dir, tcs, out_dir=tmp_path / "per-layer-lut", k_active=K,
                    progress=False)  # fmt: skip
     figures = clt_figures(model_dir=model_dir, clt_file=tmp_path / "clt.safetensors",
