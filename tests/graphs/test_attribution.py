@@ -1,0 +1,175 @@
+"""Exactness of attribution graphs: each edge is what perturbing its source does to its
+target in the frozen local replacement model, each target's incoming edges plus its
+constant term are its value, and the values are the model's own; with a cross-layer
+transcoder and with per-layer transcoders. Then pruning, scores and interventions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyspark_safetensors.graphs import graph as G
+from pyspark_safetensors.graphs.attribution import (
+    AttributionConfig,
+    attribute,
+    attribute_local,
+    logit_directions,
+)
+from pyspark_safetensors.graphs.interventions import intervene
+from pyspark_safetensors.graphs.local import AttributionError, capture, load_model, load_transcoders
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def model(toy):
+    return load_model(toy)
+
+
+@pytest.fixture(scope="module", params=["clt", "per_layer"])
+def case(request, model, dictionaries):
+    """(local replacement model, its unpruned graph) of PROMPT."""
+    lm, tok = model
+    tc = load_transcoders(dictionaries[request.param])
+    assert tc.per_layer == (request.param == "per_layer")
+    local = capture(lm, tc, torch.tensor(tok(PROMPT)["input_ids"]))
+    return local, attribute_local(local, AttributionConfig(batch_size=40), PROMPT)
+
+
+def _targets(local, graph, xs, final):
+    """Every target's value in the frozen model: features' pre-activations, logit nodes."""
+    dirs = logit_directions(local, torch.as_tensor(graph.logit_tokens))
+    return torch.cat([local.pre_activations(xs), final @ dirs.T], 1)[0].double()
+
+
+def test_edges_are_the_frozen_models_response_to_each_source(case):
+    local, graph = case
+    F, n_err = graph.n_features, graph.n_blocks * graph.n_pos
+    rows = np.r_[0:F, graph.logit_start : graph.n_nodes]
+    with torch.no_grad():
+        base = _targets(local, graph, *local.run(*local.clean_sources()))
+        rng = np.random.default_rng(0)
+        reaching = np.flatnonzero(graph.adjacency[:, :F].any(0))  # features with out-edges
+        picks = [
+            *rng.choice(reaching, 6, replace=False),
+            F + rng.integers(graph.n_pos),
+            F + n_err + 3,
+        ]
+        picks.append(F + (graph.n_blocks - 1) * graph.n_pos + graph.n_pos - 1)  # last error
+        eps = 0.37
+        for src in picks:
+            values, err, emb = local.clean_sources()
+            if src < F:
+                values[0, src] *= 1 + eps
+            elif src < F + n_err:
+                err.view(1, -1)[0, src - F] *= 1 + eps
+            else:
+                emb[0, src - F - n_err] *= 1 + eps
+            moved = _targets(local, graph, *local.run(values, err, emb)) - base
+            want = eps * graph.adjacency[rows, src].astype(np.float64)
+            scale = max(np.abs(want).max(), 1e-3)
+            np.testing.assert_allclose(moved.numpy(), want, atol=2e-5 * scale + 1e-6)
+            assert np.abs(want).max() > 0  # every picked source reaches some target
+
+
+def test_incoming_edges_and_constant_sum_to_the_models_own_values(case):
+    local, graph = case
+    F, rows = graph.n_features, np.r_[0 : graph.n_features, graph.logit_start : graph.n_nodes]
+    total = graph.adjacency[rows].astype(np.float64).sum(1) + graph.bias[rows]
+    clt = local.transcoders.clt
+    f = local.features
+    x = torch.stack(
+        [local.mlp_in[int(b)][int(p)] for b, p in zip(f.model_layer, f.pos, strict=True)]
+    )
+    pre = (x * clt.encoder_weight[f.layer, f.latent]).sum(1) + clt.encoder_bias[f.layer, f.latent]
+    logits = local.logits[-1].double()
+    want = np.r_[pre.detach().numpy(), (logits - logits.mean())[graph.logit_tokens].numpy()]
+    np.testing.assert_allclose(total, want, rtol=1e-4, atol=1e-4)
+    # active features are active: their pre-activation is their activation (ReLU, top-k)
+    np.testing.assert_allclose(want[:F], graph.activations, rtol=1e-5, atol=1e-5)
+    # no edge into errors or embeddings; none from a node to itself or a later feature layer
+    assert not graph.adjacency[F : graph.logit_start].any()
+    later = graph.feature_layer[:, None] <= graph.feature_layer[None, :]
+    assert not graph.adjacency[:F, :F][later].any()
+
+
+def test_logit_nodes_and_refusals(case, model):
+    local, graph = case
+    p = graph.logit_probabilities
+    assert 1 <= len(p) <= 10 and (np.diff(p) <= 0).all()
+    assert p.sum() >= 0.95 or len(p) == 10
+    assert p[:-1].sum() < 0.95
+    lm, _ = model
+    with pytest.raises(AttributionError, match="exceeds the model's 64"):
+        attribute(lm, local.transcoders, [0] * 65)
+    with pytest.raises(AttributionError, match="non-empty"):
+        attribute(lm, local.transcoders, [])
+
+
+def test_pruning_and_scores(case):
+    _, graph = case
+    replacement, completeness = G.scores(graph)
+    assert 0 < replacement < 1 and 0 < completeness < 1
+    pruned = G.prune(graph)
+    keep = pruned.node_mask
+    assert keep[graph.token_start :].all()  # tokens and logits always stay
+    assert 0 < keep[: graph.n_features].sum() < graph.n_features
+    assert not pruned.edge_mask[~keep].any() and not pruned.edge_mask[:, ~keep].any()
+    assert (pruned.edge_mask <= (graph.adjacency != 0)).all()
+    everything = G.prune(graph, 1.0, 1.0)
+    assert everything.node_mask.sum() >= keep.sum()
+    assert pruned.cumulative.max() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="node_threshold"):
+        G.prune(graph, 1.5)
+
+
+def test_scores_of_a_graph_made_by_hand():
+    """token -> feature -> logit (weight 3) and token -> error -> logit (weight 1)."""
+    a = np.zeros((5, 5), np.float32)  # nodes: feature, error, token, logit... (1 block, 1 pos)
+    graph = G.AttributionGraph("", np.array([7]), np.array([0]), np.array([0]), np.array([5]),
+                               np.array([1.0]), 1, np.array([2]), np.array([1.0]), a[:4, :4],
+                               np.zeros(4), np.zeros(4))  # fmt: skip
+    graph.adjacency[0, 2] = 2.0  # token -> feature
+    graph.adjacency[3, 0], graph.adjacency[3, 1] = 3.0, -1.0  # feature, error -> logit
+    replacement, completeness = G.scores(graph)
+    # influence: feature 0.75, error 0.25, token 0.75 (through the feature); errors 0.25
+    assert replacement == pytest.approx(0.75)
+    # completeness: logit node weight 1 with 0.75 from non-errors; feature (0.75) fully
+    assert completeness == pytest.approx((1 * 0.75 + 0.75 * 1 + 0.25 * 1 + 0.75 * 1) / 2.75)
+
+
+def test_zeroing_a_feature_moves_each_logit_by_its_edge(case):
+    local, graph = case
+    F, rows = graph.n_features, slice(graph.logit_start, graph.n_nodes)
+    top = int(np.abs(graph.adjacency[rows, :F]).sum(0).argmax())
+    key = (
+        int(graph.feature_layer[top]),
+        int(graph.feature_pos[top]),
+        int(graph.feature_latent[top]),
+    )
+    direct = intervene(local, {key: 0.0}, mode="direct")
+    got = direct.demeaned_delta()[graph.logit_tokens].numpy()
+    np.testing.assert_allclose(got, -graph.adjacency[rows, top], rtol=1e-4, atol=1e-5)
+    doubled = intervene(local, {key: 2 * float(graph.activations[top])}).demeaned_delta()
+    np.testing.assert_allclose(doubled[graph.logit_tokens].numpy(), graph.adjacency[rows, top],
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    # the full replacement model (attention and norms live) is the model itself unchanged
+    full = intervene(local, {}, mode="full")
+    torch.testing.assert_close(full.clean, local.logits[-1], rtol=1e-5, atol=1e-5)
+    assert full.delta.abs().max() == 0
+    # a last-block feature at the last position reaches the logits directly only: the
+    # full model moves them the way its edges say, though not by as much: the final norm is
+    # live, and this random dictionary's outputs are a large part of the residual
+    last = np.flatnonzero((graph.feature_layer == graph.n_blocks - 1)
+                          & (graph.feature_pos == graph.n_pos - 1))  # fmt: skip
+    f = int(last[np.abs(graph.adjacency[rows][:, last]).sum(0).argmax()])
+    key = (int(graph.feature_layer[f]), int(graph.feature_pos[f]), int(graph.feature_latent[f]))
+    moved = intervene(local, {key: 0.0}, mode="full").demeaned_delta()[graph.logit_tokens].numpy()
+    edge = -graph.adjacency[rows, f]
+    assert (np.sign(moved) == np.sign(edge)).all()
+    assert np.corrcoef(moved, edge)[0, 1] > 0.8
+    with pytest.raises(AttributionError, match="mode"):
+        intervene(local, {}, mode="other")
