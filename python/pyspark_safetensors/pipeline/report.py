@@ -125,6 +125,8 @@ def _saes(summary: dict) -> list[str]:
             f"{h['dead_fraction']:.1%}", f"{h['dense_fraction']:.1%}",
             f"{t.get('tokens_per_s', 0):,.0f}",
         ])  # fmt: skip
+    if not rows:  # no SAE on a hook point (a run of transcoders only): the plot alone
+        return [f"![latent frequency]({summary['evaluation_dir']}/latent_frequency.png)", ""]
     lines += _table(
         ["hook point", "latents / k", "FVU (train)", "FVU (held-out)", "L0 (train)", "L0 (held-out)",
          "dead (train)", "never fired (held-out)", "dense >10% (held-out)", "tokens/s"],
@@ -377,11 +379,12 @@ def _lm_loss(summary: dict) -> list[str]:
             f"**{h['ce_loss_recovered']:.3f}**", f"{h['ce_loss_recovered_mean']:.3f}",
             f"{h['kl_spliced']:.3g}", f"{h['kl_zero_ablated']:.3g}",
         ])  # fmt: skip
-    lines += _table(
-        ["hook point", "FVU", "L0", "never fired", "CE spliced", "CE zero-abl.",
-         "CE mean-abl.", "CE loss recovered", "recovered vs mean", "KL spliced", "KL zero-abl."],
-        rows,
-    )  # fmt: skip
+    if rows:
+        lines += _table(
+            ["hook point", "FVU", "L0", "never fired", "CE spliced", "CE zero-abl.",
+             "CE mean-abl.", "CE loss recovered", "recovered vs mean", "KL spliced", "KL zero-abl."],
+            rows,
+        )  # fmt: skip
     if lm.get("lut"):
         lines += [
             "",
