@@ -47,6 +47,49 @@ def repo_root() -> Path:
     return REPO
 
 
+# What varies between machines, and so between runs of a figure that comes out of
+# training, set by ``tests/margins.py`` when it measures each such figure's spread (unset,
+# a run is the suite's usual one): torch's threads in the test processes (and, through
+# OMP_NUM_THREADS, in the Spark workers and torchrun processes they start),
+# deterministic kernels, and the seed the ``seed`` fixture hands the trained tests. A CPU
+# without AVX-512 is ATEN_CPU_CAPABILITY=avx2, which torch reads itself.
+THREADS = os.environ.get("PSS_TEST_THREADS", "")
+if THREADS:
+    os.environ["OMP_NUM_THREADS"] = THREADS
+if THREADS or os.environ.get("PSS_TEST_DETERMINISTIC"):
+    import torch
+
+    if THREADS:
+        torch.set_num_threads(int(THREADS))
+    torch.use_deterministic_algorithms(bool(os.environ.get("PSS_TEST_DETERMINISTIC")))
+
+
+@pytest.fixture(scope="session")
+def seed() -> int:
+    """The seed of a trained test's data, model and training run: 0, or what
+    ``tests/margins.py`` sets to measure the spread over seeds."""
+    return int(os.environ.get("PSS_TEST_SEED", "0"))
+
+
+@pytest.fixture
+def figure(record_property):
+    """``figure(name, value, above=..., below=...)``: assert a trained figure against its
+    threshold and record both (``tests/margins.py`` reads them from the JUnit report)."""
+
+    def check(name: str, value: float, *, above: float | None = None,
+              below: float | None = None, context: object = "") -> None:  # fmt: skip
+        value = float(value)
+        record_property(f"figure:{name}", repr(value))
+        bound = (">", above) if above is not None else ("<", below)
+        record_property(f"threshold:{name}", f"{bound[0]} {bound[1]!r}")
+        if above is not None:
+            assert value > above, f"{name} = {value:.4f}, must be > {above} {context}"
+        if below is not None:
+            assert value < below, f"{name} = {value:.4f}, must be < {below} {context}"
+
+    return check
+
+
 # Under pytest-xdist (`./dev test` runs two workers) each module's tests go to one worker,
 # where its module fixtures (Spark datasets, a trained SAE) are built once; each
 # documentation page's blocks run in a fresh process of their own and share nothing, so

@@ -3,6 +3,7 @@ a causal LM whose tokenizer has no pad token and adds BOS (Llama naming, GPT-2 n
 checked against running the model directly on each text alone."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -24,9 +25,9 @@ LLAMA_HOOKS = (Q_IN, GATE_IN, L1_OUT)
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
+def toy(tmp_path_factory, seed):
     """The tiny toy Llama, trained once per test process (shared with the LUT tests)."""
-    return toy_lm(tmp_path_factory.getbasetemp() / "toy-lm", TINY)
+    return toy_lm(tmp_path_factory.getbasetemp() / "toy-lm", replace(TINY, seed=seed))
 
 
 def _texts():
@@ -60,9 +61,10 @@ def _direct(model_dir, hooks, texts, max_length):
     return tokenizer, out
 
 
-def test_toy_lm_trains_deterministically_and_loads_as_a_causal_lm(toy, tmp_path):
+@pytest.mark.trained
+def test_toy_lm_trains_deterministically_and_loads_as_a_causal_lm(toy, tmp_path, seed, figure):
     again = tmp_path / "again"
-    record = train_toy_lm(again, TINY)
+    record = train_toy_lm(again, replace(TINY, seed=seed))
     names = sorted(p.name for p in toy.iterdir())
     assert names == sorted(p.name for p in again.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json", RECORD} <= set(names)
@@ -70,8 +72,10 @@ def test_toy_lm_trains_deterministically_and_loads_as_a_causal_lm(toy, tmp_path)
         assert (toy / name).read_bytes() == (again / name).read_bytes(), name
     assert json.loads((toy / RECORD).read_text())["held_out_loss"] == record["held_out_loss"]
     # trained: clearly better than a uniform guess, and than the unigram distribution
-    assert record["held_out_loss"] < np.log(TINY.vocab_size) - 1
-    assert record["held_out_loss"] < record["unigram_held_out_loss"]
+    figure("loss_over_uniform_less_1", record["held_out_loss"] / (np.log(TINY.vocab_size) - 1),
+           below=1.0)  # fmt: skip
+    figure("loss_over_unigram", record["held_out_loss"] / record["unigram_held_out_loss"],
+           below=1.0)  # fmt: skip
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -34,17 +34,20 @@ def real_activations():
     return np.concatenate(acts[:split]), np.concatenate(acts[split:])
 
 
-def test_lut_selects_the_trainers_latents_with_its_values(tmp_path, real_activations):
+@pytest.mark.trained
+def test_lut_selects_the_trainers_latents_with_its_values(tmp_path, real_activations, seed,
+                                                          figure):  # fmt: skip
     train, held_out = real_activations
     write_batch_dataset(tmp_path / "acts", {"activation": train}, rows_per_shard=4096)
     config = SAEConfig(dataset=str(tmp_path / "acts"), n_latents=768, k=K, batch_size=256,
                        tokens=256 * 30, lr=3e-3, out_dir=str(tmp_path / "run"), checkpoints=0,
-                       progress=False, plots=False)  # fmt: skip
+                       progress=False, plots=False, seed=seed)  # fmt: skip
     Trainer(config).fit()
     sae_file = tmp_path / "run" / "sae.safetensors"
     tensors, _ = load_sae(sae_file)
     # a trained SAE's decoder bias is far from zero: the fold matters
-    assert tensors["decoder_bias"].norm() > 0.1 * torch.from_numpy(train).norm(dim=1).mean()
+    figure("bias_norm_ratio",
+           tensors["decoder_bias"].norm() / torch.from_numpy(train).norm(dim=1).mean(), above=0.1)  # fmt: skip
     precompute_lut(gt.get_model_path(), {LAYER: sae_file}, out_dir=tmp_path / "lut",
                    progress=False)  # fmt: skip
     stored = load_layer_file(tmp_path / "lut" / f"{LAYER}.lut.safetensors")
@@ -69,7 +72,7 @@ def test_lut_selects_the_trainers_latents_with_its_values(tmp_path, real_activat
         set(a.tolist()) == set(b.tolist()) for a, b in zip(out.indices, indices, strict=True)
     ])  # fmt: skip
     assert bool(same[~ambiguous].all()), "the LUT picked other latents than the trainer"
-    assert same.float().mean() > 0.9
+    figure("same_latents", same.float().mean(), above=0.9)
     sae_vals = torch.zeros_like(pre).scatter(1, out.indices, out.values)
     lut_vals = torch.zeros_like(pre).scatter(1, indices.long(), values)
     err = (sae_vals - lut_vals).abs()[same]
@@ -81,4 +84,4 @@ def test_lut_selects_the_trainers_latents_with_its_values(tmp_path, real_activat
     wrong_same = np.mean([
         set(a.tolist()) == set(b.tolist()) for a, b in zip(out.indices, wrong, strict=True)
     ])  # fmt: skip
-    assert wrong_same < 0.5
+    figure("same_latents_unfolded", wrong_same, below=0.5)

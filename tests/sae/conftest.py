@@ -31,13 +31,13 @@ def make_activation_dataset(root, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def activations(tmp_path_factory):
-    return make_activation_dataset(tmp_path_factory.mktemp("acts") / "acts")
+def activations(tmp_path_factory, seed):
+    return make_activation_dataset(tmp_path_factory.mktemp("acts") / "acts", seed=seed)
 
 
 @pytest.fixture(scope="module")
-def family_data(tmp_path_factory):
+def family_data(tmp_path_factory, seed):
     """The SAE families' hook points (``family_data.make_family_data``)."""
     from family_data import make_family_data
 
-    return make_family_data(tmp_path_factory.mktemp("families"))
+    return make_family_data(tmp_path_factory.mktemp("families"), seed=seed)

@@ -23,13 +23,13 @@ def _write(root, activation, hook, order=None):
     return str(root)
 
 
-def make_family_data(root):
+def make_family_data(root, seed=0):
     """Hook points sharing one sparse code: ``in`` and ``out`` (an MLP's input and
     output: two dictionaries of the same latents, ``out`` also a linear map of ``in``
     for the skip path) and ``l1`` (a second layer of ``in``'s width for a crosscoder,
     some features absent from it), each with a held-out twin; ``reordered_out`` holds
     ``out``'s rows in another order (its sample_id/token_pos say so)."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     feats = 48
     dict_in = rng.standard_normal((feats, D_IN))
     dict_out = rng.standard_normal((feats, D_OUT))

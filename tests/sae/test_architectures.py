@@ -87,16 +87,21 @@ def _config(activations, out_dir, **kw):
     return SAEConfig(**{**base, **kw})
 
 
-def test_jumprelu_trains_its_fvu_falls_and_its_l0_tracks_the_target(tmp_path, activations):
-    trainer = Trainer(_config(activations, tmp_path / "run"))
+@pytest.mark.trained
+def test_jumprelu_trains_its_fvu_falls_and_its_l0_tracks_the_target(
+    tmp_path, activations, seed, figure
+):
+    trainer = Trainer(_config(activations, tmp_path / "run", seed=seed))
     trainer.fit()
     first, last = trainer.history[0], trainer.history[-1]
     assert first["l0"] > 3 * K  # thresholds start low: too many latents fire
-    assert last["l0"] == pytest.approx(K, rel=0.25)  # the penalty pulls L0 to k
-    assert last["fvu"] < 0.6  # and the reconstruction still explains most of the variance
+    # the penalty pulls L0 to k
+    figure("l0_off_target", abs(last["l0"] / K - 1), below=0.25)
+    # and the reconstruction still explains most of the variance
+    figure("fvu", last["fvu"], below=0.6)
     late = [h["fvu"] for h in trainer.history if h["l0"] < 1.5 * K]
-    assert late[-1] < late[0]  # at the target sparsity the FVU keeps falling
-    assert last["l0_penalty"] < 0.1
+    figure("late_fvu_ratio", late[-1] / late[0], below=1.0)  # at the target L0 it keeps falling
+    figure("l0_penalty", last["l0_penalty"], below=0.1)
     sae = load_sae_model(tmp_path / "run")
     assert isinstance(sae, JumpReLUSAE) and not sae.training
     torch.testing.assert_close(sae.threshold, trainer.sae.threshold.detach())

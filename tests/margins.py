@@ -1,0 +1,108 @@
+"""How far each trained figure stays from its threshold across what varies between machines.
+
+A test marked ``trained`` checks a figure that comes out of training (a held-out FVU, an
+AUROC, a CE loss recovered) with the ``figure`` fixture, which records it. This script
+runs those tests once per condition and tabulates, per figure, its value under each, its
+spread and its margin (the smallest distance to the threshold, as a fraction of it):
+
+- torch at 1 and at 2 threads (``PSS_TEST_THREADS``; Spark workers and torchrun processes
+  inherit OMP_NUM_THREADS);
+- two seeds of the data, the model and the run (``PSS_TEST_SEED``, the ``seed`` fixture);
+- deterministic kernels (``PSS_TEST_DETERMINISTIC``: ``torch.use_deterministic_algorithms``);
+- a CPU without AVX-512 (``ATEN_CPU_CAPABILITY=avx2``, oneDNN and MKL capped alike).
+
+    python tests/margins.py [pytest arguments, e.g. tests/features/test_toy_vit.py]
+
+A test's docstring states the spread this printed. Several runs of the trained tests:
+minutes, so it is a tool, not part of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: name -> environment of one condition (the first is the reference).
+CONDITIONS = {
+    "2 threads": {"PSS_TEST_THREADS": "2"},
+    "1 thread": {"PSS_TEST_THREADS": "1"},
+    "seed 1": {"PSS_TEST_THREADS": "2", "PSS_TEST_SEED": "1"},
+    "seed 2": {"PSS_TEST_THREADS": "2", "PSS_TEST_SEED": "2"},
+    "deterministic": {"PSS_TEST_THREADS": "2", "PSS_TEST_DETERMINISTIC": "1"},
+    "no AVX-512": {
+        "PSS_TEST_THREADS": "2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+}
+
+
+def run_condition(env: dict[str, str], args: list[str], report: Path) -> int:
+    """The trained tests under one condition, their JUnit report at ``report``."""
+    command = [sys.executable, "-m", "pytest", "-m", "trained", "-q", "-p", "no:cacheprovider",
+               "-n", "2", "--dist", "loadscope", "-o", "junit_family=legacy", f"--junitxml={report}", *args]  # fmt: skip
+    # pytest's own output goes to stderr: stdout is the table
+    run = subprocess.run(command, cwd=REPO, env=os.environ | env, stdout=sys.stderr, check=False)
+    return run.returncode
+
+
+def figures(report: Path) -> dict[str, tuple[float, str]]:
+    """``{test::figure: (value, threshold)}`` recorded in one JUnit report."""
+    out = {}
+    for case in ET.parse(report).iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        for key, value in props.items():
+            if key.startswith("figure:"):
+                name = key.removeprefix("figure:")
+                where = f"{case.get('classname').rsplit('.', 1)[-1]}::{name}"
+                out[where] = (float(value), props.get(f"threshold:{name}", ""))
+    return out
+
+
+def margin(values: list[float], threshold: str) -> float:
+    """The worst distance of ``values`` to ``threshold`` ("> t" or "< t"), relative to t."""
+    op, bound = threshold.split()
+    t = float(bound)
+    worst = min(values) - t if op == ">" else t - max(values)
+    return worst / abs(t) if t else worst
+
+
+def table(results: dict[str, dict[str, tuple[float, str]]]) -> str:
+    names = sorted({n for r in results.values() for n in r})
+    conditions = list(results)
+    lines = [
+        "| figure | threshold | " + " | ".join(conditions) + " | spread | margin |",
+        "|---|---|" + "---|" * len(conditions) + "---|---|",
+    ]
+    for name in names:
+        got = [results[c].get(name) for c in conditions]
+        values = [g[0] for g in got if g]
+        threshold = next(g[1] for g in got if g)
+        cells = [f"{g[0]:.4f}" if g else "-" for g in got]
+        spread = max(values) - min(values)
+        lines.append(f"| {name} | {threshold} | " + " | ".join(cells)
+                     + f" | {spread:.4f} | {margin(values, threshold):+.1%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(args: list[str]) -> int:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, env in CONDITIONS.items():
+            report = Path(tmp) / f"{len(results)}.xml"
+            print(f"== {name}", file=sys.stderr, flush=True)
+            run_condition(env, args, report)
+            results[name] = figures(report) if report.exists() else {}
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
