@@ -7,6 +7,7 @@ Commands:
   lut       precompute lookup tables for linear layers from SAE checkpoints
   evaluate  a LUT directory against the exact layers on held-out corpus passages
   features  what each latent of an SAE, transcoder or crosscoder responds to, and a browser
+  graphs    attribution graphs of prompts through a CLT or per-layer transcoders, in Spark
   inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
   verify    check a dataset against its manifest, or a saev dump / Zarr store
   convert   convert between our datasets, saev dumps and Zarr stores
@@ -205,6 +206,45 @@ def features(argv: list[str]) -> int:
     spark = local_session(args.job.master)
     try:
         print(run_features(spark, args.config, storage_options=storage_options))
+    finally:
+        spark.stop()
+    return 0
+
+
+# -- graphs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphsCommand:
+    master: str = "local[*]"
+    """Spark master."""
+
+
+def graphs(argv: list[str]) -> int:
+    """The attribution graph of every prompt (--prompts: a text file, one per line, or a
+    parquet table's --column) in the model (--model) with a CLT or per-layer transcoders
+    (--transcoders), made in Spark: nodes and pruned edges as parquet partitioned by
+    prompt, each adjacency in a safetensors dataset, scores per prompt (see
+    graphs/job.py)."""
+    from .graphs.job import GraphsConfig
+
+    omit = _tyro().conf.OmitArgPrefixes
+    args_type = dataclasses.make_dataclass(
+        "GraphsArgs",
+        [("job", Annotated[GraphsCommand, omit]), ("config", Annotated[GraphsConfig, omit])],
+        frozen=True,
+    )
+    args = _parse(args_type, argv, "graphs", graphs.__doc__)
+    config = args.config
+    for path in (config.model, *config.transcoders, config.prompts):
+        if not path or not os.path.exists(path):
+            raise FileNotFoundError(f"no such file or directory: {path!r}")
+    from .graphs.job import run_graphs
+    from .spark.session import local_session
+
+    spark = local_session(args.job.master, quick_jit=True)  # the model runs in Python
+    try:
+        print(run_graphs(spark, config))
     finally:
         spark.stop()
     return 0
@@ -427,6 +467,7 @@ COMMANDS = {
     "lut": lut,
     "evaluate": evaluate,
     "features": features,
+    "graphs": graphs,
     "inspect": inspect,
     "verify": verify,
     "convert": convert,

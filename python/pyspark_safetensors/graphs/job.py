@@ -1,0 +1,231 @@
+"""Attribution graphs of many prompts in Spark.
+
+The prompts (a text file, one per line; a parquet table's column; or a DataFrame's
+column) are numbered ``prompt_id`` 0.. in their order and handed to ``mapInArrow``;
+each Python worker loads the model and the transcoders once (kept between tasks) and
+makes each prompt's graph (``attribution.attribute``), pruned (``graph.prune``) and
+scored. A prompt that cannot be attributed (empty, longer than the model's context) is
+a row with ``status = "error"`` and the reason; the job goes on. Written, staged and
+published whole into ``output``:
+
+- ``graphs.parquet``: one row per prompt: ``prompt_id``, ``prompt``, ``status``,
+  ``error``, ``n_tokens``, ``n_features``, ``n_nodes``, ``replacement_score``,
+  ``completeness_score``, ``n_kept_nodes``, ``n_kept_edges``;
+- ``nodes/prompt_id=N/``: every node of a graph: ``node`` (its index in the adjacency),
+  ``node_id``, ``kind``, ``layer``, ``pos``, ``latent``, ``token``, ``activation``,
+  ``value``, ``influence`` (cumulative share), ``kept``;
+- ``edges/prompt_id=N/``: the pruned graph's edges ``source``, ``target``, ``weight``;
+- ``adjacency/``: a safetensors KV dataset (our manifest and tensor index), key
+  ``p{prompt_id}``, tensor ``adjacency`` ``[N, N]`` float32 (the unpruned graph);
+- ``graphs.json`` last: the config and the counts.
+
+    run_graphs(spark, GraphsConfig(model="toy", transcoders=("clt.safetensors",),
+                                   prompts="prompts.txt", output="out/graphs"))
+    spark.read.parquet("out/graphs/nodes").where("kind = 'feature' AND kept")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from ..format.errors import InvalidArgumentError
+
+NODE = pa.struct([("node", pa.int32()), ("node_id", pa.string()), ("kind", pa.string()),
+                  ("layer", pa.int32()), ("pos", pa.int32()), ("latent", pa.int32()),
+                  ("token", pa.int64()), ("activation", pa.float32()), ("value", pa.float32()),
+                  ("influence", pa.float32()), ("kept", pa.bool_())])  # fmt: skip
+EDGE = pa.struct([("source", pa.int32()), ("target", pa.int32()), ("weight", pa.float32())])
+SCALARS = [("prompt_id", pa.int64()), ("prompt", pa.string()), ("status", pa.string()),
+           ("error", pa.string()), ("n_tokens", pa.int32()), ("n_features", pa.int32()),
+           ("n_nodes", pa.int32()), ("replacement_score", pa.float64()),
+           ("completeness_score", pa.float64()), ("n_kept_nodes", pa.int32()),
+           ("n_kept_edges", pa.int32())]  # fmt: skip
+SCHEMA = pa.schema([*SCALARS, ("nodes", pa.list_(NODE)), ("edges", pa.list_(EDGE)),
+                    ("adjacency", pa.binary())])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GraphsConfig:
+    """An attribution-graph job."""
+
+    model: str
+    """A local Hugging Face causal LM directory (Llama family)."""
+    transcoders: tuple[str, ...]
+    """One CLT file, or one transcoder file per MLP block (in block order)."""
+    output: str
+    """The directory the graphs are published into (replaced whole)."""
+    prompts: str = ""
+    """A text file (one prompt per line) or a parquet table; empty when a DataFrame is given."""
+    column: str = "prompt"
+    """The prompts' column of a parquet table or DataFrame."""
+    max_logits: int = 10
+    """At most this many logit nodes per graph."""
+    logit_probability: float = 0.95
+    """Logit nodes are taken, most probable first, until their probability sums to this."""
+    node_threshold: float = 0.8
+    """Pruning keeps the most influential nodes making up this share of the influence."""
+    edge_threshold: float = 0.98
+    """Pruning keeps the highest-scoring edges making up this share of the edge scores."""
+    batch_size: int = 64
+    """Targets per backward pass."""
+    rule: str = "topk"
+    """The transcoders' inference rule: "topk" or "threshold"."""
+    partitions: int = 0
+    """Tasks (0: Spark's default parallelism)."""
+
+    def __post_init__(self):
+        if not self.transcoders:
+            raise InvalidArgumentError("transcoders: give a CLT file or per-layer transcoder files")
+
+
+_LOADED: dict = {}
+
+
+def _loaded(config: GraphsConfig):
+    """The model, tokenizer and transcoders, once per Python worker."""
+    from .local import load_model, load_transcoders
+
+    key = (config.model, config.transcoders, config.rule)
+    if key not in _LOADED:
+        _LOADED.clear()
+        paths = config.transcoders[0] if len(config.transcoders) == 1 else list(config.transcoders)
+        _LOADED[key] = (*load_model(config.model), load_transcoders(paths, rule=config.rule))
+    return _LOADED[key]
+
+
+def graph_row(config: GraphsConfig, prompt_id: int, prompt: str | None) -> dict:
+    """One prompt's row of ``SCHEMA`` (an error row when it cannot be attributed)."""
+    from .attribution import AttributionConfig, attribute
+    from .graph import prune, scores
+    from .local import AttributionError
+
+    row = dict.fromkeys(SCHEMA.names) | {"prompt_id": prompt_id, "prompt": prompt}
+    model, tokenizer, transcoders = _loaded(config)
+    try:
+        if not prompt or not prompt.strip():
+            raise AttributionError("an empty prompt")
+        ids = tokenizer(prompt)["input_ids"]
+        attr = AttributionConfig(config.max_logits, config.logit_probability, config.batch_size)
+        graph = attribute(model, transcoders, ids, attr, prompt)
+    except AttributionError as e:
+        return row | {"status": "error", "error": str(e), "nodes": [], "edges": []}
+    pruned = prune(graph, config.node_threshold, config.edge_threshold)
+    replacement, completeness = scores(graph)
+    return row | {
+        "status": "ok", "error": None, "n_tokens": graph.n_pos, "n_features": graph.n_features,
+        "n_nodes": graph.n_nodes, "replacement_score": replacement,
+        "completeness_score": completeness, "n_kept_nodes": int(pruned.node_mask.sum()),
+        "n_kept_edges": int(pruned.edge_mask.sum()), "nodes": _nodes(graph, pruned),
+        "edges": _edges(graph, pruned), "adjacency": graph.adjacency.astype("<f4").tobytes(),
+    }  # fmt: skip
+
+
+def _nodes(graph, pruned) -> list[dict]:
+    kinds, ids = graph.kinds(), graph.node_ids()
+    F, E, P = graph.n_features, graph.n_blocks * graph.n_pos, graph.n_pos
+    out = []
+    for i in range(graph.n_nodes):
+        layer = pos = latent = token = activation = None
+        if i < F:
+            layer, pos = int(graph.feature_layer[i]), int(graph.feature_pos[i])
+            latent, activation = int(graph.feature_latent[i]), float(graph.activations[i])
+        elif i < F + E:
+            layer, pos = divmod(i - F, P)
+        elif i < F + E + P:
+            pos, token = i - F - E, int(graph.tokens[i - F - E])
+        else:
+            token = int(graph.logit_tokens[i - F - E - P])
+        out.append({"node": i, "node_id": ids[i], "kind": str(kinds[i]), "layer": layer,
+                    "pos": pos, "latent": latent, "token": token, "activation": activation,
+                    "value": float(graph.values[i]), "influence": float(pruned.cumulative[i]),
+                    "kept": bool(pruned.node_mask[i])})  # fmt: skip
+    return out
+
+
+def _edges(graph, pruned) -> list[dict]:
+    import numpy as np
+
+    target, source = np.nonzero(pruned.edge_mask)
+    weight = graph.adjacency[target, source]
+    return [{"source": int(s), "target": int(t), "weight": float(w)}
+            for s, t, w in zip(source, target, weight, strict=True)]  # fmt: skip
+
+
+def _graphs_fn(config: GraphsConfig):
+    def run(batches):
+        for batch in batches:
+            ids, texts = batch.column("prompt_id").to_pylist(), batch.column("prompt").to_pylist()
+            for prompt_id, text in zip(ids, texts, strict=True):
+                yield pa.RecordBatch.from_pylist([graph_row(config, prompt_id, text)], SCHEMA)
+
+    return run
+
+
+def numbered_prompts(spark, config: GraphsConfig, prompts=None):
+    """``(prompt_id, prompt)`` in the prompts' order."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    if prompts is None:
+        if not config.prompts:
+            raise InvalidArgumentError("prompts: give a text file, a parquet table or a DataFrame")
+        if config.prompts.endswith(".parquet") or Path(config.prompts).is_dir():
+            prompts = spark.read.parquet(config.prompts)
+        else:
+            prompts = spark.read.text(config.prompts).withColumnRenamed("value", config.column)
+    if config.column not in prompts.columns:
+        raise InvalidArgumentError(
+            f"the prompts have no column {config.column!r}: {prompts.columns}"
+        )
+    order = Window.orderBy(F.monotonically_increasing_id())
+    return prompts.select(
+        (F.row_number().over(order) - 1).cast("long").alias("prompt_id"),
+        F.col(config.column).cast("string").alias("prompt"),
+    )
+
+
+def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
+    """Every prompt's graph, written as the module docstring says; returns the summary."""
+    from pyspark.sql import functions as F
+
+    from ..dataset.publish import publishing
+    from ..spark.register import register
+
+    register(spark)
+    numbered = numbered_prompts(spark, config, prompts)
+    n = config.partitions or spark.sparkContext.defaultParallelism
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    spark_schema = from_arrow_schema(SCHEMA)
+    graphs = numbered.repartition(n, "prompt_id").mapInArrow(_graphs_fn(config), spark_schema)
+    graphs = graphs.persist()
+    try:
+        with publishing(config.output) as staging:
+            staging = str(staging)
+            scalars = graphs.select(*[name for name, _ in SCALARS]).orderBy("prompt_id")
+            scalars.coalesce(1).write.parquet(os.path.join(staging, "graphs.parquet"))
+            ok = graphs.where("status = 'ok'")
+            for name in ("nodes", "edges"):
+                (ok.select("prompt_id", F.explode(name).alias("x")).select("prompt_id", "x.*")
+                 .write.partitionBy("prompt_id").parquet(os.path.join(staging, name)))  # fmt: skip
+            tensor = F.struct(F.col("adjacency").alias("data"),
+                              F.array(F.col("n_nodes"), F.col("n_nodes")).alias("shape"),
+                              F.lit("F32").alias("dtype"))  # fmt: skip
+            (ok.select(F.format_string("p%d", "prompt_id").alias("key"), tensor.alias("adjacency"))
+             .write.format("safetensors").option("name_col", "key").mode("overwrite")
+             .save(os.path.join(staging, "adjacency")))  # fmt: skip
+            counts = {r["status"]: r["count"] for r in graphs.groupBy("status").count().collect()}
+            errors = [f"{r.prompt_id}: {r.error}" for r in graphs.where("status = 'error'")
+                      .select("prompt_id", "error").orderBy("prompt_id").collect()]  # fmt: skip
+            summary = {"config": dataclasses.asdict(config), "graphs": counts.get("ok", 0),
+                       "failed": counts.get("error", 0), "errors": errors}  # fmt: skip
+            Path(staging, "graphs.json").write_text(json.dumps(summary, indent=2) + "\n")
+    finally:
+        graphs.unpersist()
+    return summary

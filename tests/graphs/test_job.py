@@ -1,0 +1,51 @@
+"""The Spark job: four prompts (one empty, one longer than the model's context) through
+the local session; the graphs as parquet and a safetensors dataset, readable in SQL, and
+the same as one prompt's graph made here."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pyspark_safetensors.graphs.attribution import attribute
+from pyspark_safetensors.graphs.job import GraphsConfig, run_graphs
+from pyspark_safetensors.graphs.local import load_model, load_transcoders
+from pyspark_safetensors.torch import open_dataset
+
+pytestmark = pytest.mark.spark
+
+PROMPTS = ["The quick brown fox", "", "import os " * 40, "def main():"]
+
+
+def test_graphs_of_prompts_in_spark(spark, toy, dictionaries, tmp_path):
+    out = tmp_path / "graphs"
+    config = GraphsConfig(model=str(toy), transcoders=(str(dictionaries["clt"]),),
+                          output=str(out), partitions=2)  # fmt: skip
+    prompts = spark.createDataFrame([(p,) for p in PROMPTS], "prompt string")
+    summary = run_graphs(spark, config, prompts)
+    assert summary["graphs"] == 2 and summary["failed"] == 2
+    assert summary["errors"][0].startswith("1: an empty prompt")
+    assert summary["errors"][1].startswith("2: a prompt of") and "exceeds" in summary["errors"][1]
+    assert json.loads((out / "graphs.json").read_text())["graphs"] == 2
+    rows = spark.read.parquet(str(out / "graphs.parquet")).orderBy("prompt_id").collect()
+    assert [r.status for r in rows] == ["ok", "error", "error", "ok"]
+    assert [r.prompt for r in rows] == PROMPTS
+    assert all(0 < r.replacement_score < 1 for r in rows if r.status == "ok")
+    spark.read.parquet(str(out / "nodes")).createOrReplaceTempView("nodes")
+    per_prompt = spark.sql(
+        "SELECT prompt_id, count(*) AS n, sum(CAST(kept AS INT)) AS kept FROM nodes "
+        "WHERE kind = 'feature' GROUP BY prompt_id ORDER BY prompt_id"
+    ).collect()
+    assert [r.prompt_id for r in per_prompt] == [0, 3]
+    assert all(0 < r.kept < r.n for r in per_prompt)
+    # the job's graph of prompt 3 is the one made here
+    lm, tok = load_model(toy)
+    want = attribute(lm, load_transcoders(dictionaries["clt"]), tok(PROMPTS[3])["input_ids"])
+    got = open_dataset(str(out / "adjacency"))["p3"]["adjacency"]
+    np.testing.assert_allclose(torch.as_tensor(got).numpy(), want.adjacency, rtol=1e-5, atol=1e-6)
+    edges = spark.read.parquet(str(out / "edges")).where("prompt_id = 3").collect()
+    got = torch.as_tensor(got).numpy()  # the pruned graph's edges are the stored adjacency's
+    assert edges and all(got[e.target, e.source] == np.float32(e.weight) for e in edges)
