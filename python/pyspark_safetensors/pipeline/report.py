@@ -269,6 +269,14 @@ def _whole_network(summary: dict) -> list[str]:
              _num(m["ce_loss_recovered_mean"], ".3f"), f"{m['kl']:.4f}", f"{m['top1']:.3f}"]
             for model, m in ev["models"].items()
         ]  # fmt: skip
+        t = (summary.get("training") or {}).get(name, {})
+        per_layer = [t[k] for k in sorted((k for k in t if k.startswith("fvu_layer")),
+                                          key=lambda k: int(k.removeprefix("fvu_layer")))]  # fmt: skip
+        trained = (
+            [f"The CLT's last training step: FVU per layer {', '.join(f'{v:.4f}' for v in per_layer)}; "
+             f"L0 {t['l0']:.1f} over all layers; dead {t['dead_fraction']:.1%}.", ""]
+            if per_layer else []
+        )  # fmt: skip
         fvu_rows = [
             [f"`{block}`", *(f"{m['fvu_replaced'][block]:.3f} / {m['fvu_clean'][block]:.3f}"
                              for m in ev["models"].values())]
@@ -300,6 +308,7 @@ def _whole_network(summary: dict) -> list[str]:
                 rows,
             ),
             "",
+            *trained,
             "FVU of each block's output, in the replaced run (against the block's own output on "
             "the inputs the replaced model gives it) / in the clean run (from clean inputs):",
             "",
