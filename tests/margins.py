@@ -12,6 +12,7 @@ spread and its margin (the smallest distance to the threshold, as a fraction of 
 - a CPU without AVX-512 (``ATEN_CPU_CAPABILITY=avx2``, oneDNN and MKL capped alike).
 
     python tests/margins.py [pytest arguments, e.g. tests/features/test_toy_vit.py]
+    PSS_MARGINS="2 threads,no AVX-512" python tests/margins.py ...   # some conditions only
 
 A test's docstring states the spread this printed. Several runs of the trained tests:
 minutes, so it is a tool, not part of the suite.
@@ -61,7 +62,10 @@ def figures(report: Path) -> dict[str, tuple[float, str]]:
         for key, value in props.items():
             if key.startswith("figure:"):
                 name = key.removeprefix("figure:")
-                where = f"{case.get('classname').rsplit('.', 1)[-1]}::{name}"
+                test = case.get("name").split("[")[0].removeprefix("test_")[:40]
+                param = case.get("name").partition("[")[2].rstrip("]")
+                module = case.get("classname").rsplit(".", 1)[-1]
+                where = f"{module}::{test}{f'[{param}]' if param else ''}::{name}"
                 out[where] = (float(value), props.get(f"threshold:{name}", ""))
     return out
 
@@ -94,8 +98,14 @@ def table(results: dict[str, dict[str, tuple[float, str]]]) -> str:
 
 def main(args: list[str]) -> int:
     results = {}
+    chosen = [c.strip() for c in os.environ.get("PSS_MARGINS", "").split(",") if c.strip()]
+    unknown = set(chosen) - set(CONDITIONS)
+    if unknown:
+        sys.exit(f"unknown condition(s) {sorted(unknown)}: known are {list(CONDITIONS)}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, env in CONDITIONS.items():
+            if chosen and name not in chosen:
+                continue
             report = Path(tmp) / f"{len(results)}.xml"
             print(f"== {name}", file=sys.stderr, flush=True)
             run_condition(env, args, report)
