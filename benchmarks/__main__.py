@@ -22,8 +22,9 @@ ALL = [
     "zarr",
     "storage",
 ]
-# Run by name only: sae_quality (minutes, and the optional 'baselines' extra) and lines
-# (half an hour: every Spark line installed by `./dev test-spark LINE`).
+# Run by name only: sae_quality (minutes, and the optional 'baselines' extra), lines
+# (half an hour: every Spark line installed by `./dev test-spark LINE`) and reader_scale
+# (writes 8 GB; minutes).
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 
