@@ -49,3 +49,33 @@ def test_graphs_of_prompts_in_spark(spark, toy, dictionaries, tmp_path):
     edges = spark.read.parquet(str(out / "edges")).where("prompt_id = 3").collect()
     got = torch.as_tensor(got).numpy()  # the pruned graph's edges are the stored adjacency's
     assert edges and all(got[e.target, e.source] == np.float32(e.weight) for e in edges)
+
+
+def test_the_graph_browser_in_headless_chromium(spark, toy, dictionaries, tmp_path):
+    from pyspark_safetensors.features.screenshot import chromium, chromium_missing
+
+    missing = chromium_missing()
+    if missing:
+        pytest.skip(f"no headless Chromium: {missing}")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    out = tmp_path / "graphs"
+    config = GraphsConfig(model=str(toy), transcoders=(str(dictionaries["clt"]),),
+                          output=str(out), partitions=1)  # fmt: skip
+    run_graphs(spark, config, spark.createDataFrame([("def main():",), ("",)], "prompt string"))
+    with chromium() as driver:
+        driver.get((out / "index.html").resolve().as_uri())
+        rows = driver.find_elements(By.CSS_SELECTOR, "tr.graph-row")
+        assert len(rows) == 2 and "refused: an empty prompt" in rows[1].text
+        rows[0].click()
+        WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".node"))
+        kept = spark.read.parquet(str(out / "nodes")).where("prompt_id = 0 AND kept").count()
+        assert len(driver.find_elements(By.CSS_SELECTOR, ".node")) == kept
+        edges = spark.read.parquet(str(out / "edges")).where("prompt_id = 0").count()
+        assert len(driver.find_elements(By.CSS_SELECTOR, "line.edge")) == edges
+        assert "replacement 0." in driver.find_element(By.ID, "scores").text
+        logit = driver.find_elements(By.CSS_SELECTOR, ".node.logit")[0]
+        driver.execute_script("arguments[0].dispatchEvent(new MouseEvent('click'))", logit)
+        incoming = driver.find_elements(By.CSS_SELECTOR, "#info tr.incoming")
+        assert incoming and "selected" in logit.get_attribute("class")

@@ -17,6 +17,7 @@ published whole into ``output``:
 - ``edges/prompt_id=N/``: the pruned graph's edges ``source``, ``target``, ``weight``;
 - ``adjacency/``: a safetensors KV dataset (our manifest and tensor index), key
   ``p{prompt_id}``, tensor ``adjacency`` ``[N, N]`` float32 (the unpruned graph);
+- ``index.html``, ``graph.html``, ``data/``: the graph browser (``page.py``);
 - ``graphs.json`` last: the config and the counts.
 
     run_graphs(spark, GraphsConfig(model="toy", transcoders=("clt.safetensors",),
@@ -78,6 +79,8 @@ class GraphsConfig:
     """The transcoders' inference rule: "topk" or "threshold"."""
     partitions: int = 0
     """Tasks (0: Spark's default parallelism)."""
+    browser: bool = True
+    """Write the graph browser (``index.html``, ``graph.html``; ``page.py``)."""
 
     def __post_init__(self):
         if not self.transcoders:
@@ -190,6 +193,21 @@ def numbered_prompts(spark, config: GraphsConfig, prompts=None):
     )
 
 
+def _write_browser(graphs, config: GraphsConfig, root: Path) -> None:
+    """The browser's files from the graphs' rows (kept nodes and edges, collected)."""
+    from transformers import AutoTokenizer
+
+    from .page import browser_files
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    rows = [
+        r.asDict(recursive=True) for r in graphs.drop("adjacency").orderBy("prompt_id").collect()
+    ]
+    for name, text in browser_files(rows, lambda t: tokenizer.decode([t])).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
     """Every prompt's graph, written as the module docstring says; returns the summary."""
     from pyspark.sql import functions as F
@@ -225,6 +243,8 @@ def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
                       .select("prompt_id", "error").orderBy("prompt_id").collect()]  # fmt: skip
             summary = {"config": dataclasses.asdict(config), "graphs": counts.get("ok", 0),
                        "failed": counts.get("error", 0), "errors": errors}  # fmt: skip
+            if config.browser:
+                _write_browser(graphs, config, Path(staging))
             Path(staging, "graphs.json").write_text(json.dumps(summary, indent=2) + "\n")
     finally:
         graphs.unpersist()

@@ -1,0 +1,121 @@
+"""The graph browser: static files, opened from disk (no server). ``index.html`` lists
+the prompts with their scores; ``graph.html#ID`` draws prompt ID's pruned graph as an
+SVG (input tokens at the bottom, one row per block, the logits on top; a feature a
+circle, an error node a square; an edge blue when it excites, red when it inhibits, its
+width its weight) and lists a clicked node's incoming edges. The data are ``.js`` files
+(``data/index.js``, ``data/graph-ID.js``) that set a global, so the pages work from
+``file://`` where a browser refuses to fetch JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+INDEX = """<!doctype html><meta charset="utf-8"><title>Attribution graphs</title>
+<style>body{font:14px sans-serif;margin:2em}td,th{padding:2px 10px;text-align:left}
+tr.graph-row{cursor:pointer}tr.graph-row:hover{background:#eef}.error{color:#a00}</style>
+<h1>Attribution graphs</h1><table id="graphs"><thead><tr><th>id</th><th>prompt</th>
+<th>replacement</th><th>completeness</th><th>nodes kept</th><th>edges kept</th></tr></thead>
+<tbody></tbody></table><script src="data/index.js"></script><script>
+const body = document.querySelector('#graphs tbody');
+for (const g of GRAPHS) {
+  const tr = document.createElement('tr');
+  tr.className = g.status === 'ok' ? 'graph-row' : 'graph-row error';
+  tr.dataset.id = g.prompt_id;
+  const cells = g.status === 'ok'
+    ? [g.prompt_id, g.prompt, g.replacement_score.toFixed(3), g.completeness_score.toFixed(3),
+       g.n_kept_nodes + ' / ' + g.n_nodes, g.n_kept_edges]
+    : [g.prompt_id, g.prompt, 'refused: ' + g.error, '', '', ''];
+  for (const c of cells) { const td = document.createElement('td'); td.textContent = c; tr.append(td); }
+  if (g.status === 'ok') tr.onclick = () => { location.href = 'graph.html#' + g.prompt_id; };
+  body.append(tr);
+}
+</script>"""
+
+GRAPH = """<!doctype html><meta charset="utf-8"><title>Attribution graph</title>
+<style>body{font:13px sans-serif;margin:1em}#info td{padding:1px 8px}
+.node{cursor:pointer}.node.selected{stroke:#000;stroke-width:3}</style>
+<a href="index.html">all graphs</a><h2 id="title"></h2><div id="scores"></div>
+<svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg><table id="info"></table><script>
+const id = location.hash.slice(1);
+const s = document.createElement('script');
+s.src = 'data/graph-' + id + '.js';
+s.onload = () => draw(GRAPH);
+document.body.append(s);
+function draw(g) {
+  document.getElementById('title').textContent = g.prompt;
+  document.getElementById('scores').textContent =
+    'replacement ' + g.replacement_score.toFixed(3) + ', completeness ' + g.completeness_score.toFixed(3);
+  const W = 90, H = 80, rows = g.n_blocks + 2, svg = document.getElementById('graph');
+  svg.setAttribute('width', W * (g.tokens.length + 1)); svg.setAttribute('height', H * rows + 40);
+  const xy = {}, slot = {};
+  for (const n of g.nodes) {
+    const row = n.kind === 'embedding' ? 0 : n.kind === 'logit' ? rows - 1 : n.layer + 1;
+    const col = n.kind === 'logit' ? g.tokens.length - 1 : n.pos;
+    const k = row + ',' + col; slot[k] = (slot[k] || 0) + 1;
+    const spread = n.kind === 'logit' ? (slot[k] - 1) * 24 - 100 : (slot[k] - 1) * 12;
+    xy[n.node] = [W * (col + 0.5) + spread, H * (rows - row) - 10];
+  }
+  const ns = 'http://www.w3.org/2000/svg';
+  const maxw = Math.max(...g.edges.map(e => Math.abs(e.weight)), 1e-9);
+  for (const e of g.edges) {
+    const [x1, y1] = xy[e.source], [x2, y2] = xy[e.target], l = document.createElementNS(ns, 'line');
+    Object.entries({x1, y1, x2, y2, stroke: e.weight > 0 ? '#36c' : '#c33',
+      'stroke-opacity': 0.5, 'stroke-width': 0.5 + 4 * Math.abs(e.weight) / maxw})
+      .forEach(([a, v]) => l.setAttribute(a, v));
+    l.classList.add('edge'); svg.append(l);
+  }
+  for (const n of g.nodes) {
+    const [x, y] = xy[n.node];
+    const el = document.createElementNS(ns, n.kind === 'error' ? 'rect' : 'circle');
+    if (n.kind === 'error') { el.setAttribute('x', x - 5); el.setAttribute('y', y - 5);
+      el.setAttribute('width', 10); el.setAttribute('height', 10); }
+    else { el.setAttribute('cx', x); el.setAttribute('cy', y); el.setAttribute('r', 6); }
+    el.setAttribute('fill', {feature: '#fa0', error: '#999', embedding: '#6a6', logit: '#a6f'}[n.kind]);
+    el.classList.add('node', n.kind); el.dataset.node = n.node; el.onclick = () => show(g, n, el);
+    svg.append(el);
+    if (n.kind === 'embedding' || n.kind === 'logit') {
+      const t = document.createElementNS(ns, 'text');
+      t.setAttribute('x', x - 20); t.setAttribute('y', n.kind === 'logit' ? y - 10 : y + 20);
+      t.textContent = n.label; svg.append(t);
+    }
+  }
+}
+function show(g, n, el) {
+  document.querySelectorAll('.node.selected').forEach(e => e.classList.remove('selected'));
+  el.classList.add('selected');
+  const info = document.getElementById('info'); info.innerHTML = '';
+  const head = info.insertRow(); head.insertCell().textContent = n.node_id + ' (' + n.kind + ')';
+  head.insertCell().textContent = 'value ' + n.value.toFixed(4);
+  const byId = Object.fromEntries(g.nodes.map(m => [m.node, m]));
+  for (const e of g.edges.filter(e => e.target === n.node).sort((a, b) => Math.abs(b.weight) - Math.abs(a.weight))) {
+    const r = info.insertRow(); r.className = 'incoming';
+    r.insertCell().textContent = byId[e.source].node_id; r.insertCell().textContent = e.weight.toFixed(4);
+  }
+}
+</script>"""
+
+
+def _js(name: str, value) -> str:
+    return f"var {name} = {json.dumps(value)};\n"
+
+
+def browser_files(graphs: list[dict], token_text) -> dict[str, str]:
+    """The browser's files by relative path, from the job's rows (``job.graph_row``);
+    ``token_text(id)`` names a token. Only kept nodes and edges are drawn."""
+    scalars = [{k: v for k, v in g.items() if k not in ("nodes", "edges", "adjacency")}
+               for g in graphs]  # fmt: skip
+    files = {"index.html": INDEX, "graph.html": GRAPH, "data/index.js": _js("GRAPHS", scalars)}
+    for g, row in zip(graphs, scalars, strict=True):
+        if g["status"] != "ok":
+            continue
+        nodes = []
+        for n in g["nodes"]:
+            if n["kept"]:
+                label = token_text(n["token"]) if n["token"] is not None else n["node_id"]
+                nodes.append({**n, "label": label})
+        tokens = [n["token"] for n in g["nodes"] if n["kind"] == "embedding"]
+        n_blocks = 1 + max((n["layer"] for n in g["nodes"] if n["kind"] == "error"), default=0)
+        data = {**row, "nodes": nodes, "edges": g["edges"], "tokens": tokens, "n_blocks": n_blocks}
+        files[f"data/graph-{g['prompt_id']}.js"] = _js("GRAPH", data)
+    return files
