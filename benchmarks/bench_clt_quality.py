@@ -5,7 +5,10 @@ by its ``CrossLayerRunner``), on the same synthetic multi-layer MLP-like activat
 held-out FVU per layer and training tokens/s of each.
 
     python -m benchmarks clt_quality
-    CLT_QUALITY_TOKENS=524288 CLT_QUALITY_TRAINERS=ours python -m benchmarks clt_quality
+    CLT_QUALITY_TOKENS=524288 CLT_QUALITY_TRAINERS=ours,ours-batchtopk python -m benchmarks clt_quality
+
+``CLT_QUALITY_TRAINERS`` picks among ``ours``, ``ours-batchtopk`` (``clt_activation =
+"batchtopk"``) and ``sparsify`` (default: ``ours,sparsify``).
 
 sparsify's cross-layer code is not on PyPI (its releases, 1.3.0 included, have no
 ``cross_layer``): it runs when a checkout of its ``clt`` branch is importable, otherwise
@@ -111,12 +114,20 @@ def _config(paths, tokens: int, seed: int, out: Path):
                      checkpoints=0, progress=False, plots=False, log_every=10_000)  # fmt: skip
 
 
-def train_ours(paths, tokens: int, seed: int, out: Path):
+def train_ours(paths, tokens: int, seed: int, out: Path, **overrides):
+    import dataclasses
+
     from pyspark_safetensors.sae import load_sae_model
     from pyspark_safetensors.sae.train import Trainer
 
-    Trainer(_config(paths, tokens, seed, out)).fit()
+    Trainer(dataclasses.replace(_config(paths, tokens, seed, out), **overrides)).fit()
     return load_sae_model(out / "sae.safetensors")
+
+
+def train_ours_batchtopk(paths, tokens: int, seed: int, out: Path):
+    """Ours with ``clt_activation = "batchtopk"`` (a batch-level selection in training,
+    nearer to the thresholds' per-latent rule)."""
+    return train_ours(paths, tokens, seed, out, clt_activation="batchtopk")
 
 
 def _batches(config, steps: int):
@@ -215,14 +226,15 @@ def measure(name: str, paths, tokens: int, seed: int = 0) -> list[dict]:
     if name == "sparsify":
         return [{"trainer": "sparsify (cross_layer)", "tokens_per_s": speed,
                  "fvu": held_out_fvus(lambda xs, ys: _predict_sparsify(model, xs, ys), paths)}]  # fmt: skip
+    label = "clt, batchtopk" if name == "ours-batchtopk" else "clt"
     return [
-        {"trainer": f"ours (clt, {rule} rule)", "tokens_per_s": speed,
+        {"trainer": f"ours ({label}, {rule} rule)", "tokens_per_s": speed,
          "fvu": held_out_fvus(lambda xs, ys, r=rule: model.forward_layers(xs, rule=r), paths)}
         for rule in ("topk", "threshold")
     ]  # fmt: skip
 
 
-TRAINERS = {"ours": train_ours, "sparsify": train_sparsify}
+TRAINERS = {"ours": train_ours, "ours-batchtopk": train_ours_batchtopk, "sparsify": train_sparsify}
 
 
 def _has_sparsify_clt() -> bool:
