@@ -289,8 +289,12 @@ def test_lm_loss_with_the_transcoder_replacing_the_mlp(toy, figure):
     )
     kl = float((clean_logp.exp() * (clean_logp - spliced_logp)).sum(-1).mean())
     assert row["kl_spliced"] == pytest.approx(kl, rel=1e-3, abs=1e-7)
-    # what a trained transcoder gives: the block matters, the transcoder recovers most of it
-    assert row["ce_zero_ablated"] > row["ce_mean_ablated"] > report["ce_clean"]
+    # what a trained transcoder gives: the block matters (either ablation hurts; which one
+    # hurts more is the toy model's: zero ablation at seed 0, mean ablation at seed 1), the
+    # transcoder recovers most of it. Spread (tests/margins.py, 1 thread / no AVX-512; seed 1
+    # fails the old zero > mean order only): CE recovered 0.976 / 0.994 (> 0.8), against mean
+    # ablation 0.954 / 0.989 (> 0.5), KL 0.3 % of zero ablation's (< 20 %), the LUT's alike
+    assert min(row["ce_zero_ablated"], row["ce_mean_ablated"]) > report["ce_clean"]
     figure("ce_loss_recovered", row["ce_loss_recovered"], above=0.8)
     figure("ce_loss_recovered_mean", row["ce_loss_recovered_mean"], above=0.5)
     figure("kl_spliced_over_zero", row["kl_spliced"] / row["kl_zero_ablated"], below=0.2)
