@@ -302,3 +302,18 @@ def test_the_cycle_check_sees_a_lazy_cycle():
     assert "pyspark_safetensors.pipeline.errors" in graph["pyspark_safetensors.pipeline.vision"]
     # `from .vision import image_set` inside a method of run.py: a (lazy) edge
     assert "pyspark_safetensors.pipeline.vision" in graph["pyspark_safetensors.pipeline.run"]
+
+
+#: The longest function the package may hold: past it, a function is cut into named steps.
+LONGEST_FUNCTION = 80
+
+
+def test_no_function_is_longer_than_the_limit():
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION
+    ]
+    assert not long, f"functions over {LONGEST_FUNCTION} lines: {long}"

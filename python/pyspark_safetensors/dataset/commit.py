@@ -418,11 +418,7 @@ def commit_dataset(
         if (generate_index or unique_keys) and previous.index_file is not None:
             kept_index = [read_index(location, previous)]
     if unique_keys:
-        dups = _find_duplicate_keys(kept_index + new_index)
-        if dups:
-            raise InvalidArgumentError(
-                f"{where}: duplicate tensor keys across shards: {', '.join(map(repr, dups))} (keys must be unique in a KV dataset)"
-            )
+        _refuse_duplicate_keys(kept_index + new_index, where)
 
     commit_id = os.urandom(16).hex()
     index_data = _index_bytes(kept_index + new_index) if generate_index else None
@@ -450,6 +446,15 @@ def commit_dataset(
     _publish_spec_index(location, index_data)
     _clean_up(location, job_id, manifest, previous if keep_previous_generation else None)
     return manifest
+
+
+def _refuse_duplicate_keys(indexes: list[pa.Table], where: str) -> None:
+    """A KV dataset's keys are unique: refuse a tensor key two shards hold."""
+    dups = _find_duplicate_keys(indexes)
+    if dups:
+        raise InvalidArgumentError(
+            f"{where}: duplicate tensor keys across shards: {', '.join(map(repr, dups))} (keys must be unique in a KV dataset)"
+        )
 
 
 def _now() -> str:

@@ -308,7 +308,7 @@ def export_sae(
     k = k or info["k"]
     if k is None and get_architecture(arch).SELECTS_TOP_K:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
-    n, d = tensors["encoder_weight"].shape
+    d = tensors["encoder_weight"].shape[1]
     d_out = tensors["decoder_bias"].shape[0]
     meta = info.get("metadata", {})
     transcoder = arch in ("transcoder", "skip_transcoder")
@@ -328,6 +328,21 @@ def export_sae(
         )
     hook = meta.get("hook_point", "") if isinstance(meta, dict) else ""
     t = {name: v.contiguous().numpy() for name, v in tensors.items()}
+    weights, cfg, weights_file = _foreign_files(layout, arch, t, k=k, hook=hook)
+    out = Path(out_dir)
+    with publishing(out) as tmp:
+        write_shard(tmp / weights_file, weights, {"format": "pt"})
+        (tmp / FOREIGN_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def _foreign_files(
+    layout: str, arch: str, t: dict[str, np.ndarray], *, k: int | None, hook: str
+) -> tuple[dict[str, np.ndarray], dict, str]:
+    """``(weights, config, weights file name)`` of an SAE's tensors ``t`` in SAELens' or
+    sparsify's layout (what ``export_sae`` writes, its refusals already made)."""
+    n, d = t["encoder_weight"].shape
+    transcoder = arch in ("transcoder", "skip_transcoder")
     if layout == "saelens":
         weights = {"W_enc": np.ascontiguousarray(t["encoder_weight"].T), "b_enc": t["encoder_bias"],
                    "W_dec": t["decoder_weight"], "b_dec": t["decoder_bias"]}  # fmt: skip
@@ -354,8 +369,4 @@ def export_sae(
         weights_file = SPARSIFY_WEIGHTS
     else:
         raise InvalidArgumentError(f"layout must be 'saelens' or 'sparsify', got {layout!r}")
-    out = Path(out_dir)
-    with publishing(out) as tmp:
-        write_shard(tmp / weights_file, weights, {"format": "pt"})
-        (tmp / FOREIGN_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    return weights, cfg, weights_file
