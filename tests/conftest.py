@@ -159,6 +159,7 @@ _PYTHON_SOURCE_MODULES = {
     "test_struct_shapes.py",
     "test_commit.py",
     "test_generations.py",
+    "test_stream_commits.py",
 }
 
 
