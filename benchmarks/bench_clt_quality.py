@@ -62,8 +62,7 @@ echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \
 # circuit-tracer 0.5.0 pins transformers<=4.57.3 (and nnsight, transformer-lens) for its
 # replacement model; its transcoder loaders need none of them
 .venv-baselines/bin/pip install --no-deps circuit-tracer==0.5.0
-git clone -b clt https://github.com/EleutherAI/sparsify /tmp/sparsify-clt
-.venv-baselines/bin/pip install --no-deps /tmp/sparsify-clt
+.venv-baselines/bin/pip install --no-deps 'git+https://github.com/EleutherAI/sparsify@clt'
 .venv-baselines/bin/pip install einops natsort schedulefree simple-parsing datasets triton
 .venv-baselines/bin/python -m benchmarks clt_quality"""
 

@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from direct_run import run_directly
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from pyspark_safetensors.extract import ExtractConfig, Extractor, passages_by_key, run_extraction
-from pyspark_safetensors.extract.model import load_model
 from pyspark_safetensors.extract.toy_lm import RECORD, TINY, toy_lm, train_toy_lm
 from pyspark_safetensors.torch import open_dataset
 
@@ -33,32 +33,6 @@ def toy(tmp_path_factory, seed):
 def _texts():
     """Texts of very different lengths: windows, a short one, one of two tokens."""
     return [*passages_by_key(0, 4), "x = 1", "a"]
-
-
-def _direct(model_dir, hooks, texts, max_length):
-    """Each window run alone (batch of one, no padding), every hook captured by hand:
-    ``{(text, window): {hook: [seq, H]}}`` with the BOS position included."""
-    tokenizer, model = load_model(model_dir)
-    modules = dict(model.named_modules())
-    seen = {}
-    for hook in hooks:
-        module, _, where = hook.rpartition(":")
-        if where == "input":
-            modules[module].register_forward_pre_hook(
-                lambda m, args, hook=hook: seen.__setitem__(hook, args[0]))  # fmt: skip
-        else:
-            modules[module].register_forward_hook(
-                lambda m, args, out, hook=hook: seen.__setitem__(
-                    hook, out[0] if isinstance(out, tuple) else out))  # fmt: skip
-    out = {}
-    with torch.inference_mode():
-        for t, text in enumerate(texts):
-            enc = tokenizer(text, truncation=True, max_length=max_length,
-                            return_overflowing_tokens=True)  # fmt: skip
-            for w, ids in enumerate(enc["input_ids"]):
-                model(input_ids=torch.tensor([ids]))
-                out[(t, w)] = {h: seen[h][0].float().numpy() for h in hooks}
-    return tokenizer, out
 
 
 @pytest.mark.trained
@@ -102,7 +76,7 @@ def test_extraction_equals_the_model_run_directly_bos_dropped(toy, side):
     assert type(extractor._forward).__name__ == "LlamaModel"  # the head is not computed
     extractor.tokenizer.padding_side = side
     windows = extractor.run(texts)
-    _, direct = _direct(toy, LLAMA_HOOKS, texts, TINY.context)
+    _, direct = run_directly(toy, LLAMA_HOOKS, texts, TINY.context)
     assert sorted((w.text_index, w.window) for w in windows) == sorted(direct)
     assert any(w.window > 0 for w in windows)  # long texts were windowed
     for w in windows:
@@ -117,7 +91,7 @@ def test_extraction_equals_the_model_run_directly_bos_dropped(toy, side):
 def test_bos_kept_by_the_option(toy):
     texts = _texts()
     extractor = Extractor(toy, [Q_IN, L1_OUT], max_length=32, dtype="F32", keep_bos=True)
-    _, direct = _direct(toy, [Q_IN, L1_OUT], texts, 32)
+    _, direct = run_directly(toy, [Q_IN, L1_OUT], texts, 32)
     windows = extractor.run(texts)
     assert len(windows) == len(direct)
     for w in windows:
@@ -147,7 +121,7 @@ def test_gpt2_naming_and_absolute_positions_under_left_padding(toy, tmp_path):
     assert extractor.max_length == 48 and type(extractor._forward).__name__ == "GPT2Model"
     extractor.tokenizer.padding_side = "left"
     texts = _texts()
-    _, direct = _direct(tmp_path / "gpt2", hooks, texts, 48)
+    _, direct = run_directly(tmp_path / "gpt2", hooks, texts, 48)
     for w in extractor.run(texts):
         for hook in hooks:
             expected = direct[(w.text_index, w.window)][hook][1:]

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from direct_run import run_directly
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -19,7 +20,7 @@ from pyspark_safetensors.extract import (
     passages_by_key,
     run_extraction,
 )
-from pyspark_safetensors.extract.model import load_model, mlp_blocks, parse_layers
+from pyspark_safetensors.extract.model import mlp_blocks, parse_layers
 from pyspark_safetensors.extract.outputs import token_row_bytes
 from pyspark_safetensors.extract.toy_lm import TINY, toy_lm
 from pyspark_safetensors.extract.workers import (
@@ -156,28 +157,6 @@ def test_a_missing_layer_or_a_model_without_mlps_is_refused(toy, tmp_path):
         mlp_blocks(bart)
 
 
-def _direct_mlps(model_dir, texts, max_length):
-    """Each window of each text run alone, the MLP modules' inputs and outputs captured
-    by hand: ``{(text, window): {hook: [seq, H]}}`` (BOS included)."""
-    tokenizer, model = load_model(model_dir)
-    seen = {}
-    for i, layer in enumerate(model.model.layers):
-        name = f"model.layers.{i}.mlp"
-        layer.mlp.register_forward_pre_hook(
-            lambda m, args, name=name: seen.__setitem__(f"{name}:input", args[0]))  # fmt: skip
-        layer.mlp.register_forward_hook(
-            lambda m, args, out, name=name: seen.__setitem__(f"{name}:output", out))  # fmt: skip
-    out = {}
-    with torch.inference_mode():
-        for t, text in enumerate(texts):
-            enc = tokenizer(text, truncation=True, max_length=max_length,
-                            return_overflowing_tokens=True)  # fmt: skip
-            for w, ids in enumerate(enc["input_ids"]):
-                model(input_ids=torch.tensor([ids]))
-                out[(t, w)] = {h: a[0].float().numpy() for h, a in seen.items()}
-    return out
-
-
 @pytest.mark.spark
 def test_every_layer_in_one_pass_row_aligned_and_equal_to_the_model(spark, toy, tmp_path):
     config = ExtractConfig(model=str(toy), mlp_layers="all", max_length=0, max_texts=8,
@@ -217,7 +196,7 @@ def test_every_layer_in_one_pass_row_aligned_and_equal_to_the_model(spark, toy, 
 
     texts = [json.loads(line) for line in (out / "texts.jsonl").read_text().splitlines()]
     index = {t["sample_id"]: i for i, t in enumerate(texts)}
-    direct = _direct_mlps(toy, [t["text"] for t in texts], TINY.context)
+    _, direct = run_directly(toy, list(datasets), [t["text"] for t in texts], TINY.context)
     for shard in range(len(first.paths)):
         sid, pos = first.shard_view(shard, "sample_id"), first.shard_view(shard, "token_pos")
         win = first.shard_view(shard, "window")
