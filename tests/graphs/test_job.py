@@ -27,13 +27,18 @@ def test_graphs_of_prompts_in_spark(spark, toy, dictionaries, tmp_path):
     prompts = spark.createDataFrame([(p,) for p in PROMPTS], "prompt string")
     summary = run_graphs(spark, config, prompts)
     assert summary["graphs"] == 2 and summary["failed"] == 2
-    assert summary["errors"][0].startswith("1: an empty prompt")
-    assert summary["errors"][1].startswith("2: a prompt of") and "exceeds" in summary["errors"][1]
+    refused = summary["errors"]
+    assert [(e["prompt_id"], e["prompt"]) for e in refused] == [(1, ""), (2, PROMPTS[2])]
+    assert refused[0]["error"] == "an empty prompt"
+    assert refused[1]["error"].startswith("a prompt of") and "exceeds" in refused[1]["error"]
     assert json.loads((out / "graphs.json").read_text())["graphs"] == 2
     rows = spark.read.parquet(str(out / "graphs.parquet")).orderBy("prompt_id").collect()
     assert [r.status for r in rows] == ["ok", "error", "error", "ok"]
     assert [r.prompt for r in rows] == PROMPTS
     assert all(0 < r.replacement_score < 1 for r in rows if r.status == "ok")
+    ok = [r.replacement_score for r in rows if r.status == "ok"]
+    replacement = summary["scores"]["replacement"]
+    assert replacement == pytest.approx({"mean": sum(ok) / 2, "min": min(ok)})
     spark.read.parquet(str(out / "nodes")).createOrReplaceTempView("nodes")
     per_prompt = spark.sql(
         "SELECT prompt_id, count(*) AS n, sum(CAST(kept AS INT)) AS kept FROM nodes "

@@ -18,7 +18,8 @@ published whole into ``output``:
 - ``adjacency/``: a safetensors KV dataset (our manifest and tensor index), key
   ``p{prompt_id}``, tensor ``adjacency`` ``[N, N]`` float32 (the unpruned graph);
 - ``index.html``, ``graph.html``, ``data/``: the graph browser (``page.py``);
-- ``graphs.json`` last: the config and the counts.
+- ``graphs.json`` last: the config, the counts, each refused prompt (``prompt_id``,
+  ``prompt``, ``error``) and the scores' mean and min over the graphs.
 
     run_graphs(spark, GraphsConfig(model="toy", transcoders=("clt.safetensors",),
                                    prompts="prompts.txt", output="out/graphs"))
@@ -81,6 +82,9 @@ class GraphsConfig:
     """Tasks (0: Spark's default parallelism)."""
     browser: bool = True
     """Write the graph browser (``index.html``, ``graph.html``; ``page.py``)."""
+    threads: int = 0
+    """Torch threads per Python worker; 0 = torch's default (every core: set it to cores /
+    tasks when several tasks share a machine)."""
 
     def __post_init__(self):
         if not self.transcoders:
@@ -95,6 +99,10 @@ def _loaded(config: GraphsConfig):
     from .local import load_model, load_transcoders
 
     key = (config.model, config.transcoders, config.rule)
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     if key not in _LOADED:
         _LOADED.clear()
         paths = config.transcoders[0] if len(config.transcoders) == 1 else list(config.transcoders)
@@ -208,6 +216,25 @@ def _write_browser(graphs, config: GraphsConfig, root: Path) -> None:
         (root / name).write_text(text)
 
 
+def _summary(graphs, config: GraphsConfig) -> dict:
+    """The config, the counts, the refused prompts and the scores' mean and min."""
+    from pyspark.sql import functions as F
+
+    counts = {r["status"]: r["count"] for r in graphs.groupBy("status").count().collect()}
+    errors = [r.asDict() for r in graphs.where("status = 'error'")
+              .select("prompt_id", "prompt", "error").orderBy("prompt_id").collect()]  # fmt: skip
+    names = ("replacement", "completeness")
+    aggregates = {"mean": F.mean, "min": F.min}
+    stats = (
+        graphs.where("status = 'ok'")
+        .agg(*(f(f"{n}_score").alias(f"{n}_{a}") for n in names for a, f in aggregates.items()))
+        .first()
+    )
+    scores = {n: {"mean": stats[f"{n}_mean"], "min": stats[f"{n}_min"]} for n in names}
+    return {"config": dataclasses.asdict(config), "graphs": counts.get("ok", 0),
+            "failed": counts.get("error", 0), "errors": errors, "scores": scores}  # fmt: skip
+
+
 def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
     """Every prompt's graph, written as the module docstring says; returns the summary."""
     from pyspark.sql import functions as F
@@ -238,11 +265,7 @@ def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
             (ok.select(F.format_string("p%d", "prompt_id").alias("key"), tensor.alias("adjacency"))
              .write.format("safetensors").option("name_col", "key").mode("overwrite")
              .save(os.path.join(staging, "adjacency")))  # fmt: skip
-            counts = {r["status"]: r["count"] for r in graphs.groupBy("status").count().collect()}
-            errors = [f"{r.prompt_id}: {r.error}" for r in graphs.where("status = 'error'")
-                      .select("prompt_id", "error").orderBy("prompt_id").collect()]  # fmt: skip
-            summary = {"config": dataclasses.asdict(config), "graphs": counts.get("ok", 0),
-                       "failed": counts.get("error", 0), "errors": errors}  # fmt: skip
+            summary = _summary(graphs, config)
             if config.browser:
                 _write_browser(graphs, config, Path(staging))
             Path(staging, "graphs.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -10,6 +10,7 @@ width its weight) and lists a clicked node's incoming edges. The data are ``.js`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 INDEX = """<!doctype html><meta charset="utf-8"><title>Attribution graphs</title>
 <style>body{font:14px sans-serif;margin:2em}td,th{padding:2px 10px;text-align:left}
@@ -119,3 +120,29 @@ def browser_files(graphs: list[dict], token_text) -> dict[str, str]:
         data = {**row, "nodes": nodes, "edges": g["edges"], "tokens": tokens, "n_blocks": n_blocks}
         files[f"data/graph-{g['prompt_id']}.js"] = _js("GRAPH", data)
     return files
+
+
+def screenshot_graph(root: str | Path, png: str | Path, *, width: int = 1400,
+                     height: int = 900) -> Path | None:  # fmt: skip
+    """A PNG of the browser in ``root``: the first graph of the index opened, its most
+    probable logit's node selected (its incoming edges listed); None when headless
+    Chromium is not available here or no prompt has a graph."""
+    from ..features.screenshot import chromium, chromium_missing
+
+    if chromium_missing():
+        return None
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with chromium(width, height) as driver:
+        driver.get((Path(root) / "index.html").resolve().as_uri())
+        rows = driver.find_elements(By.CSS_SELECTOR, "tr.graph-row:not(.error)")
+        if not rows:
+            return None
+        rows[0].click()
+        WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".node.logit"))
+        logit = driver.find_elements(By.CSS_SELECTOR, ".node.logit")[0]
+        driver.execute_script("arguments[0].dispatchEvent(new MouseEvent('click'))", logit)
+        Path(png).parent.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(png))
+    return Path(png)

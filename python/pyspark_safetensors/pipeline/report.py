@@ -15,7 +15,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
     sections = (_overview, _stages, _extraction, _saes, _transcoders, _crosscoders, _lm_loss,
-                _mlp_replacement, _whole_network, _classifier, _lut_errors, _lut_latency, _mlp_latency,
+                _mlp_replacement, _whole_network, _graphs, _classifier, _lut_errors, _lut_latency, _mlp_latency,
                 _embeddings, _features, _configuration)  # fmt: skip
     return "\n".join(line for section in sections for line in section(summary))
 
@@ -316,6 +316,60 @@ def _whole_network(summary: dict) -> list[str]:
             "",
         ]
     return lines
+
+
+_DICTIONARIES = {"clt": "CLT", "per_layer": "per-layer transcoders"}
+
+
+def _graphs(summary: dict) -> list[str]:
+    """The graphs stage: each dictionary's graph browser, its prompts' replacement and
+    completeness scores (mean, min) and every prompt it refused, by name."""
+    g = summary.get("graphs")
+    if not g:
+        return []
+    rows, refused = [], []
+    for name, f in g["dictionaries"].items():
+        index = f"{g['dir']}/{name}/index.html"
+        s = f["scores"]
+        rows.append([
+            f"{_DICTIONARIES.get(name, name)}", f"[{index}]({index})", f"{f['graphs']} / {f['prompts']}",
+            f"{_num(s['replacement']['mean'], '.3f')} / {_num(s['replacement']['min'], '.3f')}",
+            f"{_num(s['completeness']['mean'], '.3f')} / {_num(s['completeness']['min'], '.3f')}",
+        ])  # fmt: skip
+        refused += [f"- {_DICTIONARIES.get(name, name)}, prompt {e['prompt_id']} "
+                    f"({json.dumps(_clip(e['prompt']))}): {e['error']}" for e in f["errors"]]  # fmt: skip
+    shots = [f"![graph browser ({_DICTIONARIES.get(n, n)})]({g['dir']}/{n}/graph-browser.png)"
+             for n, f in g["dictionaries"].items() if f.get("screenshot")]  # fmt: skip
+    return [
+        f"## Attribution graphs: CLT `{g['clt']}`",
+        "",
+        "Each prompt's attribution graph in its local replacement model (attention patterns "
+        "and normalisation frozen, an error node per block and position; docs/graphs.md), "
+        "computed in Spark. The replacement score is the share of the influence on the output "
+        "that comes from the input tokens rather than error nodes (1: every path from the input "
+        "to the output goes through features); the completeness "
+        "score the influence-weighted share of the nodes' inputs that is not error (1: the "
+        "dictionary explains everything). Open the browser from disk; it needs no server.",
+        "",
+        *_table(
+            [
+                "dictionary",
+                "graph browser",
+                "graphs / prompts",
+                "replacement score (mean / min)",
+                "completeness score (mean / min)",
+            ],
+            rows,
+        ),
+        "",
+        *(["Prompts refused:", "", *refused, ""] if refused else []),
+        *(line for shot in shots for line in (shot, "")),
+    ]
+
+
+def _clip(text: str | None, length: int = 60) -> str:
+    text = text or ""
+    return text if len(text) <= length else text[: length - 1] + "…"
 
 
 def _mlp_latency(summary: dict) -> list[str]:

@@ -120,6 +120,10 @@ class PipelineConfig:
     layer), with ``per_layer`` a transcoder per block on the same tokens (the same total
     latents) as its baseline, its whole-model LUT, and both replacement models evaluated
     (``circuits``)."""
+    graphs: dict = field(default_factory=dict)
+    """``[pipeline.graphs]``: attribution graphs of prompts (a file, or held-out passages
+    cut to ``tokens``) through a CLT of ``clts`` and/or its per-layer transcoders, after
+    its stage (``graphs.stage.GraphsStage``: its fields); empty = none."""
     model: str = ""
     """A Hugging Face model directory or model id (from the local Hub cache); empty = the
     packaged all-MiniLM-L6-v2; "toy-llama" = a small Llama trained on the demo corpus as
@@ -198,6 +202,8 @@ class PipelineConfig:
         for name, spec in self.clts.items():
             if set(spec) - {"layers", "per_layer"}:
                 raise PipelineError(f"clt {name!r}: only layers and per_layer, got {sorted(spec)}")
+        if self.graphs:
+            self.graphs_stage()  # a bad table fails here, before any stage
         for name, hooks in self.crosscoders.items():
             if len(set(hooks)) < 2 or len(set(hooks)) != len(hooks):
                 raise PipelineError(
@@ -214,6 +220,16 @@ class PipelineConfig:
             raise PipelineError(
                 f"[sae] may not set {sorted(reserved & set(self.sae))}: the pipeline sets them"
             )
+
+    def graphs_stage(self):
+        """The ``GraphsStage`` that ``graphs`` describes."""
+        from ..format.errors import InvalidArgumentError
+        from ..graphs.stage import GraphsStage
+
+        try:
+            return GraphsStage.from_table(self.graphs, self.clts)
+        except InvalidArgumentError as e:
+            raise PipelineError(str(e)) from None
 
     @property
     def vision(self) -> bool:
@@ -467,6 +483,8 @@ class Pipeline:
             self.evaluate({r: p for r, p in trained.items() if r.kind != "clt"}, lut_dir)
             for run in (r for r in trained if r.kind == "clt"):
                 self.circuits(run, trained, lut_dir)
+            if c.graphs:
+                self.graphs(trained)
         if c.features:  # a CLT's latents have no browser yet
             self.features({r: p for r, p in trained.items() if r.kind != "clt"}, extract_dir)
         self.summary["seconds"] = time.perf_counter() - started
@@ -755,6 +773,40 @@ class Pipeline:
         figures = json.loads((path / "figures.json").read_text())
         self.summary.setdefault("circuits", {})[run.name] = {**figures, "dir": path.name}
 
+    def graphs(self, trained: dict[TrainingRun, Path]) -> None:
+        """Stage ``graphs`` (``graphs.stage.graph_figures``): attribution graphs of the
+        prompts through the CLT and/or its per-layer transcoders, datasets and browsers."""
+        from ..extract import passages_by_key
+        from ..graphs.stage import graph_figures
+        from ..spark.session import local_session
+
+        c = self.config
+        stage = c.graphs_stage()
+        run = next(r for r in trained if r.kind == "clt" and r.name == stage.clt)
+        tcs = {r.name: p for r, p in trained.items() if r.kind == "transcoder"}
+        files = stage.dictionary_files(trained[run], run.hooks, tcs)
+        used = {str(f) for paths in files.values() for f in paths}
+        texts = getattr(self, "held_out", None) or passages_by_key(c.texts, c.held_out_texts)
+        stages = [
+            self.summary["stages"][r.stage]["hash"] for r, p in trained.items() if str(p) in used
+        ]
+        key = digest(stages, self.model_hash, stage.key_parts(texts))
+        self.announce(f"graphs: attribution graphs through CLT {run.name!r} "
+                      f"({', '.join(stage.dictionaries)}), in Spark ({c.master})")  # fmt: skip
+
+        def build(tmp: Path) -> None:
+            spark = local_session(c.master, quick_jit=True)  # the model runs in Python
+            try:
+                figures = graph_figures(spark, stage, model_dir=self.model_dir, files=files,
+                                        held_out=texts, out_dir=tmp)  # fmt: skip
+            finally:
+                spark.stop()
+            (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+        path = self.stage("graphs", key, build)
+        figures = json.loads((path / "figures.json").read_text())
+        self.summary["graphs"] = {"clt": run.name, "dir": path.name, "dictionaries": figures}
+
     def evaluate_images(self, trained: dict[TrainingRun, Path]) -> None:
         """Stage ``evaluation`` of an image run (``vision.evaluate_vision``): each SAE on the
         held-out images' tokens it reads, the classifier with each spliced in."""
@@ -784,7 +836,7 @@ class Pipeline:
         c = self.config
         if c.vision:  # model, images, extract, train, evaluate, (features), report
             return 6 + c.features
-        return 3 + c.features + (c.model == TOY_LLAMA) + 1 + len(c.clts)
+        return 3 + c.features + (c.model == TOY_LLAMA) + 1 + len(c.clts) + bool(c.graphs)
 
     def features(self, trained: dict[TrainingRun, Path], extract_dir: Path) -> None:
         """One feature browser per SAE, transcoder and crosscoder (``features-{hook}``,
