@@ -39,7 +39,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from ..dataset import DatasetLocation
+from ..dataset import DatasetLocation, mark_complete
 from ..dataset.publish import publishing
 from ..spark.compat import default_parallelism, to_arrow
 from .config import ExtractConfig, ExtractionSummary, config_hash
@@ -73,6 +73,8 @@ from .workers import (
     MODEL_PLAN_SCHEMA,
     SCALAR_COLUMNS,
     TASK_COMMITS,
+    TOKEN_COUNT_SCHEMA,
+    count_fn,
     plan_fn,
     run_model_fn,
     samples_schema,
@@ -156,6 +158,8 @@ def run_extraction(
     images=None,
     overwrite: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    commit_groups: int = 1,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> ExtractionSummary:
     """Run the job; see the module docstring for the outputs. A reader never takes a
     partial output for a finished one: a local ``out_dir`` appears whole or not at all; on
@@ -170,23 +174,22 @@ def run_extraction(
     ``image`` source, or a table with an image-bytes column ``config.image_column``, a
     ``path`` or ``config.id_column``, and optionally ``config.label_column``); the config
     hash then names its images by key. ``storage_options``: for a URI, e.g. ``{"endpoint_url": ...}`` (the
-    writer's storage options; the usual ``AWS_*`` variables otherwise)."""
+    writer's storage options; the usual ``AWS_*`` variables otherwise).
+
+    ``commit_groups`` > 1 (a text corpus into the safetensors datasets, no
+    ``partition_by_hook``): the model stage runs on that many groups of texts in turn
+    (``sample_id`` modulo ``commit_groups``), each group's datasets committed as one
+    append, row-aligned across the hook points, and each dataset marked complete
+    (``dataset.mark_complete``) after the last: a reader can follow them as they grow
+    (``torch.FollowingBatches``, ``SAEConfig.follow``). The output is then written in
+    place (a local one too), ``extraction.json`` still last; a failed job deletes it.
+    ``on_tokens``: with groups, called with the token rows to come (counted from the
+    tokenizer) before the first group runs, e.g. a trainer's budget."""
     target = DatasetLocation.of(out_dir, storage_options=storage_options)
     local = isinstance(target.fs, pafs.LocalFileSystem)
     outputs = outputs_for(config)
     _check_target(target, local, outputs, overwrite)
-    if corpus is not None:
-        if config.corpus != ExtractConfig.corpus:
-            raise ExtractionError(
-                f"corpus {config.corpus!r} in the config and a corpus DataFrame: give one"
-            )
-        config = dataclasses.replace(config, corpus="dataframe")
-    if images is not None:
-        if config.images or corpus is not None:
-            raise ExtractionError(
-                "images in the config (or a text corpus) and an images DataFrame: give one"
-            )
-        config = dataclasses.replace(config, images="dataframe")
+    config = _checked_config(config, corpus, images, outputs, commit_groups)
     cores = default_parallelism(spark)
     threads = max(1, (os.cpu_count() or 1) // cores)
     source = resolve_model(config.model)
@@ -216,15 +219,38 @@ def run_extraction(
         extraction = _Extraction(
             recorded, config, plan, numbered, _config_hash(recorded, plan, numbered.rows),
             dict(storage_options or {}) if not local else {}, outputs, threads,
-            cores=config.partitions or cores,
+            cores=config.partitions or cores, groups=max(1, commit_groups), on_tokens=on_tokens,
         )  # fmt: skip
-        if local:
+        if local and commit_groups <= 1:
             with publishing(target.root) as staging:
                 summary = extraction(DatasetLocation.of(staging))
             return dataclasses.replace(summary, out_dir=Path(target.root))
         return _write_in_place(target, extraction)
     finally:
         _unpersist(numbered.stored)
+
+
+def _checked_config(config: ExtractConfig, corpus, images, outputs, commit_groups: int):
+    """The config of a run given these inputs: a corpus or images DataFrame named as such
+    (one source only); grouped commits only where nothing reads every sample at the end."""
+    if commit_groups > 1 and (config.modality == "image" or any(o.reads_rows for o in outputs)):
+        raise ExtractionError(
+            "commit_groups takes a text corpus into the safetensors datasets alone (no "
+            "Zarr run, saev dump or partition_by_hook: those read every sample at the end)"
+        )
+    if corpus is not None:
+        if config.corpus != ExtractConfig.corpus:
+            raise ExtractionError(
+                f"corpus {config.corpus!r} in the config and a corpus DataFrame: give one"
+            )
+        config = dataclasses.replace(config, corpus="dataframe")
+    if images is not None:
+        if config.images or corpus is not None:
+            raise ExtractionError(
+                "images in the config (or a text corpus) and an images DataFrame: give one"
+            )
+        config = dataclasses.replace(config, images="dataframe")
+    return config
 
 
 def _report_bad_images(bad: pa.Table | None, config: ExtractConfig) -> None:
@@ -376,6 +402,10 @@ class _Extraction:
     threads: int
     cores: int
     """Partitions of the corpus."""
+    groups: int = 1
+    """Groups of texts the model stage runs on in turn, each committed as an append."""
+    on_tokens: Callable[[int], None] | None = None
+    """With groups: told the token rows to come before the first group runs."""
 
     def __call__(self, out: DatasetLocation) -> ExtractionSummary:
         rows = SampleRows(
@@ -387,6 +417,28 @@ class _Extraction:
         if self.plan.image_tokens is not None:  # partitions on the outputs' multiples
             multiple = partition_multiple(self.outputs, rows)
             texts = aligned_partitions(texts, multiple, self.cores, self.corpus.n_images)
+        if self.groups > 1:
+            run, finished = self._grouped(out, rows, texts)
+        else:
+            run, _ = self._model_stage(out, rows, texts)
+            finished = []
+        try:
+            rows = dataclasses.replace(rows, samples=run.samples)
+            for output in self.outputs:  # each one whole before the extraction is finished
+                output.write(out, rows)
+            for location in finished:  # followers stop once every row is read
+                mark_complete(location)
+            self._tables(out, run)
+            summary = self._summary(out, run)
+            out.put_json(EXTRACTION_DOC, self._extraction_doc(summary))  # last: marks it
+            return summary
+        finally:
+            if run.samples is not None:
+                run.samples.unpersist()
+
+    def _model_stage(self, out: DatasetLocation, rows: SampleRows, texts):
+        """The model over ``texts``, the stage writes committed after it (aborted if it
+        fails); returns the run and the datasets written."""
         writes = []
         try:
             for output in self.outputs:
@@ -395,21 +447,29 @@ class _Extraction:
                 texts, self.plan, self.planned, writes, threads=self.threads,
                 store=any(o.reads_rows for o in self.outputs),
             )  # fmt: skip
+            return run, [w.job.location for w in writes]
         except BaseException:
             for write in writes:  # what a committed write published stays: it is listed
                 write.job.abort()
             raise
-        try:
-            rows = dataclasses.replace(rows, samples=run.samples)
-            for output in self.outputs:  # each one whole before the extraction is finished
-                output.write(out, rows)
-            self._tables(out, run)
-            summary = self._summary(out, run)
-            out.put_json(EXTRACTION_DOC, self._extraction_doc(summary))  # last: marks it
-            return summary
-        finally:
-            if run.samples is not None:
-                run.samples.unpersist()
+
+    def _grouped(self, out: DatasetLocation, rows: SampleRows, texts) -> tuple[_ModelRun, list]:
+        """The model stage on each group of texts in turn (``commit_groups``), each an
+        append of every dataset; returns the whole run and the datasets to mark complete."""
+        from pyspark.sql import functions as F
+
+        if self.on_tokens is not None:
+            count = count_fn(self.plan.source, self.planned, self.threads)
+            tokens = to_arrow(texts.mapInArrow(count, TOKEN_COUNT_SCHEMA)).column("tokens")
+            self.on_tokens(int(pc.sum(tokens).as_py() or 0))
+        runs, datasets = [], {}
+        for g in range(self.groups):
+            group = texts.where(F.col("sample_id") % self.groups == g)
+            run, written = self._model_stage(out, dataclasses.replace(rows, append=g > 0), group)
+            runs.append(run)
+            datasets.update((location.uri, location) for location in written)
+        info = pa.concat_tables([r.info for r in runs])
+        return _ModelRun(None, info, sum(r.seconds for r in runs)), list(datasets.values())
 
     def _base_metadata(self) -> dict[str, str]:
         """What every dataset's manifest metadata says about the extraction."""

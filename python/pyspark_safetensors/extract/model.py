@@ -531,14 +531,24 @@ class Extractor:
         with torch.inference_mode():
             return self._run(texts)
 
-    def _run(self, texts: list[str]) -> list[Window]:
-        enc = self.tokenizer(
+    def _encode(self, texts: list[str]):
+        return self.tokenizer(
             texts,
             truncation=True,
             max_length=self.max_length,
             return_overflowing_tokens=self.long_texts == "window",
             padding=False,
         )
+
+    def count_tokens(self, texts: list[str]) -> int:
+        """The token rows ``run`` gives for ``texts`` (a dropped BOS and padding not
+        counted), from the tokenizer alone."""
+        bos = self.tokenizer.bos_token_id
+        ids = self._encode(texts)["input_ids"]
+        return sum(len(row) - int(self.drop_bos and row[:1] == [bos]) for row in ids)
+
+    def _run(self, texts: list[str]) -> list[Window]:
+        enc = self._encode(texts)
         mapping = enc.get("overflow_to_sample_mapping", list(range(len(texts))))
         n = len(enc["input_ids"])
         window_of, seen = [], {}  # a text's windows are numbered in token order

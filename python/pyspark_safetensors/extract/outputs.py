@@ -67,6 +67,9 @@ class SampleRows:
     hook_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
     """What a hook point's token dataset records beyond ``metadata``, by hook name (an
     MLP's input or output: ``mlp_layer``, ``mlp_block``)."""
+    append: bool = False
+    """Whether the stage writes append to the datasets (a later group of a grouped
+    extraction) instead of overwriting them."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +345,8 @@ def _select(samples: pa.RecordBatch, columns: list[str]) -> pa.RecordBatch:
 
 
 def _write_job(rows: SampleRows, schema, options: dict, metadata: dict[str, str], uri: str):
-    """A ``WriteJob`` of one dataset (overwrite), as ``_save`` would write it."""
+    """A ``WriteJob`` of one dataset (an overwrite, or an append with ``rows.append``), as
+    ``_save`` would write it."""
     from ..dataset import split_storage_options
     from ..spark.options import WriterOptions
     from ..spark.writer import WriteJob
@@ -351,7 +355,7 @@ def _write_job(rows: SampleRows, schema, options: dict, metadata: dict[str, str]
         **rows.storage_options, **{k: str(v) for k, v in options.items()}, "path": uri,
         "metadata": json.dumps({**rows.metadata, **metadata}),
     })  # fmt: skip
-    return WriteJob(WriterOptions.parse(parsed), schema, True, storage)
+    return WriteJob(WriterOptions.parse(parsed), schema, not rows.append, storage)
 
 
 def _save(rows: SampleRows, writer, metadata: dict[str, str], uri: str) -> None:

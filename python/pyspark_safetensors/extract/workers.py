@@ -6,6 +6,7 @@ per worker process.
 - ``plan_fn``: loads the model in a worker (where it stays for the model stage) and
   returns what the driver plans with: the hook points, their widths, the tokens per
   input, whether a BOS is added (``MODEL_PLAN_SCHEMA``).
+- ``count_fn``: texts in, the token rows they give out (the tokenizer alone).
 - ``run_model_fn``: texts in, one row per model input out (``samples_schema``): the
   sample's key, ``seq_len``, ``first_pos`` (the model-input position of its first stored
   token: 1 when BOS is dropped), one Tensor Struct ``[seq_len, H]`` per hook point when
@@ -99,6 +100,23 @@ def plan_fn(model: ModelSource, config: ExtractConfig, threads: int):
         yield pa.RecordBatch.from_pydict({"plan": [json.dumps(doc)]})
 
     return plan
+
+
+TOKEN_COUNT_SCHEMA = "tokens long"
+"""One row per ``count_fn`` task: the token rows its texts give."""
+
+
+def count_fn(model: ModelSource, config: ExtractConfig, threads: int):
+    """The function ``mapInArrow`` runs to count the token rows of texts before the model
+    runs on them (``Extractor.count_tokens``: the tokenizer of the worker's loaded model,
+    as the model stage will tokenize them)."""
+
+    def count(batches):
+        extractor = _cached_extractor(str(model.local_dir()), config, threads)
+        tokens = sum(extractor.count_tokens(b.column("text").to_pylist()) for b in batches)
+        yield pa.RecordBatch.from_pydict({"tokens": pa.array([tokens], pa.int64())})
+
+    return count
 
 
 def run_model_fn(

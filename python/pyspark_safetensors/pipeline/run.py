@@ -42,6 +42,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from ..dataset.publish import publishing
 from .errors import PipelineError
+from .overlap import UNFINISHED
 
 MARKER = ".pyspark-safetensors-pipeline"
 TOY_LLAMA = "toy-llama"
@@ -166,12 +167,23 @@ class PipelineConfig:
     and its feature browser."""
     features_top_n: int = 20
     """Top-activating tokens per latent in the feature browser."""
+    overlap: bool = False
+    """Extract and train at once (``overlap.py``): the extraction commits the datasets in
+    ``overlap_groups`` groups of texts, and training starts on the first commit, following
+    them as they grow (``SAEConfig.follow``) until they are complete; each row is trained
+    on once (``epochs`` must be 1). A text model only."""
+    overlap_groups: int = 8
+    """With ``overlap``: the extraction's commits (groups of texts), at most ``texts``."""
 
     def __post_init__(self):
         if self.texts < 1 or self.held_out_texts < 1 or self.epochs < 1 or self.nproc < 1:
             raise PipelineError("texts, held_out_texts, epochs and nproc must be >= 1")
         if self.parallel not in ("data", "model"):
             raise PipelineError(f"parallel must be 'data' or 'model', got {self.parallel!r}")
+        if self.overlap:
+            from .overlap import check_overlap
+
+            check_overlap(self)
         if not (self.hooks or self.transcoders or self.crosscoders or self.clts):
             raise PipelineError(
                 "hooks, transcoders and crosscoders are all empty: name at least one hook "
@@ -412,7 +424,8 @@ class Pipeline:
         ``build`` fails, those whose directory ``finished(tmp_dir)`` says is whole are
         published all the same (a rerun reuses them), the others discarded."""
         paths = {name: self.out / f"{name}-{key}" for name, key in keys.items()}
-        missing = [name for name, path in paths.items() if self.force or not path.is_dir()]
+        missing = [name for name, path in paths.items()
+                   if self.force or not path.is_dir() or (path / UNFINISHED).exists()]  # fmt: skip
         for name, path in paths.items():
             if name not in missing:
                 self.log(f"      reusing {path}")
@@ -431,11 +444,14 @@ class Pipeline:
             raise
         for name in tmp:
             contexts[name].__exit__(None, None, None)
-        for name, path in paths.items():
-            reused = name not in missing
-            self.summary["stages"][name] = {"dir": path.name, "hash": keys[name], "reused": reused}
-            link_latest(self.out / name, path.name)
+        for name in paths:
+            self.record(name, keys[name], reused=name not in missing)
         return paths
+
+    def record(self, name: str, key: str, *, reused: bool) -> None:
+        """Stage ``name``'s entry in the summary, and ``out/{name}`` linked to it."""
+        self.summary["stages"][name] = {"dir": f"{name}-{key}", "hash": key, "reused": reused}
+        link_latest(self.out / name, f"{name}-{key}")
 
     # -- the stages ---------------------------------------------------------------------
 
@@ -474,8 +490,13 @@ class Pipeline:
                 model=c.model, hooks=c.extracted_hooks, max_texts=c.texts, max_length=c.max_length
             )
         self.model_hash = weights_hash(self.model_dir)
-        extract_dir = self.extract()
-        trained = self.train(extract_dir)
+        if c.overlap:
+            from .overlap import extract_and_train
+
+            extract_dir, trained = extract_and_train(self)
+        else:
+            extract_dir = self.extract()
+            trained = self.train(extract_dir)
         if c.vision:
             self.evaluate_images(trained)
         else:
@@ -556,9 +577,10 @@ class Pipeline:
             lambda tmp: image_set(tmp, t, images=c.images, held_out=c.held_out_images),
         )  # fmt: skip
 
-    def extract(self) -> Path:
-        from ..extract import config_hash, run_extraction
-        from ..spark.session import local_session
+    def extract_key(self) -> str:
+        """The extract stage's key: the extraction config's hash (the model's weights
+        hash in it); an image run's and an overlapped one's (grouped commits) set apart."""
+        from ..extract import config_hash
 
         c = self.config
         # the toy model's path names the output directory; its weights hash names the model
@@ -567,6 +589,14 @@ class Pipeline:
         key = config_hash(named if toy else self.extract_config, self.model_hash)
         # the saev dump is left out of an extraction's config hash; the image run makes one
         key = digest(key, "saev") if c.vision else key[:12]
+        return digest(key, "overlap", c.overlap_groups) if c.overlap else key
+
+    def extract(self) -> Path:
+        from ..extract import run_extraction
+        from ..spark.session import local_session
+
+        c = self.config
+        key = self.extract_key()
         corpus = f"{c.images} images" if c.vision else f"{c.texts} passages"
         self.announce(
             f"extract: {corpus}, {len(c.extracted_hooks)} hook points, in Spark ({c.master})"
@@ -580,7 +610,10 @@ class Pipeline:
             finally:
                 spark.stop()
 
-        path = self.stage("extract", key, build)
+        return self.extraction(self.stage("extract", key, build))
+
+    def extraction(self, path: Path) -> Path:
+        """The finished extract stage at ``path``: its figures in the summary; its data."""
         info = json.loads((path / "data" / "extraction.json").read_text())
         self.summary["extraction"] = {**info["summary"], "modality": info.get("modality", "text")}
         return path / "data"
@@ -622,6 +655,7 @@ class Pipeline:
             "tokens": tokens * c.epochs,
             "data_parallel_size": c.nproc if c.parallel == "data" else 1,
             "model_parallel_size": c.nproc if c.parallel == "model" else 1,
+            **({"follow": True} if c.overlap else {}),  # the datasets may still grow
         }
 
     def train(self, extract_dir: Path) -> dict[TrainingRun, Path]:
