@@ -2,7 +2,8 @@
 the prompts with their scores; ``graph.html#ID`` draws prompt ID's pruned graph as an
 SVG (input tokens at the bottom, one row per block, the logits on top; a feature a
 circle, an error node a square; an edge blue when it excites, red when it inhibits, its
-width its weight) and lists a clicked node's incoming edges. The data are ``.js`` files
+width its weight; the positions fit to the window's width, whitespace in tokens shown)
+and lists a clicked node's incoming edges, the others dimmed. The data are ``.js`` files
 (``data/index.js``, ``data/graph-ID.js``) that set a global, so the pages work from
 ``file://`` where a browser refuses to fetch JSON.
 """
@@ -33,65 +34,99 @@ for (const g of GRAPHS) {
 }
 </script>"""
 
-GRAPH = """<!doctype html><meta charset="utf-8"><title>Attribution graph</title>
+GRAPH = r"""<!doctype html><meta charset="utf-8"><title>Attribution graph</title>
 <style>body{font:13px sans-serif;margin:1em}#info td{padding:1px 8px}
-.node{cursor:pointer}.node.selected{stroke:#000;stroke-width:3}</style>
+.node{cursor:pointer;stroke:#fff;stroke-width:1}.node.selected{stroke:#000;stroke-width:3}
+.edge.dim{stroke-opacity:0.06}.row-label{fill:#666;font-size:12px}
+.token{font:11px monospace;text-anchor:middle}.logit-label{font:11px monospace}
+#legend span{margin-right:1.5em}#legend i{display:inline-block;width:10px;height:10px;
+margin-right:4px;border-radius:5px}</style>
 <a href="index.html">all graphs</a><h2 id="title"></h2><div id="scores"></div>
+<div id="legend"><span><i style="background:#fa0"></i>feature</span>
+<span><i style="background:#999;border-radius:0"></i>error</span>
+<span><i style="background:#6a6"></i>token embedding</span><span><i style="background:#a6f"></i>logit</span>
+<span style="color:#36c">&#9472; excites</span><span style="color:#c33">&#9472; inhibits</span>
+<span>click a node: its incoming edges</span></div>
 <svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg><table id="info"></table><script>
 const id = location.hash.slice(1);
 const s = document.createElement('script');
 s.src = 'data/graph-' + id + '.js';
 s.onload = () => draw(GRAPH);
 document.body.append(s);
-function draw(g) {
-  document.getElementById('title').textContent = g.prompt;
-  document.getElementById('scores').textContent =
-    'replacement ' + g.replacement_score.toFixed(3) + ', completeness ' + g.completeness_score.toFixed(3);
-  const W = 90, H = 80, rows = g.n_blocks + 2, svg = document.getElementById('graph');
-  svg.setAttribute('width', W * (g.tokens.length + 1)); svg.setAttribute('height', H * rows + 40);
-  const xy = {}, slot = {};
+function visible(text) {  // whitespace a reader can see
+  return text.replace(/ /g, '\u2423').replace(/\n/g, '\u23ce').replace(/\t/g, '\u21e5');
+}
+function layout(g, left, W, H, rows) {
+  // rows: embeddings at the bottom, a row per block, logits on top; a cell's nodes side by side
+  const cells = {}, xy = {};
   for (const n of g.nodes) {
     const row = n.kind === 'embedding' ? 0 : n.kind === 'logit' ? rows - 1 : n.layer + 1;
     const col = n.kind === 'logit' ? g.tokens.length - 1 : n.pos;
-    const k = row + ',' + col; slot[k] = (slot[k] || 0) + 1;
-    const spread = n.kind === 'logit' ? (slot[k] - 1) * 24 - 100 : (slot[k] - 1) * 12;
-    xy[n.node] = [W * (col + 0.5) + spread, H * (rows - row) - 10];
+    (cells[row + ',' + col] = cells[row + ',' + col] || []).push([n, row, col]);
   }
-  const ns = 'http://www.w3.org/2000/svg';
+  for (const cell of Object.values(cells)) {
+    const logits = cell[0][1] === rows - 1, step = logits ? 70 : Math.min(12, (W - 4) / cell.length);
+    cell.forEach(([n, row, col], i) => {
+      const x0 = left + W * (col + 0.5);
+      const x = logits ? x0 - step * i : x0 + step * (i - (cell.length - 1) / 2);
+      xy[n.node] = [x, 30 + H * (rows - 1 - row) + (logits ? 0 : (i % 2) * 8 * (step < 8))];
+    });
+  }
+  return xy;
+}
+function draw(g) {
+  document.getElementById('title').textContent = g.prompt;
+  document.getElementById('scores').textContent = 'replacement ' +
+    g.replacement_score.toFixed(3) + ', completeness ' + g.completeness_score.toFixed(3) +
+    ' (' + g.n_kept_nodes + ' of ' + g.n_nodes + ' nodes and ' + g.n_kept_edges + ' edges kept)';
+  const P = g.tokens.length, rows = g.n_blocks + 2, left = 60, H = 70;
+  const W = Math.max(24, Math.min(90, (Math.max(window.innerWidth, 900) - left - 70) / P));
+  const svg = document.getElementById('graph'), ns = 'http://www.w3.org/2000/svg';
+  svg.setAttribute('width', left + W * P + 20); svg.setAttribute('height', H * rows + 20);
+  const xy = layout(g, left, W, H, rows);
+  const text = (x, y, t, cls) => { const e = document.createElementNS(ns, 'text');
+    e.setAttribute('x', x); e.setAttribute('y', y); e.textContent = t; e.classList.add(cls);
+    svg.append(e); return e; };
+  for (let r = 0; r < rows; r++)
+    text(4, 34 + H * (rows - 1 - r), r === 0 ? 'tokens' : r === rows - 1 ? 'logits' : 'layer ' + (r - 1), 'row-label');
   const maxw = Math.max(...g.edges.map(e => Math.abs(e.weight)), 1e-9);
   for (const e of g.edges) {
     const [x1, y1] = xy[e.source], [x2, y2] = xy[e.target], l = document.createElementNS(ns, 'line');
     Object.entries({x1, y1, x2, y2, stroke: e.weight > 0 ? '#36c' : '#c33',
-      'stroke-opacity': 0.5, 'stroke-width': 0.5 + 4 * Math.abs(e.weight) / maxw})
+      'stroke-opacity': 0.45, 'stroke-width': 0.4 + 3.6 * Math.abs(e.weight) / maxw})
       .forEach(([a, v]) => l.setAttribute(a, v));
-    l.classList.add('edge'); svg.append(l);
+    l.classList.add('edge'); l.dataset.target = e.target; svg.append(l);
   }
   for (const n of g.nodes) {
-    const [x, y] = xy[n.node];
-    const el = document.createElementNS(ns, n.kind === 'error' ? 'rect' : 'circle');
-    if (n.kind === 'error') { el.setAttribute('x', x - 5); el.setAttribute('y', y - 5);
-      el.setAttribute('width', 10); el.setAttribute('height', 10); }
-    else { el.setAttribute('cx', x); el.setAttribute('cy', y); el.setAttribute('r', 6); }
+    const [x, y] = xy[n.node], el = document.createElementNS(ns, n.kind === 'error' ? 'rect' : 'circle');
+    if (n.kind === 'error') { el.setAttribute('x', x - 4); el.setAttribute('y', y - 4);
+      el.setAttribute('width', 8); el.setAttribute('height', 8); }
+    else { el.setAttribute('cx', x); el.setAttribute('cy', y); el.setAttribute('r', n.kind === 'feature' ? 4.5 : 6); }
     el.setAttribute('fill', {feature: '#fa0', error: '#999', embedding: '#6a6', logit: '#a6f'}[n.kind]);
     el.classList.add('node', n.kind); el.dataset.node = n.node; el.onclick = () => show(g, n, el);
-    svg.append(el);
-    if (n.kind === 'embedding' || n.kind === 'logit') {
-      const t = document.createElementNS(ns, 'text');
-      t.setAttribute('x', x - 20); t.setAttribute('y', n.kind === 'logit' ? y - 10 : y + 20);
-      t.textContent = n.label; svg.append(t);
-    }
+    const tip = document.createElementNS(ns, 'title');
+    tip.textContent = n.node_id + (n.label !== n.node_id ? ' ' + JSON.stringify(n.label) : '') +
+      (n.activation != null ? ', activation ' + n.activation.toFixed(3) : '');
+    el.append(tip); svg.append(el);
+    if (n.kind === 'embedding') text(x, y + 20, visible(n.label).slice(0, Math.max(2, W / 7)), 'token');
+    if (n.kind === 'logit') text(x - 10, y - 12, visible(n.label), 'logit-label');
   }
 }
 function show(g, n, el) {
   document.querySelectorAll('.node.selected').forEach(e => e.classList.remove('selected'));
   el.classList.add('selected');
+  document.querySelectorAll('line.edge').forEach(l =>
+    l.classList.toggle('dim', Number(l.dataset.target) !== n.node));
   const info = document.getElementById('info'); info.innerHTML = '';
-  const head = info.insertRow(); head.insertCell().textContent = n.node_id + ' (' + n.kind + ')';
+  const head = info.insertRow();
+  head.insertCell().textContent = n.node_id + ' (' + n.kind + (n.kind === 'logit' ? ' ' + JSON.stringify(n.label) : '') + ')';
   head.insertCell().textContent = 'value ' + n.value.toFixed(4);
   const byId = Object.fromEntries(g.nodes.map(m => [m.node, m]));
   for (const e of g.edges.filter(e => e.target === n.node).sort((a, b) => Math.abs(b.weight) - Math.abs(a.weight))) {
     const r = info.insertRow(); r.className = 'incoming';
-    r.insertCell().textContent = byId[e.source].node_id; r.insertCell().textContent = e.weight.toFixed(4);
+    const m = byId[e.source];
+    r.insertCell().textContent = m.node_id + (m.kind === 'embedding' ? ' ' + JSON.stringify(m.label) : '');
+    r.insertCell().textContent = e.weight.toFixed(4);
   }
 }
 </script>"""
@@ -122,11 +157,11 @@ def browser_files(graphs: list[dict], token_text) -> dict[str, str]:
     return files
 
 
-def screenshot_graph(root: str | Path, png: str | Path, *, width: int = 1400,
-                     height: int = 900) -> Path | None:  # fmt: skip
-    """A PNG of the browser in ``root``: the first graph of the index opened, its most
-    probable logit's node selected (its incoming edges listed); None when headless
-    Chromium is not available here or no prompt has a graph."""
+def screenshot_graph(root: str | Path, png: str | Path, prompt_id: int | None = None, *,
+                     width: int = 1400, height: int = 900) -> Path | None:  # fmt: skip
+    """A PNG of the browser in ``root``: prompt ``prompt_id``'s graph (default: the first
+    graph of the index) with its most probable logit's node selected (its incoming edges
+    listed); None when headless Chromium is not available here or no prompt has a graph."""
     from ..features.screenshot import chromium, chromium_missing
 
     if chromium_missing():
@@ -137,6 +172,8 @@ def screenshot_graph(root: str | Path, png: str | Path, *, width: int = 1400,
     with chromium(width, height) as driver:
         driver.get((Path(root) / "index.html").resolve().as_uri())
         rows = driver.find_elements(By.CSS_SELECTOR, "tr.graph-row:not(.error)")
+        if prompt_id is not None:
+            rows = [r for r in rows if r.get_attribute("data-id") == str(prompt_id)]
         if not rows:
             return None
         rows[0].click()

@@ -110,9 +110,13 @@ def cut_prompts(tokenizer, texts: Sequence[str], tokens: int) -> list[str]:
     whole."""
     out = []
     for text in texts:
-        encoded = tokenizer(text, return_offsets_mapping=True)
-        offsets = encoded["offset_mapping"]
-        out.append(text if not tokens or len(offsets) <= tokens else text[: offsets[tokens - 1][1]])
+        if not tokens:
+            out.append(text)
+            continue
+        # truncated: the first ``tokens`` tokens' offsets (no warning on long passages)
+        offsets = tokenizer(text, return_offsets_mapping=True, truncation=True,
+                            max_length=tokens)["offset_mapping"]  # fmt: skip
+        out.append(text[: offsets[-1][1]] if len(offsets) == tokens else text)
     return out
 
 
