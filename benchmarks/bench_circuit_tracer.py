@@ -23,11 +23,13 @@ demo run: the tiny toy Llama (``TINY``) and a random CLT whose thresholds keep a
 ``K`` latents per layer and token. Both sides encode ``pre * 1[pre > threshold]``
 (circuit-tracer's only rule; ours ``rule="threshold"``).
 
-circuit-tracer runs on the nnsight backend (``ReplacementModel.from_pretrained_and_
-transcoders(dir, transcoders, backend="nnsight")``): it takes any local Hugging Face
-Llama. Its TransformerLens backend needs a model name TransformerLens knows
-(``HookedTransformer.from_pretrained`` looks the name up in its official list), which a
-toy model has not. The model directory is copied for transformers 4.57.3
+circuit-tracer runs on both its backends. nnsight: ``ReplacementModel.from_pretrained_and_
+transcoders(dir, transcoders, backend="nnsight")`` takes any local Hugging Face Llama.
+TransformerLens: the same call fails on a local model (``HookedTransformer.from_pretrained``
+first looks the name up in TransformerLens's list of official models and raises
+``ValueError: <dir> not found. Valid official model names ...``), so the model is built as
+that call builds it, from the config and weights TransformerLens's own loaders read from
+the directory (``_their_model``). The model directory is copied for transformers 4.57.3
 (``for_transformers_4``). The prompts (held-out demo passages, ``TOKENS`` tokens, BOS
 first) are given to both as token ids: circuit-tracer's own tokenization would put
 ``<|eos|>`` first, not BOS (its ``ensure_tokenized`` picks the first special id that is
@@ -35,8 +37,9 @@ truthy, and the toy's BOS id is 0).
 
 What is compared (ours minus theirs, max abs; rel = max abs / max |ours|):
 - logits with every MLP replaced at every position (ours ``circuits.ReplacementModel``;
-  theirs its nnsight model with each MLP's output set to its transcoders' output on the
-  run's own MLP input, in one trace), and each layer's replaced output on that run;
+  theirs its replacement model with each MLP's output set to its transcoders' output on
+  the run's own MLP input: an nnsight trace, or TransformerLens hooks), and each layer's
+  replaced output on that run;
 - on the clean run: feature activations (theirs ``get_activations``) and error vectors
   (theirs ``setup_attribution``) at positions >= 1 -- circuit-tracer zeroes both at
   position 0 (BOS), we keep them;
@@ -45,7 +48,9 @@ What is compared (ours minus theirs, max abs; rel = max abs / max |ours|):
   latent) at positions >= 1, the logit nodes, and the adjacency over the shared nodes
   (targets: features and logits; sources: features, errors at positions >= 1, tokens),
   node order mapped. Our BOS features and errors have no counterpart; the table gives
-  their share of the absolute edge weight into the shared targets.
+  their share of the absolute edge weight into the shared targets;
+- pruning and scores: our ``graphs.graph.prune`` and ``scores`` run on circuit-tracer's
+  own graph against its ``prune_graph`` and ``compute_graph_scores``.
 """
 
 from __future__ import annotations
@@ -68,13 +73,17 @@ PROMPTS, TOKENS, K, N_LATENTS = 8, 24, 4, 64
 MAX_LOGITS, LOGIT_PROB = 10, 0.95
 HOOK_IN, HOOK_OUT = "mlp.hook_in", "mlp.hook_out"
 DICTS = ("clt", "per_layer")
+SIDES = tuple(f"{b}:{k}" for b in ("nnsight", "transformerlens") for k in DICTS)
+"""circuit-tracer's runs: backend and dictionary."""
 
 SETUP = """\
 python -m venv .venv-circuit-tracer
 echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
   > .venv-circuit-tracer/lib/python3.11/site-packages/main-venv.pth
 # its own pins; torch stays .venv's (already satisfies torch>=2.0: nothing downloaded)
-.venv-circuit-tracer/bin/pip install circuit-tracer==0.5.0 transformers==4.57.3 nnsight==0.6.3"""
+# nnsight 0.6.3: 0.7 and later have no nnsight.intervention.tracing, which circuit-tracer imports
+.venv-circuit-tracer/bin/pip install circuit-tracer==0.5.0 transformers==4.57.3 nnsight==0.6.3 \\
+  transformer-lens==3.2.1"""
 
 
 # ---------------------------------------------------------------- our side (.venv)
@@ -165,7 +174,9 @@ def prepare(root: Path) -> dict:
     found = _demo_run()
     if found:
         model_dir, clt = found
-        source = f"the CLT demo run's toy Llama and CLT ({model_dir.parent.parent})"
+        run = model_dir.parent.parent.resolve()
+        shown = run.relative_to(ROOT) if run.is_relative_to(ROOT) else run.name
+        source = f"the toy Llama and CLT of a CLT demo run ({shown})"
     else:
         model_dir = toy_lm(Path(tempfile.gettempdir()) / "pss-bench-toy-lm", TINY)
         clt = _random_clt(model_dir, root / "clt.safetensors")
@@ -225,26 +236,50 @@ def ours(inputs: dict) -> dict:
 # ---------------------------------------------------------------- their side (.venv-circuit-tracer)
 
 
-def _their_model(inputs: dict, kind: str):
-    """circuit-tracer's nnsight ReplacementModel of the copied model with our export."""
+def _their_transcoders(inputs: dict, kind: str):
+    """Our export read by circuit-tracer's own loaders (everything in memory)."""
     import torch
-    from circuit_tracer import ReplacementModel
     from circuit_tracer.transcoder.cross_layer_transcoder import load_clt
     from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
 
     cpu, where = torch.device("cpu"), Path(inputs["root"]) / f"ct-{kind}"
     if kind == "clt":
-        tc = load_clt(str(where), feature_input_hook=HOOK_IN, feature_output_hook=HOOK_OUT,
-                      device=cpu, dtype=torch.float32, lazy_decoder=False)  # fmt: skip
-    else:
-        files = sorted(where.glob("layer_*.safetensors"), key=lambda p: int(p.stem[6:]))
-        tc = load_transcoder_set({i: str(p) for i, p in enumerate(files)}, "ours", HOOK_IN,
-                                 HOOK_OUT, device=cpu, dtype=torch.float32,
-                                 lazy_encoder=False, lazy_decoder=False)  # fmt: skip
-    model = ReplacementModel.from_pretrained_and_transcoders(
-        inputs["model4"], tc, backend="nnsight", device=cpu, dtype=torch.float32
+        return load_clt(str(where), feature_input_hook=HOOK_IN, feature_output_hook=HOOK_OUT,
+                        device=cpu, dtype=torch.float32, lazy_decoder=False)  # fmt: skip
+    files = sorted(where.glob("layer_*.safetensors"), key=lambda p: int(p.stem[6:]))
+    return load_transcoder_set({i: str(p) for i, p in enumerate(files)}, "ours", HOOK_IN,
+                               HOOK_OUT, device=cpu, dtype=torch.float32,
+                               lazy_encoder=False, lazy_decoder=False)  # fmt: skip
+
+
+def _their_model(inputs: dict, tc, backend: str):
+    """circuit-tracer's ReplacementModel of the copied model. nnsight: its
+    ``from_pretrained_and_transcoders``. TransformerLens: what that function does (a
+    ``HookedTransformer`` without folding or centring, then ``_configure_replacement_model``)
+    with the config and weights TransformerLens's loaders read from the local directory,
+    since its ``HookedTransformer.from_pretrained`` accepts only official model names."""
+    import torch
+    from circuit_tracer import ReplacementModel
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    if backend == "nnsight":
+        return ReplacementModel.from_pretrained_and_transcoders(
+            inputs["model4"], tc, backend="nnsight", device=cpu, dtype=f32
+        )
+    from circuit_tracer.replacement_model.replacement_model_transformerlens import (
+        TransformerLensReplacementModel,
     )
-    return model, tc
+    from transformer_lens import loading_from_pretrained as loading
+    from transformers import AutoTokenizer
+
+    path = inputs["model4"]
+    cfg = loading.get_pretrained_model_config(path, dtype=f32, device="cpu", fold_ln=False)
+    model = TransformerLensReplacementModel(cfg, tokenizer=AutoTokenizer.from_pretrained(path))
+    model.load_and_process_state_dict(loading.get_pretrained_state_dict(path, cfg, None, dtype=f32),
+                                      fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False)  # fmt: skip
+    model._configure_replacement_model(tc)
+    return model
 
 
 def _their_decode(tc, kind: str, t: int, codes: list):
@@ -257,56 +292,85 @@ def _their_decode(tc, kind: str, t: int, codes: list):
     return y
 
 
-def _their_replaced(model, tc, kind: str, ids):
-    """Logits and per-layer outputs with every MLP replaced, in one nnsight trace."""
+def _their_replaced(model, tc, kind: str, ids, backend: str):
+    """Logits and per-layer outputs with every MLP replaced: each MLP's output set to the
+    transcoders' output on the run's own MLP input (an nnsight trace, or TransformerLens
+    hooks on the feature input and output hook points)."""
     import torch
-    from nnsight import save
 
     codes, outs = [], []
-    with torch.no_grad(), model.trace(ids):
-        for t in range(model.cfg.n_layers):
-            codes.append(tc.encode_layer(model.get_feature_input_loc(t).output, t))
-            y = _their_decode(tc, kind, t, codes)
-            model.get_feature_output_loc(t).output = y
-            outs.append(save(y))
-        logits = save(model.output.logits)
+    if backend == "nnsight":
+        from nnsight import save
+
+        with torch.no_grad(), model.trace(ids):
+            for t in range(model.cfg.n_layers):
+                codes.append(tc.encode_layer(model.get_feature_input_loc(t).output, t))
+                y = _their_decode(tc, kind, t, codes)
+                model.get_feature_output_loc(t).output = y
+                outs.append(save(y))
+            logits = save(model.output.logits)
+    else:
+
+        def read(acts, hook, t):
+            codes.append(tc.encode_layer(acts, t))
+
+        def write(acts, hook, t):
+            outs.append(_their_decode(tc, kind, t, codes))
+            return outs[-1]
+
+        hooks = [h for t in range(model.cfg.n_layers) for h in (
+            (f"blocks.{t}.{model.feature_input_hook}", lambda a, hook, t=t: read(a, hook, t)),
+            (f"blocks.{t}.{model.original_feature_output_hook}", lambda a, hook, t=t: write(a, hook, t)),
+        )]  # fmt: skip
+        with torch.no_grad():
+            logits = model.run_with_hooks(ids[None], fwd_hooks=hooks)
     return logits[0], torch.stack([o.reshape(len(ids), -1) for o in outs])
 
 
+def _their_graph(g) -> dict:
+    """What is compared of one of circuit-tracer's graphs, with its pruning and scores."""
+    import torch
+    from circuit_tracer.graph import compute_graph_scores, prune_graph
+
+    pruned = prune_graph(g)
+    return {
+        "adjacency": g.adjacency_matrix, "features": g.active_features,
+        "activations": g.activation_values, "selected": g.selected_features,
+        "logit_ids": torch.tensor([t.vocab_idx for t in g.logit_targets]),
+        "logit_probs": g.logit_probabilities, "tokens": g.input_tokens,
+        "node_mask": pruned.node_mask, "edge_mask": pruned.edge_mask,
+        "scores": torch.tensor(compute_graph_scores(g), dtype=torch.float64),
+    }  # fmt: skip
+
+
 def theirs(root: Path) -> None:
-    """Run circuit-tracer on ``root/inputs.json``'s prompts; write ``theirs.pt``."""
+    """Run circuit-tracer on ``root/inputs.json``'s prompts with each backend and
+    dictionary; write ``theirs.pt`` (tensors keyed ``backend:kind.i.name``)."""
+    from importlib import metadata
+
     import torch
     from circuit_tracer import attribute
-    from circuit_tracer.graph import compute_graph_scores, prune_graph
 
     inputs = {**json.loads((root / "inputs.json").read_text()), "root": str(root)}
     out, seconds = {}, {}
-    for kind in DICTS:
-        model, tc = _their_model(inputs, kind)
-        times = []
+    for side in SIDES:
+        backend, kind = side.split(":")
+        tc = _their_transcoders(inputs, kind)
+        model, times = _their_model(inputs, tc, backend), []
         for i, ids in enumerate(inputs["prompts"]):
-            ids, key = torch.tensor(ids), f"{kind}.{i}."
+            ids, key = torch.tensor(ids), f"{side}.{i}."
             started = time.perf_counter()
             g = attribute(ids, model, max_n_logits=MAX_LOGITS, desired_logit_prob=LOGIT_PROB)
             times.append(time.perf_counter() - started)
-            out[key + "logits"], out[key + "outputs"] = _their_replaced(model, tc, kind, ids)
+            out[key + "graph"] = _their_graph(g)
+            out[key + "logits"], out[key + "outputs"] = _their_replaced(
+                model, tc, kind, ids, backend
+            )
             out[key + "clean_logits"], out[key + "codes"] = model.get_activations(ids)
             out[key + "errors"] = model.setup_attribution(ids).error_vectors
-            pruned = prune_graph(g)
-            out[key + "graph"] = {
-                "adjacency": g.adjacency_matrix, "features": g.active_features,
-                "activations": g.activation_values, "selected": g.selected_features,
-                "logit_ids": torch.tensor([t.vocab_idx for t in g.logit_targets]),
-                "logit_probs": g.logit_probabilities, "tokens": g.input_tokens,
-                "node_mask": pruned.node_mask, "edge_mask": pruned.edge_mask,
-                "scores": torch.tensor(compute_graph_scores(g), dtype=torch.float64),
-            }  # fmt: skip
-        seconds[kind] = times
-    import circuit_tracer
-    import nnsight
-    import transformers
-
-    versions = {m.__name__: getattr(m, "__version__", "?") for m in (circuit_tracer, nnsight, transformers, torch)}  # fmt: skip
+        seconds[side] = times
+    names = ("circuit-tracer", "nnsight", "transformer-lens", "transformers", "torch")
+    versions = {name.replace("-", "_"): metadata.version(name) for name in names}
     torch.save({"tensors": out, "seconds": seconds, "versions": versions}, root / "theirs.pt")
 
 
@@ -383,25 +447,25 @@ def _pruning(ours_g, their: dict) -> dict:
     }
 
 
-def _getter(side: dict, kind: str, i: int):
-    """``name -> side's tensor kind.i.name``."""
-    return lambda name: side["tensors"][f"{kind}.{i}.{name}"]
+def _getter(run: dict, key: str, i: int):
+    """``name -> run's tensor key.i.name``."""
+    return lambda name: run["tensors"][f"{key}.{i}.{name}"]
 
 
 def compare(mine: dict, their: dict, n: int) -> dict:
     """Per dictionary: the worst differences over the prompts."""
     out = {}
-    for kind in DICTS:
-        acc: dict = {"graphs": []}
+    for side in SIDES:
+        kind, acc = side.split(":")[1], {"graphs": []}
         for i in range(n):
-            m, t = _getter(mine, kind, i), _getter(their, kind, i)
+            m, t = _getter(mine, kind, i), _getter(their, side, i)
             for name in ("logits", "outputs", "clean_logits"):
                 acc.setdefault(name, []).append(_diff(m(name), t(name)))
             for name in ("codes", "errors"):  # positions >= 1: theirs are zero at BOS
                 acc.setdefault(name, []).append(_diff(m(name)[:, 1:], t(name)[:, 1:]))
             acc.setdefault("scale", []).append(_diff(m("clean_logits"), m("logits")))
             acc["graphs"].append(_graph_rows(m("graph"), t("graph")))
-        out[kind] = acc
+        out[side] = acc
     return out
 
 
@@ -409,18 +473,18 @@ def _worst(pairs) -> str:
     return f"{max(p[0] for p in pairs):.1e} / {max(p[1] for p in pairs):.1e}"
 
 
-def _output_row(kind: str, acc: dict) -> list:
+def _output_row(side: str, acc: dict) -> list:
     names = ("clean_logits", "scale", "logits", "outputs", "codes", "errors")
-    return [kind, *(_worst(acc[name]) for name in names)]
+    return [*side.split(":")[::-1], *(_worst(acc[name]) for name in names)]
 
 
-def _graph_row(kind: str, acc: dict, n: int, seconds: tuple) -> list:
+def _graph_row(side: str, acc: dict, n: int, seconds: tuple) -> list:
     gs = acc["graphs"]
     ok = [g for g in gs if "edges" in g]
     mean = lambda f: sum(map(f, ok)) / max(1, len(ok))  # noqa: E731
     own = [(g["own_scores"][0][i], g["own_scores"][1][i]) for g in ok for i in (0, 1)]
     return [
-        kind, f"{sum(g['same_features'] and g['same_logits'] for g in gs)}/{n}",
+        *side.split(":")[::-1], f"{sum(g['same_features'] and g['same_logits'] for g in gs)}/{n}",
         f"{mean(lambda g: g['features'][0]):.0f} (+{mean(lambda g: g['bos_features']):.0f})",
         _worst([g["edges"] for g in ok]) if ok else "-",
         f"{max(g['bos_share'] for g in ok):.4f}" if ok else "-",
@@ -435,22 +499,32 @@ def report(inputs: dict, mine: dict, their: dict, load: str) -> str:
     """The section: outputs table, graphs table, and how they were made."""
     n = len(inputs["prompts"])
     res = compare(mine, their, n)
-    outputs = table(["dictionary", "clean logits", "(ours: replaced vs clean)", "replaced logits",
+    outputs = table(["dictionary", "backend", "clean logits", "(ours: replaced vs clean)", "replaced logits",
                      "replaced layer outputs", "activations (pos >= 1)", "errors (pos >= 1)"],
                     [_output_row(kind, acc) for kind, acc in res.items()])  # fmt: skip
-    graphs = table(["dictionary", "same nodes", "features per graph (+ ours at BOS)",
+    graphs = table(["dictionary", "backend", "same nodes", "features per graph (+ ours at BOS)",
                     "edges", "BOS share", "prune on its graph: node / edge mismatches",
                     "scores on its graph", "own graphs' scores", "ours s/graph",
                     "circuit-tracer s/graph"],
-                   [_graph_row(kind, acc, n, (mine["seconds"][kind], their["seconds"][kind]))
-                    for kind, acc in res.items()])  # fmt: skip
+                   [_graph_row(side, acc, n, (mine["seconds"][side.split(":")[1]],
+                                              their["seconds"][side])) for side, acc in res.items()])  # fmt: skip
     v = their["versions"]
     return (
         f"## Against circuit-tracer: {n} prompts of {TOKENS} tokens, {inputs['source']}\n\n"
         + outputs + "\n\n" + graphs
-        + "\n\nDifferences: max abs / (max abs over max |ours|), worst prompt. circuit-tracer "
-        f"{v['circuit_tracer']} (nnsight {v['nnsight']}, transformers {v['transformers']}, torch "
-        f"{v['torch']}) in .venv-circuit-tracer, nnsight backend; unpruned graphs, max_n_logits "
+        + "\n\nDifferences: max abs / (max abs over max |ours|), worst prompt; positions >= 1 "
+        "where circuit-tracer zeroes BOS. \"ours: replaced vs clean\": how far the replaced "
+        "model's logits are from the clean model's (the scale of the comparison). \"BOS "
+        "share\": the share of the absolute edge weight into the shared targets that comes "
+        "from our BOS features and errors (circuit-tracer has neither). \"prune on its "
+        "graph\" and \"scores on its graph\": our graphs.prune and graphs.scores run on "
+        "circuit-tracer's own graph against its prune_graph and compute_graph_scores; \"own "
+        "graphs' scores\": each side's (replacement, completeness) on its own graph. "
+        "Command: python -m benchmarks circuit_tracer (circuit-tracer runs as a subprocess in "
+        "its venv). circuit-tracer "
+        f"{v['circuit_tracer']} (nnsight {v['nnsight']}, transformer-lens {v['transformer_lens']}, "
+        f"transformers {v['transformers']}, torch {v['torch']}) in .venv-circuit-tracer; "
+        "unpruned graphs, max_n_logits "
         f"{MAX_LOGITS}, desired_logit_prob {LOGIT_PROB}, each side's default batch size (ours 64 "
         f"targets per backward pass, circuit-tracer 512); seconds per graph: median over the "
         f"prompts; load average before the run: {load}."
