@@ -193,6 +193,25 @@ def test_thresholds_fire_each_latent_as_often_as_the_top_k_did():
     assert float((out.values > 0).sum(1).float().mean()) == pytest.approx(L * K, rel=0.05)
 
 
+def test_thresholds_with_targets_lower_the_error_of_the_frequency_matched_ones():
+    clt = _clt()
+    clt.load_full_state(_perturbed_state())
+    x = _inputs(rows=2048)
+    y = torch.randn(2048, L * D_OUT, generator=torch.Generator().manual_seed(4))
+    y = y + clt.eval()(x).x_hat  # targets the top-k code half explains
+    clt.inference = "threshold"
+
+    def error():  # the pooled loss's: every layer's squared error
+        return float((clt(x).x_hat - y).pow(2).sum())
+
+    clt.calibrate_thresholds([x[:1024], x[1024:]])
+    matched, before = error(), clt.threshold.clone()
+    clt.calibrate_thresholds([(x[:1024], y[:1024]), (x[1024:], y[1024:])])
+    assert error() < 0.95 * matched
+    assert not torch.equal(clt.threshold, before) and (clt.threshold >= 0).all()
+    assert not clt.training  # calibration leaves the mode it found
+
+
 # --- config, data and file errors -----------------------------------------------------------
 
 
@@ -302,8 +321,9 @@ def test_the_datasets_widths_must_agree(tmp_path, clt_data):
         Trainer(_config(clt_data, tmp_path / "run", datasets=datasets))
 
 
-def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data):
-    trainer = Trainer(_config(clt_data, tmp_path))
+@pytest.mark.parametrize("loss", ["pooled", "per_layer"])
+def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data, loss):
+    trainer = Trainer(_config(clt_data, tmp_path, clt_loss=loss))
     metrics = trainer.fit()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for t in range(L):
@@ -311,8 +331,11 @@ def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data):
         assert 0 <= metrics[f"val_fvu_layer{t}"] < 0.5
         assert metrics[f"val_l0_layer{t}"] == pytest.approx(K)  # the top k per row
         assert 0 <= metrics[f"val_dead_fraction_layer{t}"] < 1
-    layers_fvu = sum(metrics[f"fvu_layer{t}"] for t in range(L))  # the loss: their sum
-    assert metrics["loss"] == pytest.approx(layers_fvu + metrics["aux_loss"] / 32, rel=1e-4)
+    # pooled: every layer's error over their total variance; per_layer: the FVUs' sum
+    recon = metrics["fvu"] if loss == "pooled" else sum(metrics[f"fvu_layer{t}"] for t in range(L))
+    assert metrics["loss"] == pytest.approx(recon + metrics["aux_loss"] / 32, rel=1e-4)
+    if loss == "per_layer":
+        return
     tensors, meta = load_sae(tmp_path / "sae.safetensors")
     assert set(tensors) == set(clt_file_shapes(meta))
     assert json.loads(meta["hook_points"]) == [f"model.layers.{i}.mlp:input" for i in range(L)]
@@ -326,9 +349,14 @@ def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data):
     torch.testing.assert_close(torch.cat(ys, 1), trainer.sae.eval()(pairs[0]).x_hat,
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     # the threshold rule on held-out rows: about k per layer, close to the top-k's FVU
+    xs, y = clt.split_inputs(pairs[0]), pairs[1].view(len(pairs[1]), L, -1)
+    by_rule = {r: torch.stack(clt.forward_layers(xs, rule=r), 1) for r in ("topk", "threshold")}
     for t in range(L):
-        code = clt.encode_layer(t, clt.split_inputs(pairs[0])[t], rule="threshold")
+        code = clt.encode_layer(t, xs[t], rule="threshold")
         assert 0.5 * K < float((code > 0).sum(1).float().mean()) < 2 * K
+        var = (y[:, t] - y[:, t].mean(0)).pow(2).sum()
+        fvu = {r: float((h[:, t] - y[:, t]).pow(2).sum() / var) for r, h in by_rule.items()}
+        assert fvu["threshold"] < fvu["topk"] + 0.05, (t, fvu)
 
 
 def test_resume_continues_exactly(tmp_path, clt_data):
@@ -379,7 +407,7 @@ MODULE_CASES = [("topk", False), ("batchtopk", True)]
 
 def _steps(config, mesh, rank, dp):
     """Three trainer steps on fixed pairs (each data rank its half), thresholds calibrated
-    after: (full state, metrics)."""
+    after (on the full pairs): (full state, metrics)."""
     trainer = Trainer(SAEConfig.from_dict(config), mesh)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(3, 64, L * D_IN, generator=gen) + 2
@@ -389,7 +417,7 @@ def _steps(config, mesh, rank, dp):
     mine = slice(rank * 32, (rank + 1) * 32) if dp else slice(None)
     trainer.init_from_data(y[0][mine], inputs=x[0][mine])
     metrics = [trainer.train_step(x[i][mine], y[i][mine]) for i in range(3)]
-    trainer.sae.calibrate_thresholds([x[0], x[1]])
+    trainer.sae.calibrate_thresholds([(x[0], y[0]), (x[1], y[1])])  # the error rule too
     return trainer.sae.full_state(), metrics
 
 

@@ -87,6 +87,14 @@ class SAEConfig:
     clt_activation: Literal["topk", "batchtopk"] = "topk"
     """Cross-layer transcoders: k latents per layer per row ("topk"), or k x batch per
     layer per batch in training ("batchtopk")."""
+    clt_loss: Literal["pooled", "per_layer"] = "pooled"
+    """Cross-layer transcoders: the reconstruction loss. "pooled": the FVU of every target
+    layer together (the layers' squared errors summed, over the sum of their variances),
+    so each layer weighs by its output's variance, as its error weighs in the residual
+    stream that the replacement model adds the outputs to; "per_layer": the sum of the
+    layers' FVUs, each layer alike (sparsify's cross_layer loss), which on a toy Llama
+    whose first MLP writes 24x the variance of the others let the first layer's latents
+    serve the small layers and lost CE to per-layer transcoders (``docs/sae.md``)."""
     hook_point: str = ""
     """Recorded in the checkpoint; taken from the dataset's ``hook_point`` metadata if empty."""
     # model
@@ -232,6 +240,7 @@ class SAEConfig:
             ("device", ("auto", "cpu", "cuda")),
             ("architecture", typing.get_args(Architecture)),
             ("clt_activation", ("topk", "batchtopk")),
+            ("clt_loss", ("pooled", "per_layer")),
         ]:
             if getattr(self, name) not in choices:
                 raise InvalidArgumentError(
@@ -274,10 +283,10 @@ class SAEConfig:
         if self.architecture == "clt":
             self._check_clt_data()
         elif any((self.target_datasets, self.val_target_datasets, self.clt_tied_decoders,
-                  self.clt_activation != "topk")):  # fmt: skip
+                  self.clt_activation != "topk", self.clt_loss != "pooled")):  # fmt: skip
             raise InvalidArgumentError(
-                "target_datasets, val_target_datasets, clt_tied_decoders and clt_activation "
-                "are for architecture = 'clt' (a cross-layer transcoder)"
+                "target_datasets, val_target_datasets, clt_tied_decoders, clt_activation and "
+                "clt_loss are for architecture = 'clt' (a cross-layer transcoder)"
             )
         crosscoder = self.architecture == "crosscoder"
         if crosscoder:
@@ -400,7 +409,7 @@ class SAEConfig:
         }
         body = {k: v for k, v in self.to_dict().items() if k not in skip}
         if self.architecture != "clt":  # the runs from before these fields keep their hash
-            for name in ("target_datasets", "clt_tied_decoders", "clt_activation"):
+            for name in ("target_datasets", "clt_tied_decoders", "clt_activation", "clt_loss"):
                 del body[name]
         if not self.follow:  # the runs from before the field keep their hash
             del body["follow"]

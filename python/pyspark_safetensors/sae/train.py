@@ -106,6 +106,9 @@ class _StepLosses:
     transcoder's layers): each block's variance and each block's AuxK residual variance
     (``[blocks]`` each); ``totals`` then continues with each block's squared error,
     reconstruction term and AuxK squared error."""
+    pooled: bool = False
+    """The blocks' errors are normalised together, by their total variance
+    (``SAEConfig.clt_loss``), not each by its own."""
 
 
 def _block_sums(t: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -120,10 +123,11 @@ def _block_metrics(losses: _StepLosses, aux_coef: float) -> dict[str, float]:
     block's FVU (``fvu_layer<t>``)."""
     var_x, var_e = (v.clamp_min(TINY) for v in losses.block_variances)
     sq, recon, aux = losses.totals[4:].view(3, -1)
-    aux_loss = float((aux / var_e).sum()) if losses.use_aux else 0.0
+    norm_x, norm_e = (var_x.sum(), var_e.sum()) if losses.pooled else (var_x, var_e)
+    aux_loss = float((aux / norm_e).sum()) if losses.use_aux else 0.0
     fvus = sq / var_x
     return {
-        "loss": float((recon / var_x).sum()) + aux_coef * aux_loss,
+        "loss": float((recon / norm_x).sum()) + aux_coef * aux_loss,
         "aux_loss": aux_loss,
         **{f"fvu_layer{t}": float(f) for t, f in enumerate(fvus)},
     }
@@ -473,12 +477,15 @@ class Trainer:
         architecture's sparsity term) and the global sums the step's metrics are made of
         (collectives over "data", then "model")."""
         c, sae = self.config, self.sae
-        blocks = sae.target_blocks  # a CLT: the sum of its layers' FVUs, each normalised
+        blocks = sae.target_blocks  # a CLT: its layers' errors, normalised as clt_loss says
         var_x, var_e, n_tokens = self._global_variances(y, residual, blocks)
         sq = _block_sums(err, blocks)
+        # a CLT's pooled loss (clt_loss): every layer's error over the layers' total variance
+        pooled = blocks > 1 and c.clt_loss == "pooled"
+        norm_x, norm_e = (var_x.sum(), var_e.sum()) if pooled else (var_x, var_e)
         # x dp: gradients are averaged over the data ranks, so each rank's share of the
         # global FVU is scaled up by dp.
-        scale = self.dp / var_x.clamp_min(TINY).float()
+        scale = self.dp / norm_x.clamp_min(TINY).float()
         recon_sq = sq  # what the loss's reconstruction term sums
         if out.x_hats:  # Matryoshka: every prefix's FVU, averaged (the last is x_hat)
             recon_sq = sum(_block_sums(h.float() - y, blocks) for h in out.x_hats) / len(out.x_hats)
@@ -486,7 +493,7 @@ class Trainer:
         aux_sq = torch.zeros(blocks, device=self.device)
         if aux_err is not None:
             aux_sq = _block_sums(aux_err, blocks)
-            loss = loss + (c.aux_coef * aux_sq * (self.dp / var_e.clamp_min(TINY).float())).sum()
+            loss = loss + (c.aux_coef * aux_sq * (self.dp / norm_e.clamp_min(TINY).float())).sum()
         sparsity = sae.sparsity_loss(out)
         if sparsity is not None:
             loss = loss + sparsity
@@ -501,7 +508,7 @@ class Trainer:
         per_block = (var_x, var_e) if blocks > 1 else None
         return _StepLosses(loss, totals, l0_total, var_x.sum(), var_e.sum(), n_tokens,
                            y.shape[1], aux_err is not None, sparsity is not None,
-                           per_block)  # fmt: skip
+                           per_block, pooled)  # fmt: skip
 
     def _update(self, loss: torch.Tensor) -> float:
         """Back-propagate ``loss`` and take the optimizer step: gradients averaged over
@@ -753,15 +760,18 @@ class Trainer:
 
     @torch.no_grad()
     def calibrate(self) -> None:
-        """A cross-layer transcoder's inference thresholds, from its training selection on
-        the first ``THRESHOLD_SAMPLES`` training rows (every rank reads the same; the rule
-        is ``architectures/clt.py``'s); nothing for the other architectures."""
+        """A cross-layer transcoder's inference thresholds, from its training selection and
+        reconstruction error on the first ``THRESHOLD_SAMPLES`` training rows and their
+        targets (every rank reads the same; the rule is ``architectures/clt.py``'s);
+        nothing for the other architectures."""
         calibrate = getattr(self.sae, "calibrate_thresholds", None)
         if calibrate is None:
             return
         rows = min(len(self.source), THRESHOLD_SAMPLES)
         batches = self.source.batches(tokens=rows, batch=self.config.batch_size)
-        calibrate([x.to(self.device, torch.float32) for x, _ in batches], k=self.k_at(self.step))
+        pairs = [(x.to(self.device, torch.float32), y.to(self.device, torch.float32))
+                 for x, y in batches]  # fmt: skip
+        calibrate(pairs, k=self.k_at(self.step))
 
     def checkpoint_steps(self) -> set[int]:
         n = self.config.checkpoints

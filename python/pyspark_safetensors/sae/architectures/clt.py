@@ -22,21 +22,34 @@ layer), ``hook_points``, ``target_hook_points``, ``blocks``, ``tied_decoders`` a
 
 **Inference** (``encode_layer``): the top k per row by default, or a JumpReLU
 ``z = pre * 1[pre > threshold]`` with the per-latent ``threshold``. **The threshold
-rule** (``calibrate_thresholds``, run by the trainer on the first
-``THRESHOLD_SAMPLES`` training rows before every checkpoint): each latent fires as often
-under its threshold as under the training selection on those rows. If latent i was
-selected on c_i of the N rows and ``v_(1) >= v_(2) >= ...`` are its N pre-activations
-sorted, ``threshold_i = max(0, (v_(c_i) + v_(c_i + 1)) / 2)`` (``v_(0) = v_(1)``,
-``v_(N+1) = 0``): exactly c_i rows are above it where values do not tie, so on those rows
-each latent's firing frequency, and each layer's mean L0 (k for TopK), are the
-training code's. The rows it fires on are the latent's c_i largest, which the top-k
-mostly but not always picked (a row may have had k larger competitors).
+rule** (``calibrate_thresholds``, run by the trainer on the first ``THRESHOLD_SAMPLES``
+training rows and their targets before every checkpoint), in two steps. Frequency
+matching: if latent i was selected by the training selection on c_i of the N rows and
+``v_(1) >= v_(2) >= ...`` are its N pre-activations sorted, ``threshold_i = max(0,
+(v_(c_i) + v_(c_i + 1)) / 2)`` (``v_(0) = v_(1)``, ``v_(N+1) = 0``): each latent fires as
+often as the training code fired it, but on its c_i largest rows, which the top-k did
+not always pick (a row may have had k larger competitors), while the decoders were
+fitted to the top-k's rows. Least error: each latent's threshold then moves to the cut
+of its rows (sorted by pre-activation) that gives the least reconstruction error at the
+training code's L0, the rest of the code held: firing latent i with value p on row r
+changes the squared error, weighted as the loss weighs the layers, by ``-g_r = -(2 p
+<e_r, D_i> + (2 a_r - 1) p^2 |D_i|^2)`` (e_r the row's error, D_i the latent's decoder
+rows to every target, a_r whether the code fires it already); each latent takes the j
+rows maximising ``sum of its j largest rows' g - lam j``, with the least ``lam >= 0``
+(bisection) that keeps the layer's firings on the rows within the training selection's
+(k per row for TopK). Two rounds, against the top-k code's error and then the first
+thresholds'; of the three threshold sets the one with the least error on the rows is
+kept. Without targets, frequency matching alone. Memory: ``THRESHOLD_SAMPLES x n``
+floats per layer (this rank's latents).
 
 **Training.** The trainer feeds ``x = concat_l x_l [B, L d_in]`` and
 ``y = concat_t y_t [B, L d_out]``; the code is ``(values, indices)`` ``[B, L m]``, layer
-l's m slots first, with global latent indices ``l n + i``. The loss is the sum of the L
-per-layer FVUs, each normalised by its own layer's batch variance (``target_blocks``),
-so a layer of small variance weighs as much as one of large variance. As a transcoder
+l's m slots first, with global latent indices ``l n + i``. The loss (``pooled_loss``,
+``SAEConfig.clt_loss``) is the FVU of all L targets together, every layer's squared
+error over the sum of the layers' batch variances, so each layer weighs by its output's
+variance, as its error weighs in the residual stream the replacement model adds the
+outputs to; or (``per_layer``) the sum of the L per-layer FVUs (``target_blocks``), so a
+layer of small variance weighs as much as one of large variance. As a transcoder
 (``transcoder.py``), the decoders start at zero and keep no unit norm, the encoders start
 centred on each layer's input mean, and the steps are taken about that mean
 (``input_mean [L, d_in]``, a buffer of the trainer's state, never in the file). AuxK
@@ -60,6 +73,7 @@ from ..mesh import (
     MODEL,
     DimMap,
     all_gather_cat,
+    all_reduce,
     copy_to_model,
     mesh_dim_size,
     mesh_rank,
@@ -133,6 +147,7 @@ class CrossLayerTranscoder(SparseAutoencoder):
         n_layers: int = 1,
         tied_decoders: bool = False,
         activation: str = "topk",
+        pooled_loss: bool = True,
         hook_points: Sequence[str] = (),
         target_hook_points: Sequence[str] = (),
         **kwargs,
@@ -148,6 +163,9 @@ class CrossLayerTranscoder(SparseAutoencoder):
             bool(tied_decoders),
             activation,
         )
+        #: How the layers' errors weigh (``SAEConfig.clt_loss``): pooled, each by its
+        #: output's variance; or each layer's FVU alike. The thresholds weigh them so too.
+        self.pooled_loss = bool(pooled_loss)
         super().__init__(d, n_latents, k, **kwargs)
         self.n_layer_local = self.n_local
         self.n_local = n_layers * self.n_layer_local  # the trainer's per-latent vectors
@@ -195,7 +213,8 @@ class CrossLayerTranscoder(SparseAutoencoder):
     @classmethod
     def config_options(cls, config) -> dict:
         return {"n_layers": len(config.datasets) or 1, "tied_decoders": config.clt_tied_decoders,
-                "activation": config.clt_activation}  # fmt: skip
+                "activation": config.clt_activation,
+                "pooled_loss": config.clt_loss == "pooled"}  # fmt: skip
 
     @classmethod
     def stored_options(cls, metadata: dict) -> dict:
@@ -391,25 +410,135 @@ class CrossLayerTranscoder(SparseAutoencoder):
     @torch.no_grad()
     def calibrate_thresholds(self, batches, k: int | None = None) -> None:
         """Set ``threshold`` by the module docstring's rule from ``batches`` (``x [B, L
-        d_in]`` each, the same on every rank: a collective over "model"), selected as in
-        training (the top k per row, or per batch for BatchTopK)."""
+        d_in]`` each, or ``(x, y)`` pairs with the targets ``y [B, L d_out]``; the same on
+        every rank: a collective over "model"), selected as in training (the top k per
+        row, or per batch for BatchTopK). Without targets, the frequency-matched
+        thresholds alone."""
         was_training = self.training
         self.train()
         try:
-            xs = [x.to(self.encoder_weight.device) for x in batches]
-            if not xs:
+            pairs = [b if isinstance(b, tuple | list) else (b, None) for b in batches]
+            if not pairs:
                 raise InvalidArgumentError("no rows to calibrate the CLT's thresholds on")
+            dev = self.encoder_weight.device
+            x = torch.cat([p[0] for p in pairs]).to(dev, self.encoder_weight.dtype)
             counts = torch.zeros(self.n_local, dtype=torch.long, device=self.threshold.device)
-            for x in xs:
-                out = self(x, k=k)
+            for xb, _ in pairs:
+                out = self(xb.to(dev, self.encoder_weight.dtype), k=k)
                 counts += torch.bincount(self.local_latents(out.indices)[out.values > 0],
                                          minlength=self.n_local)  # fmt: skip
-            for layer in range(self.n_layers):  # one layer's rows at a time
-                x_l = torch.cat([self.split_inputs(x)[layer] for x in xs])
+            xs = self.split_inputs(x)
+            for layer in range(self.n_layers):
                 c = counts.view(self.n_layers, -1)[layer]
-                self.threshold[layer] = self._frequency_matched(layer, x_l, c)
+                self.threshold[layer] = self._frequency_matched(layer, xs[layer], c)
+            if all(p[1] is not None for p in pairs):
+                y = torch.cat([p[1] for p in pairs]).to(dev, self.decoder_bias.dtype)
+                self._refine_thresholds(x, y, counts, k)
         finally:
             self.train(was_training)
+
+    def _code_and_error(self, x: torch.Tensor, y: torch.Tensor, rule: str, k: int | None):
+        """The local dense code ``[N, L, n_local]`` of ``rule`` ("train": the training
+        selection; "threshold") and the weighted error ``(y - y_hat) * w`` ``[N, L,
+        d_out]`` with its total ``sum w (y - y_hat)^2``."""
+        self.train(rule == "train")
+        inference, self.inference = self.inference, "threshold"
+        try:
+            out = self(x, k=k)
+        finally:
+            self.inference = inference
+            self.train()
+        code = x.new_zeros(len(x), self.n_local, dtype=out.values.dtype)
+        code.scatter_(1, self.local_latents(out.indices), out.values)
+        ys = y.view(len(y), self.n_layers, -1)
+        err = ys - out.x_hat.view_as(ys).to(ys.dtype)
+        var = (ys - ys.mean(0)).pow(2).sum((0, 2)).clamp_min(torch.finfo(ys.dtype).tiny)
+        w = (1 / var.sum()).expand_as(var) if self.pooled_loss else 1 / var
+        total = float((err.pow(2).sum((0, 2)) * w).sum())
+        return code.view(len(x), self.n_layers, -1), err * w[None, :, None], w, total
+
+    def _refine_thresholds(self, x: torch.Tensor, y: torch.Tensor, counts, k) -> None:
+        """Two rounds of the least-error rule (module docstring) from the frequency-matched
+        thresholds, each layer held to the training code's firings on the rows
+        (``counts``, this rank's latents); the thresholds of the three with the least
+        weighted error on the rows are kept."""
+        xs = self.split_inputs(x)
+        budget = all_reduce(counts.view(self.n_layers, -1).sum(1), self.mesh, MODEL)
+        code, werr, w, _ = self._code_and_error(x, y, "train", k)
+        best = [self.threshold.clone()]
+        errors = [self._code_and_error(x, y, "threshold", k)[3]]
+        for _ in range(2):
+            for layer in range(self.n_layers):
+                gains = self._cut_gains(layer, xs[layer], code[:, layer], werr, w)
+                rows = self._cuts_within(gains, int(budget[layer]))
+                self.threshold[layer] = self._cut_thresholds(layer, xs[layer], rows)
+            best.append(self.threshold.clone())
+            code, werr, w, total = self._code_and_error(x, y, "threshold", k)
+            errors.append(total)
+        self.threshold.copy_(best[min(range(len(errors)), key=errors.__getitem__)])
+
+    def _local_pre(self, layer: int, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        w = self.encoder_weight[layer, lo:hi]
+        return torch.addmm(self.encoder_bias[layer, lo:hi], x, w.t())
+
+    def _cut_gains(self, layer, x, code, werr, w) -> torch.Tensor:
+        """``[N + 1, n_local]``: for each local latent of ``layer``, the summed gain of
+        firing it on its j rows of largest pre-activation (j = 0..N), the rest of the code
+        ``code`` (its own firing included) held. Firing latent i with value p on row r,
+        its decoder rows D (to every target), lowers the weighted squared error by ``g_r =
+        2 p <e_r, D>_w + (2 a_r - 1) p^2 |D|_w^2`` (e_r the row's weighted error, a_r
+        whether the code fires it there); rows of p <= 0 cannot fire (gain 0)."""
+        targets = range(layer, self.n_layers)
+        dec = [self.decoder(layer, t) for t in targets]  # [n_local, d_out] each
+        out = x.new_zeros(len(x) + 1, self.n_layer_local)
+        for lo in range(0, self.n_layer_local, 256):
+            hi = min(lo + 256, self.n_layer_local)
+            pre = self._local_pre(layer, x, lo, hi)
+            dot = sum(werr[:, t] @ d[lo:hi].t() for t, d in zip(targets, dec, strict=True))
+            norm = sum(w[t] * d[lo:hi].pow(2).sum(1) for t, d in zip(targets, dec, strict=True))
+            fired = (code[:, lo:hi] > 0).to(pre.dtype)
+            gain = 2 * pre * dot + (2 * fired - 1) * pre.pow(2) * norm
+            order = pre.sort(dim=0, descending=True)
+            gains = gain.gather(0, order.indices).masked_fill(order.values <= 0, 0)
+            out[1:, lo:hi] = gains.cumsum(0)
+        return out
+
+    def _cuts_within(self, gains: torch.Tensor, budget: int) -> torch.Tensor:
+        """Each latent's number of rows ``j`` maximising ``gains[j] - lam j``, with the
+        least ``lam >= 0`` (bisection) whose firings over the layer's latents (every
+        rank's) stay within ``budget``: the least error at the training code's L0."""
+        steps = torch.arange(len(gains), device=gains.device, dtype=gains.dtype)[:, None]
+
+        def cuts(lam: float) -> tuple[torch.Tensor, int]:
+            j = (gains - lam * steps).argmax(0)
+            return j, int(all_reduce(j.sum(), self.mesh, MODEL))
+
+        j, fired = cuts(0.0)
+        if fired <= budget:
+            return j
+        hi = float(all_reduce(gains.diff(dim=0).max().clamp_min(0), self.mesh, MODEL, "max"))
+        lo, best = 0.0, cuts(hi)[0]
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            j, fired = cuts(mid)
+            if fired <= budget:
+                hi, best = mid, j
+            else:
+                lo = mid
+        return best
+
+    def _cut_thresholds(self, layer: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The thresholds under which each local latent fires on its ``rows`` rows of
+        largest pre-activation: midway between the ``rows``-th and the next (none: its
+        largest)."""
+        out = torch.empty(self.n_layer_local, device=x.device)
+        for lo in range(0, self.n_layer_local, 256):
+            hi = min(lo + 256, self.n_layer_local)
+            ranked = self._local_pre(layer, x, lo, hi).sort(dim=0, descending=True).values
+            ranked = torch.cat([ranked[:1], ranked, ranked.new_zeros(1, hi - lo)])
+            j = rows[None, lo:hi]
+            out[lo:hi] = ((ranked.gather(0, j) + ranked.gather(0, j + 1)) / 2)[0].clamp_min(0)
+        return out
 
     def _frequency_matched(self, layer: int, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """Each local latent's threshold above which ``count`` of its pre-activations on
