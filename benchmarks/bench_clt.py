@@ -16,12 +16,13 @@ most ``CLT_MODEL_TOKENS`` tokens; its held-out passages for evaluation), BOS dro
 The CLT is compared with one transcoder per layer of the same width, k, batches and
 tokens (``architecture = "transcoder"``).
 
-The data (``clt_pairs``): ``LAYERS`` MLP-like layers. Layer l's input is its own sparse
-code (``ACTIVE`` of ``FEATURES`` atoms, log-normal magnitudes) through a random
-dictionary of width ``D``, plus a large shared mean (an MLP's input carries the residual
-stream's) and noise; layer t's output is written by the codes of every layer at or below
-it (``sum_{l <= t} code_l A_{l,t}``, the cross-layer part at half the weight of the
-layer's own), plus noise. Held-out rows are ``VAL_TOKENS`` other draws.
+The data (``clt_pairs``, made by ``common.clt_layers``, the one generator of the CLT
+benchmarks): ``LAYERS`` MLP-like layers of width ``D``. Layer l's input is its own sparse
+code (``ACTIVE`` of ``FEATURES`` atoms, log-normal magnitudes of log-sd 0.5) through a
+random unit-norm dictionary, plus a large per-layer mean (an MLP's input carries the
+residual stream's) and noise; layer t's output is written by the codes of every layer at
+or below it (an earlier layer's at half weight), plus noise. Held-out rows are
+``VAL_TOKENS`` other draws.
 
 Each token count trains in a fresh process (one pass over a dataset of that many rows),
 which samples its own anonymous resident memory (``RssAnon``: what the process
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import table
+from .common import clt_layers, table
 
 LAYERS, D, FEATURES, ACTIVE, N_LATENTS, K, BATCH = 4, 64, 256, 4, 512, 8, 1024
 VAL_TOKENS = 8192
@@ -52,34 +53,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def clt_pairs(root: Path, n_tokens: int, seed: int = 0) -> dict[str, list[str]]:
-    """Write the inputs and outputs of every layer, training and held-out; returns their
-    paths (``train_x``, ``train_y``, ``val_x``, ``val_y``: a list per layer each)."""
-    from pyspark_safetensors.dataset import write_batch_dataset
-
-    rng = np.random.default_rng(seed)
-    d_in = rng.standard_normal((LAYERS, FEATURES, D)) / np.sqrt(ACTIVE)
-    d_out = rng.standard_normal((LAYERS, LAYERS, FEATURES, D)) / np.sqrt(ACTIVE)
-    mean = 4 * rng.standard_normal(D)
-    paths: dict[str, list[str]] = {}
-    for split, n in (("train", n_tokens), ("val", VAL_TOKENS)):
-        ids = {"sample_id": np.arange(n) // 64, "token_pos": (np.arange(n) % 64).astype(np.int32)}
-        codes = []
-        for _ in range(LAYERS):
-            code = np.zeros((n, FEATURES), np.float32)
-            cols = np.argsort(rng.random((n, FEATURES)), axis=1)[:, :ACTIVE]
-            np.put_along_axis(code, cols, rng.lognormal(0, 0.5, (n, ACTIVE)), axis=1)
-            codes.append(code)
-        for layer in range(LAYERS):
-            x = codes[layer] @ d_in[layer] + mean + 0.05 * rng.standard_normal((n, D))
-            y = sum(codes[s] @ d_out[s, layer] * (1 if s == layer else 0.5)
-                    for s in range(layer + 1)) + 0.05 * rng.standard_normal((n, D))  # fmt: skip
-            for side, a, hook in (("x", x, "input"), ("y", y, "output")):
-                out = root / f"{split}_{side}{layer}"
-                write_batch_dataset(out, {"activation": a.astype(np.float32), **ids},
-                                    rows_per_shard=16384,
-                                    metadata={"hook_point": f"model.layers.{layer}.mlp:{hook}"})  # fmt: skip
-                paths.setdefault(f"{split}_{side}", []).append(str(out))
-    return paths
+    """Write the inputs and outputs of every layer, training and held-out
+    (``common.clt_layers`` at this module's sizes); returns their paths."""
+    return clt_layers(root, layers=LAYERS, width=D, atoms=FEATURES, active=ACTIVE,
+                      tokens=n_tokens, val_tokens=VAL_TOKENS, sigma=0.5, seed=seed,
+                      rows_per_shard=16384)  # fmt: skip
 
 
 def _anon_kib() -> int:

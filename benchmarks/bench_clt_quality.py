@@ -15,14 +15,13 @@ sparsify's cross-layer code is not on PyPI (its releases, 1.3.0 included, have n
 only ours is measured and the table says so. ``SETUP`` is how the venv of baselines
 (``.venv-baselines``, which sees ``.venv``'s packages) gets it and circuit-tracer.
 
-The data (``clt_layers``): ``LAYERS`` MLP-like layers of width ``D``. Layer l's input is
-its own sparse code (``ACTIVE`` of ``4 D`` atoms per token, log-normal magnitudes, sigma
-1) through a random unit-norm dictionary, plus a large per-layer mean (an MLP's input
-carries the residual stream's) and noise 0.05; layer t's output is written by the codes of
-every layer at or below it, ``sum_{l <= t} w_{l,t} code_l A_{l,t}`` with ``w = 1`` for
-the layer's own code and 0.5 for an earlier layer's, plus noise 0.05 -- the part a
-per-layer transcoder cannot see in its input and a CLT can. Held-out rows are
-``VAL_TOKENS`` other draws.
+The data (``clt_layers``, made by ``common.clt_layers``, the one generator of the CLT
+benchmarks): ``LAYERS`` MLP-like layers of width ``D``. Layer l's input is its own
+sparse code (``ACTIVE`` of ``4 D`` atoms per token, log-normal magnitudes, sigma 1)
+through a random unit-norm dictionary, plus a large per-layer mean and noise; layer t's
+output is written by the codes of every layer at or below it (an earlier layer's at half
+weight) -- the part a per-layer transcoder cannot see in its input and a CLT can.
+Held-out rows are ``VAL_TOKENS`` other draws.
 
 Both trainers read the same batches (our ``ActivationLoader``, same seed). sparsify's
 step is its trainer's for ``loss_fn = "fvu"`` with its defaults: every layer's coder
@@ -49,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .common import clt_layers as synthetic_layers
 from .common import table
 
 LAYERS, D, N_LATENTS, K, BATCH = 4, 128, 1024, 16, 4096
@@ -68,40 +68,9 @@ echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \
 
 
 def clt_layers(root: Path, *, tokens: int, seed: int = 0) -> dict[str, list[str]]:
-    """The layers' inputs and outputs as row-aligned token datasets (``train_x``,
-    ``train_y``, ``val_x``, ``val_y``: a path per layer each), made as the module says."""
-    from pyspark_safetensors.dataset import write_batch_dataset
-
-    rng = np.random.default_rng(seed)
-    atoms = 4 * D
-
-    def unit(*shape):
-        m = rng.standard_normal((*shape, D)).astype(np.float32)
-        return m / np.linalg.norm(m, axis=-1, keepdims=True)
-
-    a_in, a_out = unit(LAYERS, atoms), unit(LAYERS, LAYERS, atoms)
-    means = 4 * rng.standard_normal((LAYERS, D)).astype(np.float32)
-    paths: dict[str, list[str]] = {}
-    for split, n in (("val", VAL_TOKENS), ("train", tokens)):
-        codes = []
-        for _ in range(LAYERS):
-            code = np.zeros((n, atoms), np.float32)
-            cols = np.argsort(rng.random((n, atoms)), axis=1)[:, :ACTIVE]
-            np.put_along_axis(code, cols, rng.lognormal(0.0, 1.0, (n, ACTIVE)), axis=1)
-            codes.append(code)
-        ids = {"sample_id": np.arange(n, dtype=np.int64) // 128,
-               "token_pos": (np.arange(n) % 128).astype(np.int32)}  # fmt: skip
-        for t in range(LAYERS):
-            x = codes[t] @ a_in[t] + means[t] + 0.05 * rng.standard_normal((n, D))
-            y = sum((1.0 if s == t else 0.5) * codes[s] @ a_out[s, t] for s in range(t + 1))
-            y = y + 0.05 * rng.standard_normal((n, D))
-            for side, a, hook in (("x", x, "input"), ("y", y, "output")):
-                out = root / f"{split}_{side}{t}"
-                write_batch_dataset(out, {"activation": a.astype(np.float32), **ids},
-                                    rows_per_shard=65536,
-                                    metadata={"hook_point": f"layers.{t}.mlp:{hook}"})  # fmt: skip
-                paths.setdefault(f"{split}_{side}", []).append(str(out))
-    return paths
+    """The layers' inputs and outputs (``common.clt_layers`` at this module's sizes)."""
+    return synthetic_layers(root, layers=LAYERS, width=D, atoms=4 * D, active=ACTIVE,
+                            tokens=tokens, val_tokens=VAL_TOKENS, seed=seed)  # fmt: skip
 
 
 def _config(paths, tokens: int, seed: int, out: Path):
