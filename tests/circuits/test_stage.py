@@ -66,7 +66,8 @@ def test_clt_figures_set_the_clt_its_lut_and_the_per_layer_baseline_side_by_side
                           transcoders=tcs, per_layer_lut=tmp_path / "per-layer-lut",
                           texts=toy_lm_texts(TINY)[1][:4], max_length=0,
                           out_dir=tmp_path / "stage")  # fmt: skip
-    assert list(figures["models"]) == ["clt", "clt_lut", "per_layer", "per_layer_lut"]
+    models = ["clt", "clt_threshold", "clt_lut", "per_layer", "per_layer_lut"]
+    assert list(figures["models"]) == models
     assert figures["latents"]["clt"] == {"total": L * N, "k_per_layer": K, "layers": L}
     assert figures["latents"]["per_layer"] == figures["latents"]["clt"]
     m = figures["models"]

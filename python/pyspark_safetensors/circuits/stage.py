@@ -22,9 +22,10 @@ def clt_figures(
     lut_dtype: str = "float16",
 ) -> dict:
     """Writes ``out_dir/lut`` (the CLT's LUT) and returns the figures:
-    ``replacement_evaluation``'s report with the models "clt", "clt_lut", "per_layer" and
-    "per_layer_lut" (those given), plus ``latents`` (each model's total latents and k per
-    layer). ``max_length`` 0 = the model's context."""
+    ``replacement_evaluation``'s report with the models "clt" (the top k per layer per
+    row), "clt_threshold" (the file's JumpReLU thresholds, what circuit-tracer runs),
+    "clt_lut", "per_layer" and "per_layer_lut" (those given), plus ``latents`` (each
+    model's total latents and k per layer). ``max_length`` 0 = the model's context."""
     from ..extract.model import load_model
     from ..lut.precompute import precompute_clt
     from ..lut.spec import validate_lut
@@ -33,8 +34,9 @@ def clt_figures(
 
     precompute_clt(model_dir, clt_file, out_dir=out_dir / "lut", dtype=lut_dtype)
     tokenizer, model = load_model(model_dir)
-    clt = clt_replacement(model, clt_file)
-    replacements = {"clt": clt, "clt_lut": lut_replacement(model, out_dir / "lut")}
+    clt = clt_replacement(model, clt_file)  # the top k per layer per row: the trained code
+    replacements = {"clt": clt, "clt_threshold": clt_replacement(model, clt_file, rule="threshold"),
+                    "clt_lut": lut_replacement(model, out_dir / "lut")}  # fmt: skip
     if transcoders:
         replacements["per_layer"] = transcoder_replacement(model, transcoders)
         blocks = set(validate_lut(per_layer_lut)["layers"]) if per_layer_lut else set()

@@ -253,7 +253,8 @@ def _mlp_replacement(summary: dict) -> list[str]:
     ]
 
 
-_REPLACEMENTS = {"clt": "CLT", "clt_lut": "CLT's LUT", "per_layer": "per-layer transcoders",
+_REPLACEMENTS = {"clt": "CLT", "clt_threshold": "CLT, thresholds", "clt_lut": "CLT's LUT",
+                 "per_layer": "per-layer transcoders",
                  "per_layer_lut": "per-layer transcoders' LUT"}  # fmt: skip
 
 
@@ -293,7 +294,10 @@ def _whole_network(summary: dict) -> list[str]:
             f"{ev['ce_mean_ablated']:.4f} (KL {ev['kl_mean_ablated']:.3f}, top-1 "
             f"{ev['top1_mean_ablated']:.3f}). CE loss recovered against zero (and mean) "
             "ablation, KL to the clean next-token distributions (nats per token), top-1: the "
-            "share of tokens whose most likely next token is the clean model's.",
+            "share of tokens whose most likely next token is the clean model's. The CLT, its "
+            "LUT and the transcoders keep the top k per layer per token (the trained code); "
+            '"CLT, thresholds" fires each latent above its JumpReLU threshold from the file '
+            "(what circuit-tracer runs from an export; `docs/sae.md`, the threshold rule).",
             "",
             *_table(
                 [
