@@ -14,7 +14,8 @@ published whole into ``output``:
 - ``nodes/prompt_id=N/``: every node of a graph: ``node`` (its index in the adjacency),
   ``node_id``, ``kind``, ``layer``, ``pos``, ``latent``, ``token``, ``activation``,
   ``value``, ``influence`` (cumulative share), ``kept``;
-- ``edges/prompt_id=N/``: the pruned graph's edges ``source``, ``target``, ``weight``;
+- ``edges/prompt_id=N/``: the pruned graph's edges ``source``, ``target``, ``weight``
+  (nodes, edges and the browser's data written by the tasks as they make each graph);
 - ``adjacency/``: a safetensors KV dataset (our manifest and tensor index), key
   ``p{prompt_id}``, tensor ``adjacency`` ``[N, N]`` float32 (the unpruned graph);
 - ``index.html``, ``graph.html``, ``data/``: the graph browser (``page.py``);
@@ -50,6 +51,9 @@ SCALARS = [("prompt_id", pa.int64()), ("prompt", pa.string()), ("status", pa.str
            ("n_kept_edges", pa.int32())]  # fmt: skip
 SCHEMA = pa.schema([*SCALARS, ("nodes", pa.list_(NODE)), ("edges", pa.list_(EDGE)),
                     ("adjacency", pa.binary())])  # fmt: skip
+"""``graph_row``'s fields; the tasks hand Spark ``SCALARS`` and the adjacency only
+(``TASK_SCHEMA``), having written the rest themselves."""
+TASK_SCHEMA = pa.schema([*SCALARS, ("adjacency", pa.binary())])
 
 
 @dataclass(frozen=True)
@@ -138,25 +142,25 @@ def graph_row(config: GraphsConfig, prompt_id: int, prompt: str | None) -> dict:
 
 
 def _nodes(graph, pruned) -> list[dict]:
-    kinds, ids = graph.kinds(), graph.node_ids()
     F, E, P = graph.n_features, graph.n_blocks * graph.n_pos, graph.n_pos
-    out = []
-    for i in range(graph.n_nodes):
-        layer = pos = latent = token = activation = None
-        if i < F:
-            layer, pos = int(graph.feature_layer[i]), int(graph.feature_pos[i])
-            latent, activation = int(graph.feature_latent[i]), float(graph.activations[i])
-        elif i < F + E:
-            layer, pos = divmod(i - F, P)
-        elif i < F + E + P:
-            pos, token = i - F - E, int(graph.tokens[i - F - E])
-        else:
-            token = int(graph.logit_tokens[i - F - E - P])
-        out.append({"node": i, "node_id": ids[i], "kind": str(kinds[i]), "layer": layer,
-                    "pos": pos, "latent": latent, "token": token, "activation": activation,
-                    "value": float(graph.values[i]), "influence": float(pruned.cumulative[i]),
-                    "kept": bool(pruned.node_mask[i])})  # fmt: skip
-    return out
+    K = len(graph.logit_tokens)
+    none_f, none_e, none_p, none_k = [None] * F, [None] * E, [None] * P, [None] * K
+    errors = [divmod(i, P) for i in range(E)]
+    columns = {  # by kind: features, errors, embeddings, logits (python lists: fast dicts)
+        "layer": graph.feature_layer.tolist() + [b for b, _ in errors] + none_p + none_k,
+        "pos": graph.feature_pos.tolist() + [p for _, p in errors] + list(range(P)) + none_k,
+        "latent": graph.feature_latent.tolist() + none_e + none_p + none_k,
+        "token": none_f + none_e + graph.tokens.tolist() + graph.logit_tokens.tolist(),
+        "activation": graph.activations.tolist() + none_e + none_p + none_k,
+        "kind": graph.kinds().tolist(), "node_id": graph.node_ids(),
+        "value": graph.values.tolist(), "influence": pruned.cumulative.tolist(),
+        "kept": pruned.node_mask.tolist(),
+    }  # fmt: skip
+    names = list(columns)
+    return [
+        {"node": i, **dict(zip(names, values, strict=True))}
+        for i, values in enumerate(zip(*columns.values(), strict=True))
+    ]
 
 
 def _edges(graph, pruned) -> list[dict]:
@@ -164,16 +168,53 @@ def _edges(graph, pruned) -> list[dict]:
 
     target, source = np.nonzero(pruned.edge_mask)
     weight = graph.adjacency[target, source]
-    return [{"source": int(s), "target": int(t), "weight": float(w)}
-            for s, t, w in zip(source, target, weight, strict=True)]  # fmt: skip
+    return [{"source": s, "target": t, "weight": w}
+            for s, t, w in zip(source.tolist(), target.tolist(), weight.tolist(), strict=True)]  # fmt: skip
 
 
-def _graphs_fn(config: GraphsConfig):
+def write_graph_files(root: str | os.PathLike, row: dict, token_text=None) -> None:
+    """Writes an attributed prompt's files under ``root``: its nodes and pruned edges as
+    ``nodes/prompt_id=N/part-0.parquet`` and ``edges/prompt_id=N/part-0.parquet``, and
+    with ``token_text`` (a token id's text) the browser's ``data/graph-N.js``; each whole
+    (a retried task replaces it)."""
+    import pyarrow.parquet as pq
+
+    from .page import graph_data
+
+    def put(path: Path, write) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        write(tmp)
+        os.replace(tmp, path)
+
+    for name, struct in (("nodes", NODE), ("edges", EDGE)):
+        if row[name]:
+            schema = pa.schema([struct.field(i) for i in range(struct.num_fields)])
+            table = pa.Table.from_pylist(row[name], schema)
+            put(Path(root, name, f"prompt_id={row['prompt_id']}", "part-0.parquet"),
+                lambda tmp, table=table: pq.write_table(table, tmp))  # fmt: skip
+    if token_text is not None:
+        text = graph_data(row, token_text)
+        put(Path(root, "data", f"graph-{row['prompt_id']}.js"), lambda tmp: tmp.write_text(text))
+
+
+def _graphs_fn(config: GraphsConfig, root: str):
     def run(batches):
+        import gc
+
+        tokenizer = _loaded(config)[1]
+        # the worker's torch, transformers and model objects live as long as it does: out
+        # of the collector's scans, which every graph's allocations trigger (~15% of a
+        # small graph's time)
+        gc.freeze()
+        token_text = (lambda t: tokenizer.decode([t])) if config.browser else None
         for batch in batches:
             ids, texts = batch.column("prompt_id").to_pylist(), batch.column("prompt").to_pylist()
             for prompt_id, text in zip(ids, texts, strict=True):
-                yield pa.RecordBatch.from_pylist([graph_row(config, prompt_id, text)], SCHEMA)
+                row = graph_row(config, prompt_id, text)
+                if row["status"] == "ok":
+                    write_graph_files(root, row, token_text)
+                yield pa.RecordBatch.from_pylist([row], TASK_SCHEMA)
 
     return run
 
@@ -201,17 +242,12 @@ def numbered_prompts(spark, config: GraphsConfig, prompts=None):
     )
 
 
-def _write_browser(graphs, config: GraphsConfig, root: Path) -> None:
-    """The browser's files from the graphs' rows (kept nodes and edges, collected)."""
-    from transformers import AutoTokenizer
+def _write_index(graphs, root: Path) -> None:
+    """The browser's pages and index (the graphs' data files are the tasks')."""
+    from .page import index_files
 
-    from .page import browser_files
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
-    rows = [
-        r.asDict(recursive=True) for r in graphs.drop("adjacency").orderBy("prompt_id").collect()
-    ]
-    for name, text in browser_files(rows, lambda t: tokenizer.decode([t])).items():
+    scalars = graphs.select(*[name for name, _ in SCALARS]).orderBy("prompt_id").collect()
+    for name, text in index_files([r.asDict() for r in scalars]).items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
 
@@ -238,6 +274,7 @@ def _summary(graphs, config: GraphsConfig) -> dict:
 def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
     """Every prompt's graph, written as the module docstring says; returns the summary."""
     from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
 
     from ..dataset.publish import publishing
     from ..spark.register import register
@@ -245,20 +282,20 @@ def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
     register(spark)
     numbered = numbered_prompts(spark, config, prompts)
     n = config.partitions or spark.sparkContext.defaultParallelism
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    spark_schema = from_arrow_schema(SCHEMA)
-    graphs = numbered.repartition(n, "prompt_id").mapInArrow(_graphs_fn(config), spark_schema)
-    graphs = graphs.persist()
-    try:
-        with publishing(config.output) as staging:
-            staging = str(staging)
+    with publishing(config.output) as staging:
+        staging = str(staging)
+        # the tasks write each graph's nodes, edges and page data as they make it (a
+        # Spark write partitioned by prompt cost more than the graphs: a file per prompt
+        # committed, and every node through the JVM)
+        graphs = (
+            numbered.repartition(n, "prompt_id")
+            .mapInArrow(_graphs_fn(config, staging), from_arrow_schema(TASK_SCHEMA))
+            .persist()
+        )
+        try:
             scalars = graphs.select(*[name for name, _ in SCALARS]).orderBy("prompt_id")
             scalars.coalesce(1).write.parquet(os.path.join(staging, "graphs.parquet"))
             ok = graphs.where("status = 'ok'")
-            for name in ("nodes", "edges"):
-                (ok.select("prompt_id", F.explode(name).alias("x")).select("prompt_id", "x.*")
-                 .write.partitionBy("prompt_id").parquet(os.path.join(staging, name)))  # fmt: skip
             tensor = F.struct(F.col("adjacency").alias("data"),
                               F.array(F.col("n_nodes"), F.col("n_nodes")).alias("shape"),
                               F.lit("F32").alias("dtype"))  # fmt: skip
@@ -267,8 +304,8 @@ def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
              .save(os.path.join(staging, "adjacency")))  # fmt: skip
             summary = _summary(graphs, config)
             if config.browser:
-                _write_browser(graphs, config, Path(staging))
-            Path(staging, "graphs.json").write_text(json.dumps(summary, indent=2) + "\n")
-    finally:
-        graphs.unpersist()
+                _write_index(graphs, Path(staging))
+        finally:
+            graphs.unpersist()
+        Path(staging, "graphs.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

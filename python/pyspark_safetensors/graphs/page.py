@@ -136,25 +136,28 @@ def _js(name: str, value) -> str:
     return f"var {name} = {json.dumps(value)};\n"
 
 
-def browser_files(graphs: list[dict], token_text) -> dict[str, str]:
-    """The browser's files by relative path, from the job's rows (``job.graph_row``);
-    ``token_text(id)`` names a token. Only kept nodes and edges are drawn."""
-    scalars = [{k: v for k, v in g.items() if k not in ("nodes", "edges", "adjacency")}
-               for g in graphs]  # fmt: skip
-    files = {"index.html": INDEX, "graph.html": GRAPH, "data/index.js": _js("GRAPHS", scalars)}
-    for g, row in zip(graphs, scalars, strict=True):
-        if g["status"] != "ok":
-            continue
-        nodes = []
-        for n in g["nodes"]:
-            if n["kept"]:
-                label = token_text(n["token"]) if n["token"] is not None else n["node_id"]
-                nodes.append({**n, "label": label})
-        tokens = [n["token"] for n in g["nodes"] if n["kind"] == "embedding"]
-        n_blocks = 1 + max((n["layer"] for n in g["nodes"] if n["kind"] == "error"), default=0)
-        data = {**row, "nodes": nodes, "edges": g["edges"], "tokens": tokens, "n_blocks": n_blocks}
-        files[f"data/graph-{g['prompt_id']}.js"] = _js("GRAPH", data)
-    return files
+def index_files(scalars: list[dict]) -> dict[str, str]:
+    """The pages and the index's data (``data/index.js``) by relative path, from the
+    graphs' scalar rows (``job.SCALARS``), in prompt order."""
+    return {"index.html": INDEX, "graph.html": GRAPH, "data/index.js": _js("GRAPHS", scalars)}
+
+
+def graph_data(row: dict, token_text) -> str:
+    """``data/graph-ID.js`` of one attributed prompt's row (``job.graph_row``): its
+    scalars, kept nodes (each with a ``label``: its token's text, ``token_text(id)``, or
+    its id) and pruned edges."""
+    scalars = {k: v for k, v in row.items() if k not in ("nodes", "edges", "adjacency")}
+    nodes = [
+        {**n, "label": token_text(n["token"]) if n["token"] is not None else n["node_id"]}
+        for n in row["nodes"]
+        if n["kept"]
+    ]
+    tokens = [n["token"] for n in nodes if n["kind"] == "embedding"]  # always kept
+    logits = sum(n["kind"] == "logit" for n in nodes)
+    n_blocks = (row["n_nodes"] - row["n_features"] - len(tokens) - logits) // len(tokens)
+    data = {**scalars, "nodes": nodes, "edges": row["edges"], "tokens": tokens,
+            "n_blocks": n_blocks}  # fmt: skip
+    return _js("GRAPH", data)
 
 
 def screenshot_graph(root: str | Path, png: str | Path, prompt_id: int | None = None, *,
