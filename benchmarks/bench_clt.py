@@ -138,14 +138,25 @@ def _model_dir(name: str) -> str:
     return str(toy_lm(Path(tempfile.gettempdir()) / "bench-clt-models"))
 
 
-def model_pairs(root: Path, model: str, max_tokens: int) -> dict[str, list[str]]:
-    """A model's MLP inputs and outputs, every layer, training and held-out texts."""
+def model_pairs(
+    root: Path,
+    model: str,
+    max_tokens: int,
+    *,
+    model_dir: str = "",
+    texts=None,
+    max_length: int = 128,
+) -> dict[str, list[str]]:
+    """A model's MLP inputs and outputs, every layer, training and held-out texts
+    (``texts``: (training, held-out) lists; default the toy model's passages), in
+    windows of ``max_length`` tokens; ``model_dir`` overrides ``model``'s directory."""
     from pyspark_safetensors.dataset import write_batch_dataset
     from pyspark_safetensors.extract.model import Extractor
     from pyspark_safetensors.extract.toy_lm import toy_lm_texts
 
-    train, held_out = toy_lm_texts()
-    extractor = Extractor(_model_dir(model), [], mlp_layers="all", dtype="F32", batch_size=16)
+    train, held_out = texts or toy_lm_texts()
+    extractor = Extractor(model_dir or _model_dir(model), [], mlp_layers="all", dtype="F32",
+                          batch_size=16, max_length=max_length)  # fmt: skip
     names = [h.name for h in extractor.hooks]
     paths: dict[str, list[str]] = {}
     for split, texts, budget in (("train", train, max_tokens), ("val", held_out, max_tokens // 4)):
