@@ -438,24 +438,32 @@ class CrossLayerTranscoder(SparseAutoencoder):
             self.train(was_training)
 
     def _code_and_error(self, x: torch.Tensor, y: torch.Tensor, rule: str, k: int | None):
-        """The local dense code ``[N, L, n_local]`` of ``rule`` ("train": the training
-        selection; "threshold") and the weighted error ``(y - y_hat) * w`` ``[N, L,
-        d_out]`` with its total ``sum w (y - y_hat)^2``."""
+        """The code of ``rule`` ("train": the training selection; "threshold") as each
+        row's fired local latents ``[N, L, m]`` (within its layer; -1: none), and the
+        weighted error ``(y - y_hat) * w`` ``[N, L, d_out]`` with its total ``sum w (y -
+        y_hat)^2``."""
+        fired, x_hat = [], torch.empty_like(y)
         self.train(rule == "train")
         inference, self.inference = self.inference, "threshold"
-        try:
-            out = self(x, k=k)
+        try:  # in chunks of rows: the forward's temporaries stay small
+            for lo in range(0, len(x), 2048):
+                out = self(x[lo : lo + 2048], k=k)
+                local = self.local_latents(out.indices).view(len(out.indices), self.n_layers, -1)
+                local = (
+                    local
+                    - torch.arange(self.n_layers, device=local.device)[:, None] * self.n_layer_local
+                )
+                fired.append(local.masked_fill(out.values.view_as(local) <= 0, -1))
+                x_hat[lo : lo + 2048] = out.x_hat
         finally:
             self.inference = inference
             self.train()
-        code = x.new_zeros(len(x), self.n_local, dtype=out.values.dtype)
-        code.scatter_(1, self.local_latents(out.indices), out.values)
         ys = y.view(len(y), self.n_layers, -1)
-        err = ys - out.x_hat.view_as(ys).to(ys.dtype)
+        err = ys - x_hat.view_as(ys)
         var = (ys - ys.mean(0)).pow(2).sum((0, 2)).clamp_min(torch.finfo(ys.dtype).tiny)
         w = (1 / var.sum()).expand_as(var) if self.pooled_loss else 1 / var
         total = float((err.pow(2).sum((0, 2)) * w).sum())
-        return code.view(len(x), self.n_layers, -1), err * w[None, :, None], w, total
+        return torch.cat(fired), err * w[None, :, None], w, total
 
     def _refine_thresholds(self, x: torch.Tensor, y: torch.Tensor, counts, k) -> None:
         """Two rounds of the least-error rule (module docstring) from the frequency-matched
@@ -484,7 +492,8 @@ class CrossLayerTranscoder(SparseAutoencoder):
     def _cut_gains(self, layer, x, code, werr, w) -> torch.Tensor:
         """``[N + 1, n_local]``: for each local latent of ``layer``, the summed gain of
         firing it on its j rows of largest pre-activation (j = 0..N), the rest of the code
-        ``code`` (its own firing included) held. Firing latent i with value p on row r,
+        ``code`` (each row's fired latents of the layer, ``[N, m]``, -1: none; its own
+        firing included) held. Firing latent i with value p on row r,
         its decoder rows D (to every target), lowers the weighted squared error by ``g_r =
         2 p <e_r, D>_w + (2 a_r - 1) p^2 |D|_w^2`` (e_r the row's weighted error, a_r
         whether the code fires it there); rows of p <= 0 cannot fire (gain 0)."""
@@ -496,7 +505,12 @@ class CrossLayerTranscoder(SparseAutoencoder):
             pre = self._local_pre(layer, x, lo, hi)
             dot = sum(werr[:, t] @ d[lo:hi].t() for t, d in zip(targets, dec, strict=True))
             norm = sum(w[t] * d[lo:hi].pow(2).sum(1) for t, d in zip(targets, dec, strict=True))
-            fired = (code[:, lo:hi] > 0).to(pre.dtype)
+            inside = (code >= lo) & (code < hi)
+            fired = (
+                pre.new_zeros(pre.shape)
+                .scatter_add_(1, (code - lo).clamp(0, hi - lo - 1), inside.to(pre.dtype))
+                .clamp_max(1)
+            )
             gain = 2 * pre * dot + (2 * fired - 1) * pre.pow(2) * norm
             order = pre.sort(dim=0, descending=True)
             gains = gain.gather(0, order.indices).masked_fill(order.values <= 0, 0)
