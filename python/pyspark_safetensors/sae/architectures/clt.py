@@ -500,8 +500,8 @@ class CrossLayerTranscoder(SparseAutoencoder):
         targets = range(layer, self.n_layers)
         dec = [self.decoder(layer, t) for t in targets]  # [n_local, d_out] each
         out = x.new_zeros(len(x) + 1, self.n_layer_local)
-        for lo in range(0, self.n_layer_local, 256):
-            hi = min(lo + 256, self.n_layer_local)
+        for lo in range(0, self.n_layer_local, 64):
+            hi = min(lo + 64, self.n_layer_local)
             pre = self._local_pre(layer, x, lo, hi)
             dot = sum(werr[:, t] @ d[lo:hi].t() for t, d in zip(targets, dec, strict=True))
             norm = sum(w[t] * d[lo:hi].pow(2).sum(1) for t, d in zip(targets, dec, strict=True))
@@ -546,8 +546,8 @@ class CrossLayerTranscoder(SparseAutoencoder):
         largest pre-activation: midway between the ``rows``-th and the next (none: its
         largest)."""
         out = torch.empty(self.n_layer_local, device=x.device)
-        for lo in range(0, self.n_layer_local, 256):
-            hi = min(lo + 256, self.n_layer_local)
+        for lo in range(0, self.n_layer_local, 64):
+            hi = min(lo + 64, self.n_layer_local)
             ranked = self._local_pre(layer, x, lo, hi).sort(dim=0, descending=True).values
             ranked = torch.cat([ranked[:1], ranked, ranked.new_zeros(1, hi - lo)])
             j = rows[None, lo:hi]
