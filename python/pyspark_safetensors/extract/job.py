@@ -160,6 +160,7 @@ def run_extraction(
     storage_options: Mapping[str, str] | None = None,
     commit_groups: int = 1,
     on_tokens: Callable[[int], None] | None = None,
+    threads: int = 0,
 ) -> ExtractionSummary:
     """Run the job; see the module docstring for the outputs. A reader never takes a
     partial output for a finished one: a local ``out_dir`` appears whole or not at all; on
@@ -174,24 +175,24 @@ def run_extraction(
     ``image`` source, or a table with an image-bytes column ``config.image_column``, a
     ``path`` or ``config.id_column``, and optionally ``config.label_column``); the config
     hash then names its images by key. ``storage_options``: for a URI, e.g. ``{"endpoint_url": ...}`` (the
-    writer's storage options; the usual ``AWS_*`` variables otherwise).
+    writer's storage options; the usual ``AWS_*`` variables otherwise). ``threads``: torch
+    threads per Python worker (0: the machine's cores over Spark's parallelism).
 
-    ``commit_groups`` > 1 (a text corpus into the safetensors datasets, no
-    ``partition_by_hook``): the model stage runs on that many groups of texts in turn
-    (``sample_id`` modulo ``commit_groups``), each group's datasets committed as one
-    append, row-aligned across the hook points, and each dataset marked complete
-    (``dataset.mark_complete``) after the last: a reader can follow them as they grow
-    (``torch.FollowingBatches``, ``SAEConfig.follow``). The output is then written in
-    place (a local one too), ``extraction.json`` still last; a failed job deletes it.
-    ``on_tokens``: with groups, called with the token rows to come (counted from the
-    tokenizer) before the first group runs, e.g. a trainer's budget."""
+    ``commit_groups`` > 1 (texts into the safetensors datasets, no ``partition_by_hook``):
+    the model stage runs on that many groups of texts (``sample_id`` modulo
+    ``commit_groups``) in turn, each committed as one append of every dataset, row-aligned
+    across the hook points, and each dataset is marked complete (``dataset.mark_complete``)
+    after the last, so a reader can follow them as they grow (``torch.FollowingBatches``,
+    ``SAEConfig.follow``). The output is written in place (locally too), ``extraction.json``
+    last; a failed job deletes it. ``on_tokens``: with groups, told the token rows to come
+    (from the tokenizer) before the first group, e.g. a trainer's budget."""
     target = DatasetLocation.of(out_dir, storage_options=storage_options)
     local = isinstance(target.fs, pafs.LocalFileSystem)
     outputs = outputs_for(config)
     _check_target(target, local, outputs, overwrite)
     config = _checked_config(config, corpus, images, outputs, commit_groups)
     cores = default_parallelism(spark)
-    threads = max(1, (os.cpu_count() or 1) // cores)
+    threads = threads or max(1, (os.cpu_count() or 1) // cores)
     source = resolve_model(config.model)
     # The Python workers load the model to plan (one per core: they keep it for the model
     # stage) while Spark numbers the texts: neither needs the other.

@@ -11,6 +11,11 @@ the datasets (``SAEConfig.follow``) with that count as their budget; they end wh
 row has been trained on once. The marker is removed last, once ``extraction.json`` is
 written: the stage's commit point.
 
+The two share the machine's cores: the extraction's Python workers take half of them in
+torch threads (at least one each; ``extract_threads`` sets it), a training run in the
+pipeline's process the rest (torchrun's processes take one thread each, as always); each
+stage of a sequential run has all of them.
+
 A finished extraction of the same key is reused, and the runs then follow datasets
 already complete (the same training stages, reused too when they exist).
 """
@@ -21,10 +26,13 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..dataset.publish import staging_path
 from .errors import PipelineError
+
+CORES = os.cpu_count() or 1
 
 UNFINISHED = ".unfinished"
 """A stage directory holding this file is being built in place (or its build crashed):
@@ -64,7 +72,8 @@ def extract_and_train(pipeline) -> tuple[Path, dict]:
     pipeline.summary["extraction"] = {"tokens": tokens}
     pipeline.summary["stages"]["extract"] = {"dir": path.name, "hash": key, "reused": False}
     try:
-        trained = pipeline.train(path / "data")
+        with _threads(max(1, CORES - CORES // 2)):
+            trained = pipeline.train(path / "data")
     except BaseException as error:
         first = extraction.cancel()
         if first is not None:  # the training failed on the data it lost
@@ -76,6 +85,19 @@ def extract_and_train(pipeline) -> tuple[Path, dict]:
         shutil.rmtree(replaced, ignore_errors=True)
     pipeline.record("extract", key, reused=False)
     return pipeline.extraction(path), trained
+
+
+@contextmanager
+def _threads(n: int):
+    """torch's threads in this process (a training run with ``nproc`` 1) set to ``n``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _start_in_place(path: Path) -> Path | None:
@@ -123,6 +145,7 @@ class _Extraction:
 
     def _run(self) -> None:
         from ..extract import run_extraction
+        from ..spark.compat import default_parallelism
         from ..spark.session import local_session
 
         p = self.pipeline
@@ -130,9 +153,11 @@ class _Extraction:
         with self.lock:
             self.session = local_session(c.master, quick_jit=True)  # the model runs in Python
         try:
+            half = max(1, CORES // 2 // default_parallelism(self.session))
             run_extraction(
                 self.session, p.extract_config, self.out, overwrite=True,
                 commit_groups=c.overlap_groups, on_tokens=self.tokens.set_result,
+                threads=c.extract_threads or half,
             )  # fmt: skip
         finally:
             with self.lock:

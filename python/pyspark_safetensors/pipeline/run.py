@@ -174,6 +174,9 @@ class PipelineConfig:
     on once (``epochs`` must be 1). A text model only."""
     overlap_groups: int = 8
     """With ``overlap``: the extraction's commits (groups of texts), at most ``texts``."""
+    extract_threads: int = 0
+    """torch threads of each of the extraction's Python workers; 0 = the machine's cores
+    over Spark's parallelism (with ``overlap``: half of them, the training the rest)."""
 
     def __post_init__(self):
         if self.texts < 1 or self.held_out_texts < 1 or self.epochs < 1 or self.nproc < 1:
@@ -606,7 +609,8 @@ class Pipeline:
         def build(tmp: Path) -> None:
             spark = local_session(c.master, quick_jit=True)  # the model runs in Python
             try:
-                run_extraction(spark, self.extract_config, tmp / "data", overwrite=True)
+                run_extraction(spark, self.extract_config, tmp / "data", overwrite=True,
+                               threads=c.extract_threads)  # fmt: skip
             finally:
                 spark.stop()
 
