@@ -12,7 +12,8 @@ cached under the temporary directory), or with ``CLT_MODEL=minilm`` the packaged
 all-MiniLM-L6-v2 (6 BERT layers, hidden 384, its MLP read at ``intermediate`` and
 written at ``output.dense``), every layer's MLP input and output captured by the
 extraction's ``Extractor`` over the demo corpus (the toy model's training passages, at
-most ``CLT_MODEL_TOKENS`` tokens; its held-out passages for evaluation), BOS dropped.
+most ``CLT_MODEL_TOKENS`` tokens, ``CLT_MODEL_EPOCHS`` passes (default 1); its held-out
+passages for evaluation), BOS dropped.
 The CLT is compared with one transcoder per layer of the same width, k, batches and
 tokens (``architecture = "transcoder"``).
 
@@ -183,13 +184,17 @@ def model_table() -> str:
 
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae.train import Trainer
+    from pyspark_safetensors.torch import open_dataset
 
     torch.set_num_threads(2)
     model = os.environ.get("CLT_MODEL", "toy-llama")
     with tempfile.TemporaryDirectory(prefix="bench-clt-model-") as tmp:
         p = model_pairs(Path(tmp), model, int(os.environ.get("CLT_MODEL_TOKENS", 131072)))
         layers = len(p["train_x"])
+        epochs = int(os.environ.get("CLT_MODEL_EPOCHS", 1))
+        rows = len(open_dataset(p["train_x"][0]))
         common = dict(n_latents=TOY_LATENTS, k=TOY_K, batch_size=TOY_BATCH, checkpoints=0,
+                      tokens=epochs * rows,
                       progress=False, plots=False, val_tokens=0)  # fmt: skip
         started = time.perf_counter()
         clt = Trainer(SAEConfig(architecture="clt", datasets=tuple(p["train_x"]),
@@ -216,7 +221,7 @@ def model_table() -> str:
               "seconds (2 cores)"]  # fmt: skip
     return (
         f"{MODELS[model]}'s {layers} MLPs, {tokens:,} training "
-        f"tokens (one pass), {TOY_LATENTS} latents and k = {TOY_K} per layer, batch "
+        f"tokens ({epochs} pass{'es' * (epochs > 1)}), {TOY_LATENTS} latents and k = {TOY_K} per layer, batch "
         f"{TOY_BATCH}, defaults otherwise; held-out: the model's held-out passages.\n\n"
         + table(header, rows)
     )
