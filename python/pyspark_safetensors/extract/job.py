@@ -448,7 +448,8 @@ class _Extraction:
                 texts, self.plan, self.planned, writes, threads=self.threads,
                 store=any(o.reads_rows for o in self.outputs),
             )  # fmt: skip
-            return run, [w.job.location for w in writes]
+            # a saev shard write has no dataset to follow (groups refuse saev outputs)
+            return run, [w.job.location for w in writes if hasattr(w.job, "location")]
         except BaseException:
             for write in writes:  # what a committed write published stays: it is listed
                 write.job.abort()
