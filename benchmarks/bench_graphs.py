@@ -1,36 +1,45 @@
-"""Attribution graphs of many prompts: the Spark job (``graphs.job.run_graphs``, local
-session, one task per core, the model and transcoders loaded once per worker) against a
-loop over the prompts in one process (the same model loaded once, the same graph, pruning
-and scores per prompt, nothing written).
+"""Attribution graphs of many 32-token prompts: the Spark job (``graphs.job.run_graphs``,
+local session, one task per core, one torch thread each, the model and transcoders
+loaded once per Python worker, everything written: parquet, the adjacency dataset, the
+browser) at two prompt counts, each in a fresh session, with each Python worker's peak
+resident memory; against a loop over prompts in one process (the model loaded once, the
+same graph, pruning and scores per prompt, nothing written) at 1 and 2 torch threads.
 
     python -m benchmarks graphs
-    GRAPHS_PROMPTS=100 python -m benchmarks graphs
+    GRAPHS_PROMPTS=100,400 GRAPHS_LOOP=100 python -m benchmarks graphs
 
 The model is the package's tiny toy Llama (``extract.toy_lm``'s ``TINY``: 2 layers,
 hidden 32, trained here once and cached under the temporary directory); the CLT has
 ``N_LATENTS`` latents per layer and k = ``K``, random weights: a graph's cost depends on
-the numbers of tokens, active features (k per layer and token) and logits, not on what the
-features mean. The prompts are the first ``CHARS`` characters of the demo corpus's
-passages, cycled.
+the numbers of tokens, active features (k per layer and token) and logits, not on what
+the features mean. The prompts are the demo corpus's distinct passages, each cut after
+its first ``TOKENS`` tokens (``graphs.stage.cut_prompts``; BOS counted), cycled when more
+are asked for than there are passages.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
+
 from .common import table
 
-N_LATENTS, K, CHARS = 128, 4, 80
+N_LATENTS, K, TOKENS = 128, 4, 32
 
 
-def _inputs(root: Path):
+def _inputs(root: Path, n: int):
     import torch
+    from transformers import AutoTokenizer
 
     from pyspark_safetensors.extract.corpus import passages_by_key
     from pyspark_safetensors.extract.toy_lm import TINY, toy_lm
+    from pyspark_safetensors.graphs.stage import cut_prompts
     from pyspark_safetensors.sae.architectures import CrossLayerTranscoder
     from pyspark_safetensors.sae.checkpoint import save_sae
 
@@ -42,33 +51,122 @@ def _inputs(root: Path):
     clt.load_full_state({n: t + 0.1 * torch.randn(t.shape, generator=gen)
                          for n, t in clt.full_state().items()})  # fmt: skip
     save_sae(root / "clt.safetensors", clt.full_state(), clt.metadata())
-    n = int(os.environ.get("GRAPHS_PROMPTS", "1000"))
-    texts = [p[:CHARS] for p in passages_by_key(0, 1 << 30, 400)]
-    return model, root / "clt.safetensors", [texts[i % len(texts)] for i in range(n)]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = cut_prompts(tokenizer, passages_by_key(0, 1 << 30, 400), TOKENS)
+    texts = [t for t in texts if len(tokenizer(t)["input_ids"]) == TOKENS]
+    return model, root / "clt.safetensors", [texts[i % len(texts)] for i in range(n)], len(texts)
+
+
+def _worker_peak_rss(spark) -> float:
+    """The largest peak resident memory of the session's Python workers (reused between
+    tasks: the peak of all they ran), in MB."""
+
+    def peak(batches):
+        for _ in batches:
+            pass
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        yield pa.RecordBatch.from_pydict({"mb": pa.array([rss])})
+
+    rows = spark.range(0, 8, numPartitions=8).mapInArrow(peak, "mb double").collect()
+    return max(r.mb for r in rows)
+
+
+def _job(config, prompts: list[str]) -> tuple[float, float, dict]:
+    """One fresh local[2] session's job: seconds, worker peak RSS (MB), summary."""
+    from pyspark_safetensors.graphs.job import run_graphs
+    from pyspark_safetensors.spark.session import local_session
+
+    spark = local_session("local[2]", quick_jit=True)
+    try:
+        frame = spark.createDataFrame([(p,) for p in prompts], "prompt string")
+        started = time.perf_counter()
+        summary = run_graphs(spark, config, frame)
+        seconds = time.perf_counter() - started
+        return seconds, _worker_peak_rss(spark), summary
+    finally:
+        spark.stop()
+
+
+def _loop(config, prompts: list[str], threads: int) -> tuple[float, list[dict]]:
+    import dataclasses
+    import gc
+
+    import torch
+
+    from pyspark_safetensors.graphs.job import graph_row
+
+    config = dataclasses.replace(config, threads=threads)
+    graph_row(config, 0, prompts[0])  # the model loaded, untimed
+    gc.freeze()  # as the job's workers do once the model is loaded
+    started = time.perf_counter()
+    rows = [graph_row(config, i, p) for i, p in enumerate(prompts)]
+    seconds = time.perf_counter() - started
+    torch.set_num_threads(os.cpu_count() or 1)
+    return seconds, rows
+
+
+def _measure(root: Path, counts: list[int], n_loop: int) -> dict:
+    from pyspark_safetensors.graphs.job import GraphsConfig
+
+    model, clt, prompts, distinct = _inputs(root, max(counts))
+    jobs = {}
+    for n in counts:
+        out = root / f"graphs-{n}"
+        config = GraphsConfig(str(model), (str(clt),), str(out), partitions=2, threads=1)
+        seconds, rss, summary = _job(config, prompts[:n])
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        jobs[n] = {"seconds": seconds, "rss": rss, "graphs": summary["graphs"],
+                   "failed": summary["failed"], "bytes": size}  # fmt: skip
+        shutil.rmtree(out)
+    base = GraphsConfig(str(model), (str(clt),), str(root / "unused"))
+    loops = {t: _loop(base, prompts[:n_loop], t) for t in (1, 2)}
+    rows = loops[1][1]
+    return {"jobs": jobs, "loops": {t: s for t, (s, _) in loops.items()}, "n_loop": n_loop,
+            "distinct": distinct, "nodes": sum(r["n_nodes"] for r in rows) / len(rows),
+            "features": sum(r["n_features"] for r in rows) / len(rows)}  # fmt: skip
 
 
 def run() -> str:
-    from pyspark_safetensors.graphs.job import GraphsConfig, graph_row, run_graphs
-    from pyspark_safetensors.spark.session import local_session
-
+    counts = [int(n) for n in os.environ.get("GRAPHS_PROMPTS", "250,1000").split(",")]
+    n_loop = int(os.environ.get("GRAPHS_LOOP", "250"))
+    env = [f"{k}={os.environ[k]}" for k in ("GRAPHS_PROMPTS", "GRAPHS_LOOP") if k in os.environ]
+    command = " ".join([*env, "python -m benchmarks graphs"])
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model, clt, prompts = _inputs(root)
-        config = GraphsConfig(str(model), (str(clt),), str(root / "graphs"))
-        started = time.perf_counter()
-        rows = [graph_row(config, i, p) for i, p in enumerate(prompts)]
-        loop = time.perf_counter() - started
-        spark = local_session("local[2]", quick_jit=True)
-        try:
-            df = spark.createDataFrame([(p,) for p in prompts], "prompt string")
-            started = time.perf_counter()
-            summary = run_graphs(spark, config, df)
-            job = time.perf_counter() - started
-        finally:
-            spark.stop()
-    nodes = sum(r["n_nodes"] or 0 for r in rows) / max(1, len(rows))
-    return f"## Attribution graphs: {len(prompts)} prompts, toy Llama, CLT {N_LATENTS} x {K}\n\n" + table(
-        ["run", "seconds", "prompts/s"],
-        [["loop, one process", f"{loop:.1f}", f"{len(prompts) / loop:.1f}"],
-         ["Spark job, local[2], written", f"{job:.1f}", f"{len(prompts) / job:.1f}"]],
-    ) + f"\n\n{summary['graphs']} graphs, {summary['failed']} refused; {nodes:.0f} nodes per graph on average."  # fmt: skip
+        m = _measure(Path(tmp), counts, n_loop)
+    load = f"{load:.2f} before, {os.getloadavg()[0]:.2f} after"
+    rows = []
+    for t, seconds in m["loops"].items():
+        rows.append([f"loop, one process, {t} torch thread{'s' * (t > 1)}", m["n_loop"],
+                     f"{seconds:.1f}", f"{1e3 * seconds / m['n_loop']:.1f}", "", ""])  # fmt: skip
+    for n, j in m["jobs"].items():
+        rows.append(["Spark job, local[2], 1 thread per task, written", n, f"{j['seconds']:.1f}",
+                     f"{1e3 * j['seconds'] / n:.1f}", f"{j['rss']:,.0f}",
+                     f"{j['bytes'] / 1e6:,.0f}"])  # fmt: skip
+    best = min(m["loops"].values()) / m["n_loop"]
+    largest = max(m["jobs"])
+    ratio = best / (m["jobs"][largest]["seconds"] / largest)
+    refused = sum(j["failed"] for j in m["jobs"].values())
+    rss = [j["rss"] for j in m["jobs"].values()]
+    memory = (
+        "a worker's peak memory does not grow with the prompts (each graph is made, written "
+        "and dropped)"
+        if max(rss) <= 1.05 * min(rss)
+        else f"a worker's peak memory grows from {min(rss):,.0f} to {max(rss):,.0f} MB"
+    )
+    header = ["run", "prompts", "seconds", "ms per prompt", "worker peak RSS (MB)", "written (MB)"]
+    return (
+        f"## Attribution graphs: {largest:,} prompts of {TOKENS} tokens, toy Llama, "
+        f"CLT {N_LATENTS} x {K}\n\n"
+        + table(header, rows)
+        + f"\n\nAt {largest:,} prompts the faster loop takes {ratio:.2f}x the Spark job's time "
+        f"per prompt; {memory}, and what is written is mostly the unpruned adjacencies "
+        f"(N x N float32 each). {m['distinct']} distinct passages of {TOKENS} tokens"
+        f"{', cycled' if largest > m['distinct'] else ''}; "
+        f"{m['features']:.0f} active features and {m['nodes']:.0f} nodes per graph on "
+        f"average; {refused} prompts refused. The loops ran on the first {m['n_loop']} "
+        "prompts (their time per prompt is steady: every prompt has the same shape), after "
+        "an untimed warm-up prompt; the Spark jobs' seconds include starting the workers "
+        "and loading the model in each, the RSS job runs after. Load average (1 min) "
+        f"{load}. Command: `{command}`."
+    )
