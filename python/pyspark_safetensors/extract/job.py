@@ -439,7 +439,7 @@ class _Extraction:
 
     def _model_stage(self, out: DatasetLocation, rows: SampleRows, texts):
         """The model over ``texts``, the stage writes committed after it (aborted if it
-        fails); returns the run and the datasets written."""
+        fails); returns the run and its stage writes."""
         writes = []
         try:
             for output in self.outputs:
@@ -448,8 +448,7 @@ class _Extraction:
                 texts, self.plan, self.planned, writes, threads=self.threads,
                 store=any(o.reads_rows for o in self.outputs),
             )  # fmt: skip
-            # a saev shard write has no dataset to follow (groups refuse saev outputs)
-            return run, [w.job.location for w in writes if hasattr(w.job, "location")]
+            return run, writes
         except BaseException:
             for write in writes:  # what a committed write published stays: it is listed
                 write.job.abort()
@@ -469,7 +468,8 @@ class _Extraction:
             group = texts.where(F.col("sample_id") % self.groups == g)
             run, written = self._model_stage(out, dataclasses.replace(rows, append=g > 0), group)
             runs.append(run)
-            datasets.update((location.uri, location) for location in written)
+            # the safetensors datasets' writes alone (grouped commits refuse other outputs)
+            datasets.update((w.job.location.uri, w.job.location) for w in written)
         info = pa.concat_tables([r.info for r in runs])
         return _ModelRun(None, info, sum(r.seconds for r in runs)), list(datasets.values())
 
