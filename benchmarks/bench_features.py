@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 import math
-import resource
 import shutil
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pyspark_safetensors.sae import save_sae
 from pyspark_safetensors.spark.session import local_session
 from pyspark_safetensors.spark.tensor_struct import TENSOR_STRUCT_DDL, tensor_structs_of_rows
 
-from .common import table
+from .common import table, worker_peak_rss
 
 HOOK, WIDTH, LATENTS, K = "encoder.layer.0:output", 384, 3072, 32
 TEXTS, LARGE_TOKENS, TOP_N = 200, 1_000_000, 20
@@ -97,20 +96,6 @@ def _tile(spark, small: Path, big: Path, copies: int) -> None:
     (big / "extraction.json").write_text(json.dumps(doc))
 
 
-def _worker_peak_rss(spark) -> float:
-    """The largest peak resident memory of the Python workers (reused between tasks, so
-    the peak of the largest task they ran), in MB."""
-
-    def peak(batches):
-        for _ in batches:
-            pass
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        yield pa.RecordBatch.from_pydict({"mb": pa.array([rss])})
-
-    rows = spark.range(0, 8, numPartitions=8).mapInArrow(peak, "mb double").collect()
-    return max(r.mb for r in rows)
-
-
 def _loop_job(config: FeaturesConfig, out: Path) -> tuple[float, float, object, pa.Table]:
     """The whole job as one process would run it: plan, the state pass, the contexts,
     the tables, the browser, the files. Returns the state pass's seconds, the whole
@@ -144,7 +129,7 @@ def _measure(spark, extraction: Path, sae: Path, out: Path) -> list:
     start = time.perf_counter()
     summary = run_features(spark, config)
     job_s = time.perf_counter() - start
-    rss = _worker_peak_rss(spark)
+    rss = worker_peak_rss(spark)
     reference_state(plan_features(config), config)  # warm: the SAE loaded, pages cached
     loop = {}  # (state pass, whole job) seconds by torch threads
     for threads in (1, 2):

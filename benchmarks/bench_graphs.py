@@ -20,15 +20,12 @@ are asked for than there are passages.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
-
-from .common import table
+from .common import table, worker_peak_rss
 
 N_LATENTS, K, TOKENS = 128, 4, 32
 
@@ -57,20 +54,6 @@ def _inputs(root: Path, n: int):
     return model, root / "clt.safetensors", [texts[i % len(texts)] for i in range(n)], len(texts)
 
 
-def _worker_peak_rss(spark) -> float:
-    """The largest peak resident memory of the session's Python workers (reused between
-    tasks: the peak of all they ran), in MB."""
-
-    def peak(batches):
-        for _ in batches:
-            pass
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        yield pa.RecordBatch.from_pydict({"mb": pa.array([rss])})
-
-    rows = spark.range(0, 8, numPartitions=8).mapInArrow(peak, "mb double").collect()
-    return max(r.mb for r in rows)
-
-
 def _job(config, prompts: list[str]) -> tuple[float, float, dict]:
     """One fresh local[2] session's job: seconds, worker peak RSS (MB), summary."""
     from pyspark_safetensors.graphs.job import run_graphs
@@ -82,7 +65,7 @@ def _job(config, prompts: list[str]) -> tuple[float, float, dict]:
         started = time.perf_counter()
         summary = run_graphs(spark, config, frame)
         seconds = time.perf_counter() - started
-        return seconds, _worker_peak_rss(spark), summary
+        return seconds, worker_peak_rss(spark), summary
     finally:
         spark.stop()
 

@@ -106,3 +106,20 @@ def clt_layers(
                                     metadata={"hook_point": f"model.layers.{t}.mlp:{hook}"})  # fmt: skip
                 paths.setdefault(f"{split}_{side}", []).append(str(out))
     return paths
+
+
+def worker_peak_rss(spark) -> float:
+    """The largest peak resident memory of a Spark session's Python workers, in MB.
+    Workers are reused between tasks, so it is the peak of the largest task they ran."""
+    import resource
+
+    import pyarrow as pa
+
+    def peak(batches):
+        for _ in batches:
+            pass
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        yield pa.RecordBatch.from_pydict({"mb": pa.array([rss])})
+
+    rows = spark.range(0, 8, numPartitions=8).mapInArrow(peak, "mb double").collect()
+    return max(r.mb for r in rows)
