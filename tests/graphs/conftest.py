@@ -50,3 +50,24 @@ def dictionaries(tmp_path_factory):
                            "hook_point": f"model.layers.{i}.mlp:input"})  # fmt: skip
         per_layer.append(path)
     return {"clt": root / "clt.safetensors", "per_layer": per_layer}
+
+
+CLT_LAYER = 0
+
+
+@pytest.fixture(scope="module")
+def clt_features(spark, toy, dictionaries, tmp_path_factory):
+    """The feature job on the CLT's layer ``CLT_LAYER``: ``(extraction, its output)``, the
+    output at ``features/layer{CLT_LAYER}`` (the layout the graph browser's link pattern names)."""
+    from pyspark_safetensors.extract import ExtractConfig, run_extraction
+    from pyspark_safetensors.features import FeaturesConfig, run_features
+
+    root = tmp_path_factory.mktemp("clt-features")
+    hook = f"model.layers.{CLT_LAYER}.mlp:input"
+    config = ExtractConfig(model=str(toy), hooks=(hook,), max_length=0, max_texts=6,
+                           dtype="F32", rows_per_shard=256, kv_dataset=False)  # fmt: skip
+    run_extraction(spark, config, root / "acts")
+    out = root / "features" / f"layer{CLT_LAYER}"
+    run_features(spark, FeaturesConfig(extraction=str(root / "acts"), sae=str(dictionaries["clt"]),
+                                       out=str(out), clt_layer=CLT_LAYER, top_n=5))  # fmt: skip
+    return root / "acts", out

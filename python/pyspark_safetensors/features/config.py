@@ -27,6 +27,11 @@ class FeaturesConfig:
     hook: str = ""
     """The hook point whose activations the SAE encodes; empty = the SAE's recorded
     ``hook_point``, or the extraction's only hook point."""
+    clt_layer: int = -1
+    """A cross-layer transcoder's layer whose latents are studied (its position in the
+    CLT's ``hook_points``, 0..L-1): that layer's MLP-input dataset (its recorded hook
+    point, unless ``hook`` is set) encoded by its layer-l encoder under its top-k rule
+    (``CrossLayerTranscoder.encode_layer``); -1 for any other SAE."""
     datasets: tuple[str, ...] = ()
     """A crosscoder's activation datasets, one per hook point in its block order (paths or
     URIs, row-aligned: the extraction's tokens, whose texts the examples show); empty =
@@ -85,6 +90,8 @@ class FeaturesConfig:
             raise FeaturesError(
                 f"token_kinds: {sorted(unknown)}; choose among cls, register, patch"
             )
+        if self.clt_layer < -1:
+            raise FeaturesError(f"clt_layer must be >= 0 (or -1: not a CLT), got {self.clt_layer}")
         if self.batch_tokens < 1:
             raise FeaturesError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
 

@@ -135,6 +135,8 @@ class FeaturesPlan:
     inputs: tuple[str, ...] = ()
     """A crosscoder's datasets in its block order (``dataset`` first), row-aligned: its
     input is their rows concatenated; empty for an SAE (``dataset`` alone)."""
+    clt_layer: int = -1
+    """A cross-layer transcoder's layer whose encoder the tasks use (-1: not a CLT)."""
 
     @property
     def span(self) -> int:
@@ -193,7 +195,7 @@ def plan_features(
         k=info["k"], architecture=architecture, sae=str(config.sae), model_dir=model_dir,
         max_length=int(cfg.get("max_length", 0)), long_texts=cfg.get("long_texts", "window"),
         extraction=src.root if src.is_local else src.uri, storage_options=options, layout=layout,
-        token_kinds=tuple(config.token_kinds), inputs=inputs,
+        token_kinds=tuple(config.token_kinds), inputs=inputs, clt_layer=config.clt_layer,
     )  # fmt: skip
     if inputs:  # the datasets' row layout and a sample of their tokens, before any task
         shapes = [list(ds.manifest.schema[c].sample_shape)
@@ -237,12 +239,23 @@ def sae_architecture(config: FeaturesConfig):
     from ..sae.ecosystem import read_sae
 
     tensors, info = read_sae(config.sae)
-    n, d = tensors["encoder_weight"].shape
+    shape = tensors["encoder_weight"].shape  # a CLT's: [layers, n, d]
     del tensors  # the tasks load the SAE themselves
     try:
         cls = get_architecture(info["architecture"])
     except ValueError as e:
         raise FeaturesError(f"{config.sae}: {e}") from None
+    clt = cls.ARCHITECTURE == "clt"
+    if clt and not 0 <= config.clt_layer < shape[0]:
+        raise FeaturesError(
+            f"clt_layer: {config.sae} is a cross-layer transcoder of {shape[0]} layers; "
+            f"set clt_layer to one of 0..{shape[0] - 1}, got {config.clt_layer}"
+        )
+    if not clt and config.clt_layer != -1:
+        raise FeaturesError(
+            f"clt_layer: {config.sae} is a {cls.ARCHITECTURE} SAE, not a cross-layer transcoder"
+        )
+    n, d = shape[-2:]
     return cls, info, n, d
 
 
@@ -263,7 +276,7 @@ def hook_and_dataset(
             f"datasets: {config.sae} is a {architecture} SAE, which reads one hook point "
             "(set hook); datasets are a crosscoder's"
         )
-    hook = config.hook or (info.get("metadata") or {}).get("hook_point", "")
+    hook = config.hook or recorded_hook(info, config.clt_layer)
     if not hook and len(hooks) == 1:
         hook = next(iter(hooks))
     if hook not in hooks:
@@ -277,6 +290,17 @@ def hook_and_dataset(
         )
     dataset = hooks[hook]["dataset"]
     return hook, src.local_file(dataset) or src.display(dataset), ()
+
+
+def recorded_hook(info: dict, clt_layer: int = -1) -> str:
+    """The hook point an SAE's metadata records (a CLT's: that of layer ``clt_layer``,
+    from its ``hook_points``); empty when none."""
+    meta = info.get("metadata") or {}
+    if clt_layer < 0:
+        return meta.get("hook_point", "")
+    hooks = meta.get("hook_points") or []
+    hooks = json.loads(hooks) if isinstance(hooks, str) else list(hooks)
+    return hooks[clt_layer] if clt_layer < len(hooks) else ""
 
 
 def model_and_layout(doc: dict, doc_path: str, dataset: str, options: dict):
@@ -341,9 +365,23 @@ def crosscoder_inputs(config: FeaturesConfig, info: dict, doc: dict, src: Datase
 _SAES: dict = {}
 
 
-def load_encoder(sae: str, device: str, threads: int = 0):
+class CLTLayerEncoder:
+    """One layer of a cross-layer transcoder as the job's encoder: ``encode(x)`` is the
+    ``(values, indices)`` of the top k of that layer's code under its top-k rule
+    (``CrossLayerTranscoder.encode_layer``), as a TopK SAE's ``encode`` gives them."""
+
+    def __init__(self, clt, layer: int):
+        self.clt, self.layer = clt, layer
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = self.clt.encode_layer(self.layer, x).topk(self.clt.k, dim=1)
+        return values, indices
+
+
+def load_encoder(sae: str, device: str, threads: int = 0, layer: int = -1):
     """The SAE as its architecture's module (``load_sae_model``: TopK, BatchTopK or
-    JumpReLU, each encoding by its own rule) on ``device``, once per Python worker."""
+    JumpReLU, each encoding by its own rule) on ``device``, once per Python worker; a
+    cross-layer transcoder's layer ``layer`` as a ``CLTLayerEncoder``."""
     from ..sae.ecosystem import load_sae_model
 
     if threads:
@@ -352,7 +390,7 @@ def load_encoder(sae: str, device: str, threads: int = 0):
     if key not in _SAES:
         _SAES.clear()
         _SAES[key] = load_sae_model(sae, device=device)
-    return _SAES[key]
+    return _SAES[key] if layer < 0 else CLTLayerEncoder(_SAES[key], layer)
 
 
 def pick_device(config: FeaturesConfig) -> str:
@@ -416,7 +454,7 @@ def _encode_fn(plan: FeaturesPlan, config: FeaturesConfig, dataset, ranges, labe
 
     def run(batches):
         device = pick_device(config)
-        sae = load_encoder(plan.sae, device, config.threads)
+        sae = load_encoder(plan.sae, device, config.threads, plan.clt_layer)
         reader = RowReader(dataset, plan.width)
         state = new_state(plan, config)
         codes = None if labelled is None else PatchCodes(labelled)
@@ -475,7 +513,7 @@ def _codes_fn(plan: FeaturesPlan, config: FeaturesConfig):
 
     def run(batches):
         device = pick_device(config)
-        sae = load_encoder(plan.sae, device, config.threads)
+        sae = load_encoder(plan.sae, device, config.threads, plan.clt_layer)
         for big in batches:
             for values, indices, ids in encode_batches([big], sae, plan.width,
                                                        config.batch_tokens, device):  # fmt: skip

@@ -30,7 +30,7 @@ def reference_state(plan: FeaturesPlan, config: FeaturesConfig) -> LatentState:
     context window."""
     ds = plan.open_input()
     device = pick_device(config)
-    sae = load_encoder(plan.sae, device, config.threads)
+    sae = load_encoder(plan.sae, device, config.threads, plan.clt_layer)
     state = new_state(plan, config)
     scan_range(state, RowReader(ds, plan.width), 0, len(ds), sae, config, device, span=plan.span,
                positions=plan.positions())  # fmt: skip

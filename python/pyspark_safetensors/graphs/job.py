@@ -89,6 +89,11 @@ class GraphsConfig:
     threads: int = 0
     """Torch threads per Python worker; 0 = torch's default (every core: set it to cores /
     tasks when several tasks share a machine)."""
+    feature_pages: str = ""
+    """The browser's link from a feature node to that latent's page in a feature browser:
+    a URL, or a path relative to ``output``, in which ``{layer}`` and ``{latent}`` stand
+    for the node's (e.g. ``"../features/layer{layer}/index.html#{latent}"``); empty = no
+    link."""
 
     def __post_init__(self):
         if not self.transcoders:
@@ -242,12 +247,12 @@ def numbered_prompts(spark, config: GraphsConfig, prompts=None):
     )
 
 
-def _write_index(graphs, root: Path) -> None:
+def _write_index(graphs, root: Path, feature_pages: str = "") -> None:
     """The browser's pages and index (the graphs' data files are the tasks')."""
     from .page import index_files
 
     scalars = graphs.select(*[name for name, _ in SCALARS]).orderBy("prompt_id").collect()
-    for name, text in index_files([r.asDict() for r in scalars]).items():
+    for name, text in index_files([r.asDict() for r in scalars], feature_pages).items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
 
@@ -304,7 +309,7 @@ def run_graphs(spark, config: GraphsConfig, prompts=None) -> dict:
              .save(os.path.join(staging, "adjacency")))  # fmt: skip
             summary = _summary(graphs, config)
             if config.browser:
-                _write_index(graphs, Path(staging))
+                _write_index(graphs, Path(staging), config.feature_pages)
         finally:
             graphs.unpersist()
         Path(staging, "graphs.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -3,7 +3,8 @@ the prompts with their scores; ``graph.html#ID`` draws prompt ID's pruned graph 
 SVG (input tokens at the bottom, one row per block, the logits on top; a feature a
 circle, an error node a square; an edge blue when it excites, red when it inhibits, its
 width its weight; the positions fit to the window's width, whitespace in tokens shown)
-and lists a clicked node's incoming edges, the others dimmed. The data are ``.js`` files
+and lists a clicked node's incoming edges, the others dimmed, with a link to a feature's
+page in a feature browser (``data/pages.js``'s pattern, when set). The data are ``.js`` files
 (``data/index.js``, ``data/graph-ID.js``) that set a global, so the pages work from
 ``file://`` where a browser refuses to fetch JSON.
 """
@@ -47,7 +48,8 @@ margin-right:4px;border-radius:5px}</style>
 <span><i style="background:#6a6"></i>token embedding</span><span><i style="background:#a6f"></i>logit</span>
 <span style="color:#36c">&#9472; excites</span><span style="color:#c33">&#9472; inhibits</span>
 <span>click a node: its incoming edges</span></div>
-<svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg><table id="info"></table><script>
+<svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg><table id="info"></table>
+<script src="data/pages.js"></script><script>
 const id = location.hash.slice(1);
 const s = document.createElement('script');
 s.src = 'data/graph-' + id + '.js';
@@ -121,6 +123,11 @@ function show(g, n, el) {
   const head = info.insertRow();
   head.insertCell().textContent = n.node_id + ' (' + n.kind + (n.kind === 'logit' ? ' ' + JSON.stringify(n.label) : '') + ')';
   head.insertCell().textContent = 'value ' + n.value.toFixed(4);
+  if (n.kind === 'feature' && window.FEATURE_PAGES) {  // that latent's feature page
+    const a = document.createElement('a'); a.className = 'feature-page'; a.target = '_blank';
+    a.href = FEATURE_PAGES.replace(/\{layer\}/g, n.layer).replace(/\{latent\}/g, n.latent);
+    a.textContent = 'feature browser \u2197'; head.insertCell().append(a);
+  }
   const byId = Object.fromEntries(g.nodes.map(m => [m.node, m]));
   for (const e of g.edges.filter(e => e.target === n.node).sort((a, b) => Math.abs(b.weight) - Math.abs(a.weight))) {
     const r = info.insertRow(); r.className = 'incoming';
@@ -136,10 +143,12 @@ def _js(name: str, value) -> str:
     return f"var {name} = {json.dumps(value)};\n"
 
 
-def index_files(scalars: list[dict]) -> dict[str, str]:
+def index_files(scalars: list[dict], feature_pages: str = "") -> dict[str, str]:
     """The pages and the index's data (``data/index.js``) by relative path, from the
-    graphs' scalar rows (``job.SCALARS``), in prompt order."""
-    return {"index.html": INDEX, "graph.html": GRAPH, "data/index.js": _js("GRAPHS", scalars)}
+    graphs' scalar rows (``job.SCALARS``), in prompt order; ``data/pages.js`` holds the
+    feature pages' pattern (``GraphsConfig.feature_pages``; empty: no link)."""
+    return {"index.html": INDEX, "graph.html": GRAPH, "data/index.js": _js("GRAPHS", scalars),
+            "data/pages.js": _js("FEATURE_PAGES", feature_pages)}  # fmt: skip
 
 
 def graph_data(row: dict, token_text) -> str:
