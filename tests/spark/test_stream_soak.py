@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 
 from pyspark_safetensors.dataset import load_manifest
 
-pytestmark = [pytest.mark.soak, pytest.mark.spark, pytest.mark.python_source]
+# no module-wide python_source mark: on Spark 3.5 the JVM sink's soak still runs
+pytestmark = [pytest.mark.soak, pytest.mark.spark]
 
 KILLS = 20
 ROWS_PER_BATCH = 40
