@@ -321,15 +321,20 @@ def test_the_datasets_widths_must_agree(tmp_path, clt_data):
         Trainer(_config(clt_data, tmp_path / "run", datasets=datasets))
 
 
+@pytest.mark.trained
 @pytest.mark.parametrize("loss", ["pooled", "per_layer"])
-def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data, loss):
-    trainer = Trainer(_config(clt_data, tmp_path, clt_loss=loss))
+def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data, loss, seed, figure):
+    """Spread (tests/margins.py: 1 and 2 threads, identical; seeds 0-2): held-out FVU per
+    layer 0.176-0.234 against < 0.5; the threshold rule's FVU minus the top-k's
+    0.009-0.029 against < 0.05."""
+    trainer = Trainer(_config(clt_data, tmp_path, clt_loss=loss, seed=seed))
     metrics = trainer.fit()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for t in range(L):
         assert lines[-1][f"fvu_layer{t}"] < 0.5 * lines[0][f"fvu_layer{t}"], t
-        assert 0 <= metrics[f"val_fvu_layer{t}"] < 0.5
-        assert metrics[f"val_l0_layer{t}"] == pytest.approx(K)  # the top k per row
+        figure(f"val_fvu_layer{t}", metrics[f"val_fvu_layer{t}"], below=0.5)
+        # the top k per row; a picked pre-activation at or below 0 does not fire (seed 1)
+        assert 0.95 * K <= metrics[f"val_l0_layer{t}"] <= K
         assert 0 <= metrics[f"val_dead_fraction_layer{t}"] < 1
     # pooled: every layer's error over their total variance; per_layer: the FVUs' sum
     recon = metrics["fvu"] if loss == "pooled" else sum(metrics[f"fvu_layer{t}"] for t in range(L))
@@ -356,7 +361,8 @@ def test_a_short_run_learns_every_layer_and_reports_each(tmp_path, clt_data, los
         assert 0.5 * K < float((code > 0).sum(1).float().mean()) < 2 * K
         var = (y[:, t] - y[:, t].mean(0)).pow(2).sum()
         fvu = {r: float((h[:, t] - y[:, t]).pow(2).sum() / var) for r, h in by_rule.items()}
-        assert fvu["threshold"] < fvu["topk"] + 0.05, (t, fvu)
+        figure(f"threshold_over_topk_fvu_layer{t}", fvu["threshold"] - fvu["topk"], below=0.05,
+               context=fvu)  # fmt: skip
 
 
 def test_resume_continues_exactly(tmp_path, clt_data):
