@@ -509,7 +509,7 @@ class Pipeline:
                 self.circuits(run, trained, lut_dir)
             if c.graphs:
                 self.graphs(trained)
-        if c.features:  # a CLT's latents have no browser yet
+        if c.features:  # no CLT browsers here yet (features.FeaturesConfig.clt_layer makes one)
             self.features({r: p for r, p in trained.items() if r.kind != "clt"}, extract_dir)
         self.summary["seconds"] = time.perf_counter() - started
         self.write_report()
