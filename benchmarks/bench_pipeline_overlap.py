@@ -29,8 +29,9 @@ HOOKS = {"encoder.layer.3.intermediate.dense:input": ["encoder.layer.3.intermedi
 SAE = {"expansion_factor": 24, "k": 32, "batch_size": 1024, "log_every": 10}
 THREADS = {"model stage on every core": 0, "model stage on one thread": 1}
 """The arrangements timed, by ``extract_threads``: 0 (the extraction's worker takes every
-core when it runs alone, half of them overlapped) and 1 (the extraction bound by its
-Spark parallelism, as where executors are the limit: a core is left to the training)."""
+core, overlapped or not; overlapped, the training takes what it leaves, at the lowest CPU
+priority) and 1 (the extraction bound by its Spark parallelism, as where executors are
+the limit: a core is left to the training)."""
 
 
 def config(overlap: bool, threads: int) -> str:

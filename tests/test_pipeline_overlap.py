@@ -173,3 +173,41 @@ def test_overlap_takes_one_epoch_and_groups_within_the_texts():
     with pytest.raises(PipelineError, match="overlap_groups"):
         PipelineConfig(overlap=True, epochs=1, texts=4, overlap_groups=8)
     assert PipelineConfig(overlap=True, epochs=1).overlap_groups == 8
+
+
+def test_the_training_runs_in_the_background_with_the_callers_torch_threads():
+    """The overlapped training's thread: the torch threads asked (default: those of the
+    thread that started it), the lowest CPU priority when asked (Linux: a thread's own nice
+    value), its error handed back."""
+    import threading
+
+    import torch
+
+    from pyspark_safetensors.pipeline.overlap import _in_background
+
+    def probe():
+        tid = threading.get_native_id()
+        return os.getpriority(os.PRIO_PROCESS, tid), torch.get_num_threads(), tid
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nice, threads, tid = _in_background(probe, lowest_priority=True).result(timeout=30)
+        normal, two, _ = _in_background(probe, threads=2).result(timeout=30)
+        later = []  # a thread started after it has the caller's count, not the training's
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert threads == 1 and two == 2 and later == [1] and tid != threading.get_native_id()
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert normal == caller < 19  # the caller's kept
+    if sys.platform.startswith("linux"):
+        assert nice == 19
+
+    def fails():
+        raise ValueError("the training's own error")
+
+    with pytest.raises(ValueError, match="own error"):
+        _in_background(fails).result(timeout=30)

@@ -11,10 +11,17 @@ the datasets (``SAEConfig.follow``) with that count as their budget; they end wh
 row has been trained on once. The marker is removed last, once ``extraction.json`` is
 written: the stage's commit point.
 
-The two share the machine's cores: the extraction's Python workers take half of them in
-torch threads (at least one each; ``extract_threads`` sets it), a training run in the
-pipeline's process the rest (torchrun's processes take one thread each, as always); each
-stage of a sequential run has all of them.
+The extraction is the critical path: its Python workers take every core in torch threads,
+as in a sequential run (``extract_threads`` sets them). The training runs in a thread of
+its own with a torch thread for each core the extraction leaves. Where it leaves none, the
+training has the pipeline's torch threads at the lowest CPU priority (Linux: a nice value
+of 19, which torchrun's processes inherit): it trains in the extraction's gaps, and on
+every core once the extraction is done. (Never more threads than free cores beside the
+extraction at the same priority: an OpenMP team sharing a core runs at the pace of its
+slowest thread.) Split evenly instead, each stage ran at half speed and the whole was
+slower than one stage after the other (``docs/BENCHMARKS.md``). An extraction that fails
+stops the run at once: its directory is deleted, so a training run that has read a commit
+fails on its next poll.
 
 A finished extraction of the same key is reused, and the runs then follow datasets
 already complete (the same training stages, reused too when they exist).
@@ -24,9 +31,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..dataset.publish import staging_path
@@ -71,15 +78,25 @@ def extract_and_train(pipeline) -> tuple[Path, dict]:
     tokens = extraction.start()
     pipeline.summary["extraction"] = {"tokens": tokens}
     pipeline.summary["stages"]["extract"] = {"dir": path.name, "hash": key, "reused": False}
+    free = CORES - extraction.cores
+    training = (
+        _in_background(pipeline.train, path / "data", threads=free)
+        if free > 0
+        else _in_background(pipeline.train, path / "data", lowest_priority=True)
+    )
     try:
-        with _threads(max(1, CORES - CORES // 2)):
-            trained = pipeline.train(path / "data")
+        wait([extraction.done, training], return_when=FIRST_EXCEPTION)
+        if training.done():
+            training.result()  # its error, if it failed first
+        extraction.wait()
+        trained = training.result()
     except BaseException as error:
         first = extraction.cancel()
-        if first is not None:  # the training failed on the data it lost
+        if not training.done():  # the followers' data vanishes: they stop
+            shutil.rmtree(path, ignore_errors=True)
+        if first is not None and first is not error:  # the training failed on lost data
             raise first from error
         raise
-    extraction.wait()
     (path / UNFINISHED).unlink()  # the commit point: extraction.json is in
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
@@ -87,17 +104,29 @@ def extract_and_train(pipeline) -> tuple[Path, dict]:
     return pipeline.extraction(path), trained
 
 
-@contextmanager
-def _threads(n: int):
-    """torch's threads in this process (a training run with ``nproc`` 1) set to ``n``."""
+def _in_background(fn, *args, threads: int | None = None, lowest_priority: bool = False) -> Future:
+    """``fn(*args)`` in a daemon thread (an interrupted run does not wait for it), with
+    ``threads`` torch threads (default: this thread's; OpenMP keeps a count per thread),
+    at the lowest CPU priority if asked, where threads have their own (Linux)."""
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    before, result = torch.get_num_threads(), Future()
+
+    def body() -> None:
+        if lowest_priority and sys.platform.startswith("linux"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        torch.set_num_threads(threads or before)
+        try:
+            value = fn(*args)
+        except BaseException as error:
+            torch.set_num_threads(before)
+            result.set_exception(error)
+        else:  # restored first: torch keeps the count for the threads started later
+            torch.set_num_threads(before)
+            result.set_result(value)
+
+    threading.Thread(target=body, name="overlapped-training", daemon=True).start()
+    return result
 
 
 def _start_in_place(path: Path) -> Path | None:
@@ -131,6 +160,8 @@ class _Extraction:
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="overlapped-extraction")
         self.done: Future | None = None
+        self.cores = 0
+        """The cores its workers take in torch threads (known once ``start`` returns)."""
 
     def start(self) -> int:
         self.done = self.pool.submit(self._run)
@@ -153,11 +184,13 @@ class _Extraction:
         with self.lock:
             self.session = local_session(c.master, quick_jit=True)  # the model runs in Python
         try:
-            half = max(1, CORES // 2 // default_parallelism(self.session))
+            parallelism = default_parallelism(self.session)
+            threads = c.extract_threads or max(1, CORES // parallelism)  # run_extraction's
+            self.cores = threads * parallelism
             run_extraction(
                 self.session, p.extract_config, self.out, overwrite=True,
                 commit_groups=c.overlap_groups, on_tokens=self.tokens.set_result,
-                threads=c.extract_threads or half,
+                threads=threads,
             )  # fmt: skip
         finally:
             with self.lock:

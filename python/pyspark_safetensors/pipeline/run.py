@@ -176,7 +176,7 @@ class PipelineConfig:
     """With ``overlap``: the extraction's commits (groups of texts), at most ``texts``."""
     extract_threads: int = 0
     """torch threads of each of the extraction's Python workers; 0 = the machine's cores
-    over Spark's parallelism (with ``overlap``: half of them, the training the rest)."""
+    over Spark's parallelism (with ``overlap`` too: the training takes what they leave)."""
 
     def __post_init__(self):
         if self.texts < 1 or self.held_out_texts < 1 or self.epochs < 1 or self.nproc < 1:
