@@ -211,3 +211,40 @@ def test_the_training_runs_in_the_background_with_the_callers_torch_threads():
 
     with pytest.raises(ValueError, match="own error"):
         _in_background(fails).result(timeout=30)
+
+
+def test_an_extraction_that_fails_stops_the_run_at_once(tmp_path):
+    """A group's commit fails (its dataset's directory replaced by a file) while a training
+    run follows another dataset: the run ends at once with the extraction's error, not the
+    follower's (the failed extraction deletes what it followed) nor after its timeout (600
+    s), and leaves no extract stage behind."""
+    other, other_slug = "model.layers.0.mlp.gate_proj:input", "model_layers_0_mlp_gate_proj_input"
+    config = CONFIG.format(overlap="true", seed=0).replace(
+        "[pipeline.hooks]\n", f'[pipeline.hooks]\n"{other}" = ["model.layers.0.mlp.gate_proj"]\n'
+    )
+    (tmp_path / "overlap.toml").write_text(config)
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pyspark_safetensors.cli", "pipeline", "--config",
+         "overlap.toml", "--out", "run"],
+        cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pattern = "extract-*/data/activations/{}/dataset_manifest.json"
+        deadline = time.monotonic() + 300
+        while not all(list((tmp_path / "run").glob(pattern.format(s))) for s in (SLUG, other_slug)):
+            assert process.poll() is None and time.monotonic() < deadline, "no first commit"
+            time.sleep(0.02)
+        # the run on layer 0 trains first (runs in name order): layer 1's commit breaks
+        broken = next((tmp_path / "run").glob(pattern.format(SLUG))).parent
+        broken.rename(broken.with_name("moved-away"))
+        broken.write_text("not a dataset")
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode != 0
+    assert "vanished" not in stderr and "no new rows" not in stderr, stderr[-3000:]
+    assert not list((tmp_path / "run").glob("extract-*")), stderr[-3000:]

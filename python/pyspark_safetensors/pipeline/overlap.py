@@ -36,6 +36,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from ..dataset.errors import DatasetReplacedError
 from ..dataset.publish import staging_path
 from .errors import PipelineError
 
@@ -94,8 +95,8 @@ def extract_and_train(pipeline) -> tuple[Path, dict]:
         first = extraction.cancel()
         if not training.done():  # the followers' data vanishes: they stop
             shutil.rmtree(path, ignore_errors=True)
-        if first is not None and first is not error:  # the training failed on lost data
-            raise first from error
+        if first is not None and isinstance(error, DatasetReplacedError):
+            raise first from error  # a failed extraction deletes what the training followed
         raise
     (path / UNFINISHED).unlink()  # the commit point: extraction.json is in
     if replaced is not None:
@@ -198,14 +199,12 @@ class _Extraction:
                 self.session = None
 
     def cancel(self) -> BaseException | None:
-        """Stop the extraction (training failed): its jobs cancelled, what it wrote
-        deleted; waits for it. Returns its error if it had failed before."""
-        failed = self.done.done() and self.done.exception()
+        """Stop the extraction (the training failed, or the run was interrupted): its jobs
+        cancelled, what it wrote deleted; waits for it. Returns its error, if any."""
         with self.lock:
             if self.session is not None:
                 self.session.sparkContext.cancelAllJobs()
-        self.done.exception()  # waited for
-        return failed or None
+        return self.done.exception()  # waited for
 
     def wait(self) -> None:
         """Wait for the extraction; its error, if it failed."""
