@@ -20,8 +20,8 @@ every core once the extraction is done. (Never more threads than free cores besi
 extraction at the same priority: an OpenMP team sharing a core runs at the pace of its
 slowest thread.) Split evenly instead, each stage ran at half speed and the whole was
 slower than one stage after the other (``docs/BENCHMARKS.md``). An extraction that fails
-stops the run at once: its directory is deleted, so a training run that has read a commit
-fails on its next poll.
+ends the run at once, with its own error: the stage's directory is deleted, and the
+training's thread, a daemon, is not waited for.
 
 A finished extraction of the same key is reused, and the runs then follow datasets
 already complete (the same training stages, reused too when they exist).
