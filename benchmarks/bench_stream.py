@@ -74,9 +74,10 @@ def _has_shim() -> bool:
     from pyspark_safetensors.spark.shim import shim_jar
 
     try:
-        return shim_jar() is not None
+        shim_jar()
     except FileNotFoundError:
         return False
+    return True
 
 
 def _measure(spark, root: Path, rows: int) -> tuple[list[tuple[str, float]], float, float]:

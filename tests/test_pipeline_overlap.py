@@ -3,8 +3,9 @@ the real CLI on the tiny toy Llama: a run killed in the middle of its extraction
 stage taken as finished, the rerun builds it again, its datasets end complete, and the
 training took every row once, as the same pipeline run one stage after the other does.
 
-One module of about 40 s on 2 cores: three pipeline processes (the killed one, the
-overlapped rerun, the sequential run), the only end-to-end check of overlapping stages."""
+One module of about 50 s on 2 cores: four pipeline processes (the killed one, the
+overlapped rerun, the sequential run, and one whose extraction fails mid-run), the only
+end-to-end checks of overlapping stages."""
 
 import json
 import os

@@ -149,6 +149,12 @@ class _ModelRun:
         return int(pc.sum(self.info.column("seq_len")).as_py())
 
 
+def worker_threads(parallelism: int, threads: int = 0) -> int:
+    """torch threads of each extraction worker: ``threads``, or (0) the machine's cores
+    over Spark's ``parallelism``, at least one."""
+    return threads or max(1, (os.cpu_count() or 1) // parallelism)
+
+
 def run_extraction(
     spark,
     config: ExtractConfig,
@@ -192,7 +198,7 @@ def run_extraction(
     _check_target(target, local, outputs, overwrite)
     config = _checked_config(config, corpus, images, outputs, commit_groups)
     cores = default_parallelism(spark)
-    threads = threads or max(1, (os.cpu_count() or 1) // cores)
+    threads = worker_threads(cores, threads)
     source = resolve_model(config.model)
     # The Python workers load the model to plan (one per core: they keep it for the model
     # stage) while Spark numbers the texts: neither needs the other.

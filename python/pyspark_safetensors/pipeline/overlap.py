@@ -177,6 +177,7 @@ class _Extraction:
 
     def _run(self) -> None:
         from ..extract import run_extraction
+        from ..extract.job import worker_threads
         from ..spark.compat import default_parallelism
         from ..spark.session import local_session
 
@@ -186,7 +187,7 @@ class _Extraction:
             self.session = local_session(c.master, quick_jit=True)  # the model runs in Python
         try:
             parallelism = default_parallelism(self.session)
-            threads = c.extract_threads or max(1, CORES // parallelism)  # run_extraction's
+            threads = worker_threads(parallelism, c.extract_threads)
             self.cores = threads * parallelism
             run_extraction(
                 self.session, p.extract_config, self.out, overwrite=True,
