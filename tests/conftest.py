@@ -8,9 +8,16 @@ import sys
 import venv
 from pathlib import Path
 
-import pytest
+# Before anything loads torch or numpy: every process of the run (xdist workers, Spark's
+# Python workers, torchrun's) takes one code path of the numeric libraries, so a trained
+# figure is the same bits on any x86-64 CPU with AVX2 (``tests/cpu_path.py``).
+from cpu_path import pin
 
-from pyspark_safetensors.spark.class_archive import with_archive
+pin()
+
+import pytest  # noqa: E402
+
+from pyspark_safetensors.spark.class_archive import with_archive  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,12 +7,18 @@ spread and its margin (the smallest distance to the threshold, as a fraction of 
 
 - torch at 1 and at 2 threads (``PSS_TEST_THREADS``; Spark workers and torchrun processes
   inherit OMP_NUM_THREADS);
-- two seeds of the data, the model and the run (``PSS_TEST_SEED``, the ``seed`` fixture);
+- seeds 1 to 4 of the data, the model and the run (``PSS_TEST_SEED``, the ``seed`` fixture);
 - deterministic kernels (``PSS_TEST_DETERMINISTIC``: ``torch.use_deterministic_algorithms``);
-- a CPU without AVX-512 (``ATEN_CPU_CAPABILITY=avx2``, oneDNN and MKL capped alike).
+- the kernels each library picks for this CPU (``PSS_TEST_NATIVE_KERNELS``) instead of
+  the suite's pinned path (``tests/cpu_path.py``), which makes a figure the same bits on
+  every x86-64 CPU with AVX2: this condition is what another CPU would see without it.
 
     python tests/margins.py [pytest arguments, e.g. tests/features/test_toy_vit.py]
-    PSS_MARGINS="2 threads,no AVX-512" python tests/margins.py ...   # some conditions only
+    PSS_MARGINS="2 threads,native kernels" python tests/margins.py ...   # some conditions only
+
+Below the table, the fingerprint of each condition (a hash of every figure's exact value)
+and each figure's exact value under the first: two machines that print the same
+fingerprint gave the same bits for every figure (``docs/reproducibility.md`` records them).
 
 A test's docstring states the spread this printed. Several runs of the trained tests:
 minutes, so it is a tool, not part of the suite.
@@ -20,6 +26,7 @@ minutes, so it is a tool, not part of the suite.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -35,13 +42,10 @@ CONDITIONS = {
     "1 thread": {"PSS_TEST_THREADS": "1"},
     "seed 1": {"PSS_TEST_THREADS": "2", "PSS_TEST_SEED": "1"},
     "seed 2": {"PSS_TEST_THREADS": "2", "PSS_TEST_SEED": "2"},
+    "seed 3": {"PSS_TEST_THREADS": "2", "PSS_TEST_SEED": "3"},
+    "seed 4": {"PSS_TEST_THREADS": "2", "PSS_TEST_SEED": "4"},
     "deterministic": {"PSS_TEST_THREADS": "2", "PSS_TEST_DETERMINISTIC": "1"},
-    "no AVX-512": {
-        "PSS_TEST_THREADS": "2",
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    },
+    "native kernels": {"PSS_TEST_THREADS": "2", "PSS_TEST_NATIVE_KERNELS": "1"},
 }
 
 
@@ -96,6 +100,21 @@ def table(results: dict[str, dict[str, tuple[float, str]]]) -> str:
     return "\n".join(lines)
 
 
+def fingerprint(figures: dict[str, tuple[float, str]]) -> str:
+    """A hash of every figure's exact value (and its name): equal fingerprints, equal bits."""
+    body = "\n".join(f"{name}={value.hex()}" for name, (value, _) in sorted(figures.items()))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def fingerprints(results: dict[str, dict[str, tuple[float, str]]]) -> str:
+    first = next(iter(results.values()), {})
+    lines = ["", "| condition | figures | fingerprint |", "|---|---|---|"]
+    lines += [f"| {c} | {len(f)} | `{fingerprint(f)}` |" for c, f in results.items()]
+    lines += ["", f"| figure | exact value under {next(iter(results), '-')} |", "|---|---|"]
+    lines += [f"| {name} | `{value.hex()}` |" for name, (value, _) in sorted(first.items())]
+    return "\n".join(lines)
+
+
 def main(args: list[str]) -> int:
     results = {}
     chosen = [c.strip() for c in os.environ.get("PSS_MARGINS", "").split(",") if c.strip()]
@@ -111,6 +130,7 @@ def main(args: list[str]) -> int:
             run_condition(env, args, report)
             results[name] = figures(report) if report.exists() else {}
     print(table(results))
+    print(fingerprints(results))
     return 0
 
 

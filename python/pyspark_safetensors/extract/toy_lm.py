@@ -281,6 +281,9 @@ def _train(model, rows: list[list[int]], config: ToyLMConfig, progress: bool) ->
         [{"params": decay, "weight_decay": config.weight_decay},
          {"params": other, "weight_decay": 0.0}],
         lr=config.learning_rate, betas=(0.9, 0.95),
+        # fused: ATen's own step, the same bits on every CPU (the default per-tensor
+        # step takes MKL's sqrt, which differs between AMD and Intel)
+        fused=True,
     )  # fmt: skip
 
     def lr_at(step: int) -> float:

@@ -313,7 +313,10 @@ def _train(model, x, y, patches, config: ToyViTConfig, progress: bool) -> list[f
     # the per-patch head trains beside the model and is thrown away: not part of the model
     head = torch.nn.Linear(config.hidden_size, 1 + len(SHAPES))
     params = [*model.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    # fused: the same bits on every CPU (as ``toy_lm``'s)
+    opt = torch.optim.AdamW(
+        params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True
+    )
 
     def lr_at(step: int) -> float:
         if step < config.warmup_steps:

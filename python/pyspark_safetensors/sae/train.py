@@ -606,7 +606,8 @@ class Trainer:
                 squares[sharded] = squares[sharded] + norm * norm
         sharded = all_reduce(squares[True], self.mesh, MODEL)
         replicated = squares[False]
-        norm = float((sharded + replicated).sqrt())
+        # math.sqrt: torch's sqrt is MKL's vector maths, whose bits differ between CPUs
+        norm = math.sqrt(float(sharded + replicated))
         if self.config.grad_clip and norm > self.config.grad_clip:
             scale = self.config.grad_clip / (norm + 1e-6)
             for p in self.sae.parameters():
