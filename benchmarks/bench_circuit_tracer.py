@@ -122,11 +122,11 @@ def _random_clt(model_dir: Path, out: Path) -> Path:
     import torch
 
     from pyspark_safetensors.extract.corpus import passages_by_key
-    from pyspark_safetensors.graphs.local import load_model
+    from pyspark_safetensors.extract.model import load_model
     from pyspark_safetensors.sae.architectures import CrossLayerTranscoder
     from pyspark_safetensors.sae.checkpoint import save_sae
 
-    model, tok = load_model(model_dir)
+    tok, model = load_model(model_dir)
     d, L = model.config.hidden_size, model.config.num_hidden_layers
     hooks = [f"model.layers.{i}.mlp:input" for i in range(L)]
     clt = CrossLayerTranscoder(d, N_LATENTS, K, d_out=d, n_layers=L, seed=0, hook_points=hooks,
@@ -167,8 +167,8 @@ def _diagonal(clt_path: Path, out: Path) -> Path:
 def prepare(root: Path) -> dict:
     """Model, dictionaries (ours and exported) and prompts under ``root``; ``inputs.json``."""
     from pyspark_safetensors.extract.corpus import passages_by_key
+    from pyspark_safetensors.extract.model import load_model
     from pyspark_safetensors.extract.toy_lm import TINY, toy_lm
-    from pyspark_safetensors.graphs.local import load_model
     from pyspark_safetensors.sae.ecosystem import export_sae
 
     found = _demo_run()
@@ -184,7 +184,7 @@ def prepare(root: Path) -> dict:
     diag = _diagonal(clt, root / "per_layer.safetensors")
     export_sae(clt, root / "ct-clt", "circuit-tracer")
     export_sae(diag, root / "ct-per_layer", "circuit-tracer-transcoders")
-    _, tok = load_model(model_dir)
+    tok, _ = load_model(model_dir)
     n = int(os.environ.get("CIRCUIT_TRACER_PROMPTS", PROMPTS))
     texts = passages_by_key(0, 1 << 30, 400)[-n:]
     prompts = [tok(t, truncation=True, max_length=TOKENS)["input_ids"] for t in texts]
@@ -199,26 +199,21 @@ def ours(inputs: dict) -> dict:
     import torch
 
     from pyspark_safetensors.circuits import ReplacementModel, clt_replacement
+    from pyspark_safetensors.extract.model import load_model
     from pyspark_safetensors.graphs.attribution import AttributionConfig, attribute_local
-    from pyspark_safetensors.graphs.local import Transcoders, capture, load_model
-    from pyspark_safetensors.sae.architectures.clt import block_of
-    from pyspark_safetensors.sae.ecosystem import load_sae_model
 
-    model, _ = load_model(inputs["model"])
+    _, model = load_model(inputs["model"])
     config = AttributionConfig(max_logits=MAX_LOGITS, logit_probability=LOGIT_PROB)
     out, seconds = {}, {}
     for kind in DICTS:
-        clt = load_sae_model(inputs[kind])
-        blocks = tuple(block_of(h) for h in clt.hook_points)
-        tc = Transcoders(clt, blocks, per_layer=kind == "per_layer", rule="threshold")
-        rep = clt_replacement(model, clt, rule="threshold")
-        if kind == "per_layer":
+        rep = clt_replacement(model, inputs[kind], rule="threshold")
+        if kind == "per_layer":  # the CLT with its l -> t decoders zeroed: the l -> l case
             rep.decoders = [{t: d[t]} for t, d in enumerate(rep.decoders)]
-        rm, times = ReplacementModel(model, rep), []
+        rm, times, blocks = ReplacementModel(model, rep), [], rep.blocks
         for i, ids in enumerate(inputs["prompts"]):
             ids = torch.tensor(ids)
             started = time.perf_counter()
-            local = capture(model, tc, ids)
+            local = rm.capture(ids)
             graph = attribute_local(local, config)
             times.append(time.perf_counter() - started)
             run = rm.forward({"input_ids": ids[None]}, record=True)

@@ -9,33 +9,30 @@ import numpy as np
 import pytest
 import torch
 
+from pyspark_safetensors.circuits import ReplacementError, ReplacementModel
+from pyspark_safetensors.circuits.interventions import intervene
 from pyspark_safetensors.graphs import graph as G
 from pyspark_safetensors.graphs.attribution import (
     AttributionConfig,
+    AttributionError,
     attribute,
     attribute_local,
     logit_directions,
 )
-from pyspark_safetensors.graphs.interventions import intervene
-from pyspark_safetensors.graphs.local import AttributionError, capture, load_model, load_transcoders
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def model(toy):
-    return load_model(toy)
-
-
 @pytest.fixture(scope="module", params=["clt", "per_layer"])
-def case(request, model, dictionaries):
+def case(request, toy, dictionaries):
     """(local replacement model, its unpruned graph) of PROMPT."""
-    lm, tok = model
-    tc = load_transcoders(dictionaries[request.param])
-    assert tc.per_layer == (request.param == "per_layer")
-    local = capture(lm, tc, torch.tensor(tok(PROMPT)["input_ids"]))
+    rm = ReplacementModel.load(toy, dictionaries[request.param])
+    sources = [rm.replacement.sources(t) for t in range(rm.replacement.n_layers)]
+    assert sources == [[t] if request.param == "per_layer" else list(range(t + 1))
+                       for t in range(len(sources))]  # fmt: skip
+    local = rm.capture(torch.tensor(rm.tokenizer(PROMPT)["input_ids"]))
     return local, attribute_local(local, AttributionConfig(batch_size=40), PROMPT)
 
 
@@ -79,12 +76,13 @@ def test_incoming_edges_and_constant_sum_to_the_models_own_values(case):
     local, graph = case
     F, rows = graph.n_features, np.r_[0 : graph.n_features, graph.logit_start : graph.n_nodes]
     total = graph.adjacency[rows].astype(np.float64).sum(1) + graph.bias[rows]
-    clt = local.transcoders.clt
-    f = local.features
+    rep, f = local.replacement, local.features
     x = torch.stack(
         [local.mlp_in[int(b)][int(p)] for b, p in zip(f.model_layer, f.pos, strict=True)]
     )
-    pre = (x * clt.encoder_weight[f.layer, f.latent]).sum(1) + clt.encoder_bias[f.layer, f.latent]
+    w = torch.stack([rep.encoder_weight[a][c] for a, c in zip(f.layer, f.latent, strict=True)])
+    b = torch.stack([rep.encoder_bias[a][c] for a, c in zip(f.layer, f.latent, strict=True)])
+    pre = (x * w).sum(1) + b
     logits = local.logits[-1].double()
     want = np.r_[pre.detach().numpy(), (logits - logits.mean())[graph.logit_tokens].numpy()]
     np.testing.assert_allclose(total, want, rtol=1e-4, atol=1e-4)
@@ -96,17 +94,17 @@ def test_incoming_edges_and_constant_sum_to_the_models_own_values(case):
     assert not graph.adjacency[:F, :F][later].any()
 
 
-def test_logit_nodes_and_refusals(case, model):
+def test_logit_nodes_and_refusals(case):
     local, graph = case
     p = graph.logit_probabilities
     assert 1 <= len(p) <= 10 and (np.diff(p) <= 0).all()
     assert p.sum() >= 0.95 or len(p) == 10
     assert p[:-1].sum() < 0.95
-    lm, _ = model
+    rm = local.replacement_model
     with pytest.raises(AttributionError, match="exceeds the model's 64"):
-        attribute(lm, local.transcoders, [0] * 65)
+        attribute(rm, [0] * 65)
     with pytest.raises(AttributionError, match="non-empty"):
-        attribute(lm, local.transcoders, [])
+        attribute(rm, [])
 
 
 def test_pruning_and_scores(case):
@@ -171,5 +169,5 @@ def test_zeroing_a_feature_moves_each_logit_by_its_edge(case):
     edge = -graph.adjacency[rows, f]
     assert (np.sign(moved) == np.sign(edge)).all()
     assert np.corrcoef(moved, edge)[0, 1] > 0.8
-    with pytest.raises(AttributionError, match="mode"):
+    with pytest.raises(ReplacementError, match="mode"):
         intervene(local, {}, mode="other")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import CLT_LAYER, N_LATENTS, K, random_clt
+from pyspark_safetensors.circuits import ReplacementModel
 from pyspark_safetensors.features import FeaturesConfig, FeaturesError, plan_features
 from pyspark_safetensors.features.scan import RowReader
 from pyspark_safetensors.graphs.attribution import attribute
 from pyspark_safetensors.graphs.job import GraphsConfig, run_graphs
-from pyspark_safetensors.graphs.local import load_model, load_transcoders
 from pyspark_safetensors.torch import open_dataset
 
 pytestmark = pytest.mark.spark
@@ -53,8 +53,8 @@ def test_graphs_of_prompts_in_spark(spark, toy, dictionaries, tmp_path):
     assert [r.prompt_id for r in per_prompt] == [0, 3]
     assert all(0 < r.kept < r.n for r in per_prompt)
     # the job's graph of prompt 3 is the one made here
-    lm, tok = load_model(toy)
-    want = attribute(lm, load_transcoders(dictionaries["clt"]), tok(PROMPTS[3])["input_ids"])
+    rm = ReplacementModel.load(toy, dictionaries["clt"])
+    want = attribute(rm, rm.tokenizer(PROMPTS[3])["input_ids"])
     got = open_dataset(str(out / "adjacency"))["p3"]["adjacency"]
     np.testing.assert_allclose(torch.as_tensor(got).numpy(), want.adjacency, rtol=1e-5, atol=1e-6)
     edges = spark.read.parquet(str(out / "edges")).where("prompt_id = 3").collect()

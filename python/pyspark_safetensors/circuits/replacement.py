@@ -1,6 +1,9 @@
 """The replacement model: a Hugging Face causal LM whose MLP blocks are all replaced at once
 by a dictionary's outputs, computed from the MLP inputs the replaced model itself produces
-(Ameisen et al. 2025's replacement model: errors compound through the layers).
+(Ameisen et al. 2025's replacement model: errors compound through the layers). The one
+replacement model of the project: the whole-network evaluation (``evaluate.py``), the
+LUTs' (``lut_replacement``), attribution graphs (``graphs``, on its frozen local mode,
+``local.py``) and interventions (``interventions.py``) all run it.
 
 A ``Replacement`` is one dense description of what replaces the blocks, whatever it came
 from (a cross-layer transcoder, a set of per-layer transcoders, a LUT directory):
@@ -10,18 +13,19 @@ from (a cross-layer transcoder, a set of per-layer transcoders, a LUT directory)
 
 ``act_l`` keeps the top ``k`` of ``ReLU(pre)`` per row, or (a CLT's ``rule="threshold"``)
 ``pre * 1[pre > threshold]``. A CLT's ``sources(t)`` are the layers ``0..t``; a per-layer
-transcoder's are ``{t}`` alone.
+transcoder's are ``{t}`` alone. ``load_replacement`` makes one of any of these.
 
 ``ReplacementModel(model, replacement)`` hooks each replaced block: the block still runs
 (its true output on this run's input is what an error node needs), its input is encoded,
 the codes of this forward pass are kept in layer order, and the block's output becomes
 ``y_hat_t``, at the positions ``where`` says (default: every position):
 
-    rm = ReplacementModel(model, clt_replacement(model, "runs/clt"))
+    rm = ReplacementModel.load("models/toy", "runs/clt")   # model, tokenizer, dictionary
     run = rm.forward(batch, record=True)       # logits and, per block, input/output/codes
     run.trace.codes["model.layers.1.mlp"]      # [batch, seq, n] active features
     with rm.hooked(where=mask):                # or around any call of the model
-        logits = model(**batch).logits
+        logits = rm.model(**batch).logits
+    local = rm.capture(token_ids)              # one prompt's frozen local replacement model
 """
 
 from __future__ import annotations
@@ -33,14 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.errors import InvalidArgumentError, PysparkSafetensorsError
+from ..format.errors import InvalidArgumentError
+from .errors import ReplacementError
 
 RULES = ("topk", "threshold")
 """How a layer's latents are chosen at inference (``Replacement.encode``)."""
-
-
-class ReplacementError(PysparkSafetensorsError, ValueError):
-    """A dictionary that does not fit the model it should replace the MLPs of."""
 
 
 @dataclass
@@ -72,6 +73,20 @@ class Replacement:
     @property
     def n_layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def rule(self) -> str:
+        """How a layer's latents are chosen: "threshold" when the JumpReLU thresholds are
+        held, else "topk"."""
+        return "topk" if self.threshold is None else "threshold"
+
+    def sources(self, target: int) -> list[int]:
+        """The layers whose codes layer ``target``'s output is decoded from."""
+        return sorted(self.decoders[target])
+
+    def decoder(self, source: int, target: int) -> torch.Tensor:
+        """``W_dec^{source->target} [n_source, d_out]``."""
+        return self.decoders[target][source]
 
     def to(self, device) -> Replacement:
         """The same replacement with every tensor on ``device``."""
@@ -204,13 +219,35 @@ def clt_replacement(model, clt, *, rule: str = "topk") -> Replacement:
     )
 
 
-def transcoder_replacement(model, transcoders: Mapping[str, object]) -> Replacement:
+def recorded_block(path: str | os.PathLike) -> str:
+    """The MLP block a dictionary file records as its ``hook_point`` (in its metadata or
+    its saved config), refused when it records none."""
+    import json
+
+    from ..sae.architectures.clt import block_of
+    from ..sae.ecosystem import read_sae
+
+    meta = read_sae(path)[1].get("metadata") or {}
+    hook = meta.get("hook_point") or json.loads(meta.get("config", "{}")).get("hook_point")
+    if not hook:
+        raise ReplacementError(
+            f"{path}: the file records no hook_point; give the transcoders as "
+            "{block module name: file}"
+        )
+    return block_of(hook)
+
+
+def transcoder_replacement(
+    model, transcoders: Mapping[str, object] | Sequence[str | os.PathLike]
+) -> Replacement:
     """The replacement a set of per-layer transcoders gives ``model``: ``{block module
-    name: transcoder}`` (a ``TranscoderSAE``/``SkipTranscoderSAE`` or a path), each block
-    decoded from its own code alone (the CLT's ``l -> l`` special case). They must share
-    one ``k``."""
+    name: transcoder}`` (a ``TranscoderSAE``/``SkipTranscoderSAE`` or a path), or files
+    that each record their ``hook_point``; each block decoded from its own code alone
+    (the CLT's ``l -> l`` special case). They must share one ``k``."""
     from ..sae.ecosystem import load_sae_model
 
+    if not isinstance(transcoders, Mapping):
+        transcoders = {recorded_block(p): p for p in transcoders}
     blocks, d = model_blocks(model), _hidden(model)
     unknown = [b for b in transcoders if b not in blocks]
     if unknown:
@@ -274,6 +311,57 @@ def lut_replacement(model, lut_dir: str | os.PathLike) -> Replacement:
     return Replacement(tuple(blocks), enc_w, enc_b, decs, dec_b, k, None, skips)
 
 
+def load_replacement(model, dictionary, *, rule: str = "topk") -> Replacement:
+    """The replacement ``dictionary`` gives ``model``, whatever it is: a ``Replacement``; a
+    cross-layer transcoder (its file or directory, ours or a layout ``read_sae`` reads, or
+    the module); per-layer transcoders (a sequence of files recording their hook points,
+    or ``{block: transcoder}``); a LUT directory (``lut/metadata.json``). ``rule``:
+    "topk" (every dictionary) or "threshold" (a CLT's JumpReLU thresholds)."""
+    from ..sae.architectures import CrossLayerTranscoder
+
+    if rule not in RULES:
+        raise InvalidArgumentError(f"rule must be one of {RULES}, got {rule!r}")
+    if isinstance(dictionary, Replacement):
+        if dictionary.rule != rule:
+            raise ReplacementError(f"the replacement encodes by {dictionary.rule}, not {rule}")
+        return dictionary
+    if isinstance(dictionary, str | os.PathLike) and _is_lut(dictionary):
+        kind, made = "a LUT", lambda: lut_replacement(model, dictionary)
+    elif isinstance(dictionary, str | os.PathLike | CrossLayerTranscoder):
+        return clt_replacement(model, dictionary, rule=rule)
+    else:
+        kind, made = "per-layer transcoders", lambda: transcoder_replacement(model, dictionary)
+    if rule != "topk":
+        raise ReplacementError(
+            f"rule {rule!r}: {kind} hold no JumpReLU thresholds (only a cross-layer "
+            "transcoder calibrates them); use rule='topk'"
+        )
+    return made()
+
+
+def _is_lut(path: str | os.PathLike) -> bool:
+    """A LUT directory: its ``metadata.json`` names ``sae_config`` and ``layers``."""
+    import json
+
+    from ..lut.spec import METADATA
+
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and {"sae_config", "layers"} <= set(meta)
+
+
+def block_layers(model, blocks: Sequence[str]) -> list[int]:
+    """The model's layer index of each MLP block (``model_blocks``' order)."""
+    known = model_blocks(model)
+    missing = [b for b in blocks if b not in known]
+    if missing:
+        raise ReplacementError(f"blocks {missing} are not MLP blocks of the model ({known})")
+    return [known.index(b) for b in blocks]
+
+
 # --- running it --------------------------------------------------------------------------
 
 
@@ -302,8 +390,9 @@ class ReplacementModel:
     ``replacement.blocks`` replaced (module docstring). The replacement is moved to the
     model's device."""
 
-    def __init__(self, model, replacement: Replacement):
+    def __init__(self, model, replacement: Replacement, tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer
         device = next(model.parameters()).device
         self.replacement = replacement.to(device)
         self.blocks = replacement.blocks
@@ -312,15 +401,40 @@ class ReplacementModel:
         if missing:
             raise ReplacementError(f"the model has no modules {missing}")
         self._modules = [modules[b] for b in self.blocks]
+        #: The model's layer index of each replaced block.
+        self.layers = block_layers(model, self.blocks)
+
+    @classmethod
+    def load(
+        cls, model_dir: str | os.PathLike, dictionary, *, rule: str = "topk"
+    ) -> ReplacementModel:
+        """A local Hugging Face causal LM directory (offline, eval mode, weights frozen;
+        ``tokenizer`` set) replaced by ``dictionary`` (anything ``load_replacement``
+        takes)."""
+        from ..extract.model import load_model
+
+        tokenizer, model = load_model(model_dir)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return cls(model, load_replacement(model, dictionary, rule=rule), tokenizer)
+
+    def capture(self, tokens: torch.Tensor):
+        """The frozen local replacement model of one prompt (``tokens [P]``): ``local.py``."""
+        from .local import capture
+
+        return capture(self, tokens)
 
     @contextmanager
     def hooked(
-        self, *, replace: bool = True, where: torch.Tensor | None = None, record: bool = False
-    ):
+        self, *, replace: bool = True, where: torch.Tensor | None = None, record: bool = False,
+        edit=None, add: Sequence[torch.Tensor] | None = None,
+    ):  # fmt: skip
         """Hooks for every forward pass inside: the codes computed from each block's input;
         with ``replace`` the block's output becomes ``y_hat`` at the positions ``where``
         (``[batch, seq]`` bool; None = all), else the model runs clean (the codes of clean
-        inputs). Yields the ``Trace`` of the last forward pass (filled when ``record``)."""
+        inputs). ``edit(layer, code)`` may change a layer's code (``[batch * seq, n]``)
+        before it is decoded; ``add[layer]`` is added to its ``y_hat`` (an error term).
+        Yields the ``Trace`` of the last forward pass (filled when ``record``)."""
         trace, codes, handles = Trace(), [], []
 
         def hook(layer: int):
@@ -331,8 +445,11 @@ class ReplacementModel:
                 if len(codes) != layer:
                     raise ReplacementError(f"{self.blocks[layer]} ran before the blocks below it")
                 flat = x.reshape(-1, x.shape[-1])
-                codes.append(self.replacement.encode(layer, flat))
+                code = self.replacement.encode(layer, flat)
+                codes.append(code if edit is None else edit(layer, code))
                 y_hat = self.replacement.decode(layer, codes, flat).reshape(y.shape).to(y.dtype)
+                if add is not None:
+                    y_hat = y_hat + add[layer].to(y.dtype)
                 if record:
                     block = self.blocks[layer]
                     trace.inputs[block], trace.outputs[block] = x.detach(), y.detach()

@@ -1,5 +1,6 @@
 """Attribution of one prompt: the direct effect of every node on every feature and logit
-of the prompt's local replacement model (``local.py``).
+of the prompt's local replacement model (``circuits.local``, the replacement model's
+frozen mode).
 
 Nodes, in this order (circuit-tracer's): the active features (sorted by model layer,
 position, latent), an error node per (block, position), block-major, the token
@@ -25,8 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..circuits.local import LocalReplacement
+from ..circuits.replacement import ReplacementError
 from .graph import AttributionGraph
-from .local import AttributionError, LocalReplacement, capture
+
+
+class AttributionError(ReplacementError):
+    """A prompt or setting no graph can be made of."""
 
 
 @dataclass(frozen=True)
@@ -64,13 +70,12 @@ def logit_directions(local: LocalReplacement, ids: torch.Tensor) -> torch.Tensor
 def _targets(local: LocalReplacement, xs, final, idx: torch.Tensor, logit_dirs) -> torch.Tensor:
     """Row b's target ``idx[b]`` (< F: a feature's pre-activation; else a logit node)."""
     feats, F = local.features, len(local.features)
+    enc_w, enc_b = local.encoder_rows()
     out = []
     for b, j in enumerate(idx.tolist()):
         if j < F:
             x = xs[int(feats.model_layer[j])][b, int(feats.pos[j])]
-            clt = local.transcoders.clt
-            layer, latent = feats.layer[j], feats.latent[j]
-            out.append(x @ clt.encoder_weight[layer, latent] + clt.encoder_bias[layer, latent])
+            out.append(x @ enc_w[j] + enc_b[j])
         else:
             out.append(final[b] @ logit_dirs[j - F])
     return torch.stack(out)
@@ -140,14 +145,14 @@ def attribute_local(local: LocalReplacement, config: AttributionConfig = Attribu
     )
 
 
-def attribute(model, transcoders, tokens, config: AttributionConfig = AttributionConfig(),
+def attribute(replacement_model, tokens, config: AttributionConfig = AttributionConfig(),
               prompt: str = "") -> AttributionGraph:  # fmt: skip
     """The unpruned attribution graph of ``tokens`` (``[P]`` ids, BOS included if the
-    model wants one) in ``model`` with ``transcoders`` (``local.Transcoders``)."""
+    model wants one) through ``replacement_model`` (``circuits.ReplacementModel``)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.ndim != 1 or len(tokens) == 0:
         raise AttributionError("a prompt must be a non-empty 1-D sequence of token ids")
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = getattr(replacement_model.model.config, "max_position_embeddings", None)
     if context and len(tokens) > context:
         raise AttributionError(f"a prompt of {len(tokens)} tokens exceeds the model's {context}")
-    return attribute_local(capture(model, transcoders, tokens), config, prompt)
+    return attribute_local(replacement_model.capture(tokens), config, prompt)

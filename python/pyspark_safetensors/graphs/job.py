@@ -104,8 +104,8 @@ _LOADED: dict = {}
 
 
 def _loaded(config: GraphsConfig):
-    """The model, tokenizer and transcoders, once per Python worker."""
-    from .local import load_model, load_transcoders
+    """The replacement model (its tokenizer set), once per Python worker."""
+    from ..circuits.replacement import ReplacementModel
 
     key = (config.model, config.transcoders, config.rule)
     if config.threads:
@@ -115,25 +115,25 @@ def _loaded(config: GraphsConfig):
     if key not in _LOADED:
         _LOADED.clear()
         paths = config.transcoders[0] if len(config.transcoders) == 1 else list(config.transcoders)
-        _LOADED[key] = (*load_model(config.model), load_transcoders(paths, rule=config.rule))
+        _LOADED[key] = ReplacementModel.load(config.model, paths, rule=config.rule)
     return _LOADED[key]
 
 
 def graph_row(config: GraphsConfig, prompt_id: int, prompt: str | None) -> dict:
     """One prompt's row of ``SCHEMA`` (an error row when it cannot be attributed)."""
-    from .attribution import AttributionConfig, attribute
+    from ..circuits.replacement import ReplacementError
+    from .attribution import AttributionConfig, AttributionError, attribute
     from .graph import prune, scores
-    from .local import AttributionError
 
     row = dict.fromkeys(SCHEMA.names) | {"prompt_id": prompt_id, "prompt": prompt}
-    model, tokenizer, transcoders = _loaded(config)
+    replacement_model = _loaded(config)
     try:
         if not prompt or not prompt.strip():
             raise AttributionError("an empty prompt")
-        ids = tokenizer(prompt)["input_ids"]
+        ids = replacement_model.tokenizer(prompt)["input_ids"]
         attr = AttributionConfig(config.max_logits, config.logit_probability, config.batch_size)
-        graph = attribute(model, transcoders, ids, attr, prompt)
-    except AttributionError as e:
+        graph = attribute(replacement_model, ids, attr, prompt)
+    except ReplacementError as e:  # the prompt's (an AttributionError) or its model's
         return row | {"status": "error", "error": str(e), "nodes": [], "edges": []}
     pruned = prune(graph, config.node_threshold, config.edge_threshold)
     replacement, completeness = scores(graph)
@@ -207,7 +207,7 @@ def _graphs_fn(config: GraphsConfig, root: str):
     def run(batches):
         import gc
 
-        tokenizer = _loaded(config)[1]
+        tokenizer = _loaded(config).tokenizer
         # the worker's torch, transformers and model objects live as long as it does: out
         # of the collector's scans, which every graph's allocations trigger (~15% of a
         # small graph's time)

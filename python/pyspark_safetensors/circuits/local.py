@@ -1,127 +1,45 @@
-"""The local replacement model of one prompt (Ameisen et al. 2025, "Circuit Tracing").
+"""The local replacement model of one prompt (Ameisen et al. 2025, "Circuit Tracing"): the
+replacement model's frozen mode, on which attribution graphs are made.
 
 A causal LM of the Llama family (RMSNorm, attention without biases, an ``mlp`` per
-block) runs the prompt once (``capture``); then every MLP block is replaced by the
-transcoders' output plus an **error** (the block's true output minus the transcoders',
-a constant of the prompt), and the attention patterns and the normalisations' scales
-``1 / rms(h)`` are frozen at those clean values. What is left is linear in its sources
-(``LocalReplacement.run``):
+block) runs the prompt once (``capture``, or ``ReplacementModel.capture``); then every
+replaced MLP block is the replacement's output plus an **error** (the block's true output
+minus the replacement's, a constant of the prompt), and the attention patterns and the
+normalisations' scales ``1 / rms(h)`` are frozen at those clean values. What is left is
+linear in its sources (``LocalReplacement.run``):
 
     h_0 = sum_p  e_p * E[token_p]                         (embedding nodes, scale e_p = 1)
     h += A_l(h)           A_l: V, O projections of norm1 with the clean patterns and scale
     x_l = norm2_l(h)      the MLP input, read by layer l's features (pre = W_enc x_l + b_enc)
-    h += sum_{s <= l} a_f W_dec^{s->l}[latent_f] + b_dec^l + r_{l,p} err_{l,p}
+    h += sum_{s in sources(l)} a_f W_dec^{s->l}[latent_f] + b_dec^l (+ x_l W_skip^l^T)
+         + r_{l,p} err_{l,p}
     logit_v = norm_f(h)[last] . W_U[v]
 
 with the active features' activations ``a_f``, the error nodes' scales ``r`` (1) and
 the embeddings' scales ``e`` (1) as the sources. At the clean sources it reproduces the
 model's MLP inputs and logits (``check_exact``, run by ``capture``; a model outside this
-family fails it instead of giving wrong edges). ``Transcoders``: a cross-layer
-transcoder, or a set of per-layer transcoders held as one with only ``l -> l`` decoders.
+family fails it instead of giving wrong edges).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from ..format.errors import PysparkSafetensorsError
+from .errors import ReplacementError
 
 #: How far the frozen model at its clean sources may differ from the model (relative to
 #: the largest magnitude compared) before ``capture`` refuses the model.
 EXACT_RTOL = 1e-4
 
 
-class AttributionError(PysparkSafetensorsError, ValueError):
-    """A prompt, model or dictionary the local replacement model cannot be made of."""
-
-
-@dataclass(frozen=True)
-class Transcoders:
-    """The dictionary that replaces the MLPs: ``clt`` (a ``CrossLayerTranscoder``) whose
-    layer i reads and writes the MLP block ``blocks[i]``."""
-
-    clt: object
-    blocks: tuple[str, ...]
-    """The MLP module of each of the CLT's layers (``model.layers.3.mlp``)."""
-    per_layer: bool = False
-    """Only the ``l -> l`` decoders exist (a set of per-layer transcoders)."""
-    rule: str = "topk"
-    """How a layer encodes at inference: "topk" (the trained k per row) or "threshold"."""
-
-    def sources(self, target: int) -> range:
-        """The CLT layers whose features write layer ``target``'s output."""
-        return range(target, target + 1) if self.per_layer else range(target + 1)
-
-    def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        return self.clt.encode_layer(layer, x, rule=self.rule)
-
-
-def load_transcoders(
-    path: str | os.PathLike | Sequence[str | os.PathLike], *, rule: str = "topk"
-) -> Transcoders:
-    """A CLT file (one path), or per-layer transcoder files (a list, one per MLP block,
-    each recording its ``hook_point``), as ``Transcoders``."""
-    from ..sae.architectures import CrossLayerTranscoder
-    from ..sae.architectures.clt import block_of
-    from ..sae.ecosystem import load_sae_model, read_sae
-
-    if isinstance(path, (str, os.PathLike)):
-        clt = load_sae_model(path)
-        if not isinstance(clt, CrossLayerTranscoder):
-            raise AttributionError(f"{path}: not a cross-layer transcoder (give a list of "
-                                   "per-layer transcoder files instead)")  # fmt: skip
-        blocks = tuple(block_of(h) for h in clt.hook_points)
-        return Transcoders(clt, blocks, rule=rule)
-    models, blocks = [], []
-    for p in path:
-        tensors, info = read_sae(p)
-        if info["architecture"] != "transcoder":
-            raise AttributionError(f"{p}: a {info['architecture']}, not a transcoder")
-        meta = info.get("metadata") or {}
-        hook = meta.get("hook_point") or json.loads(meta.get("config", "{}")).get("hook_point")
-        if not hook:
-            raise AttributionError(f"{p}: the file records no hook_point")
-        models.append((tensors, int(info["k"])))
-        blocks.append(block_of(hook))
-    return Transcoders(per_layer_clt(models), tuple(blocks), per_layer=True, rule=rule)
-
-
-def per_layer_clt(transcoders: Sequence[tuple[dict, int]]):
-    """One ``CrossLayerTranscoder`` of per-layer transcoders' tensors (``(tensors, k)``
-    each, every one of the same widths and k): decoders ``l -> l`` only."""
-    from ..sae.architectures import CrossLayerTranscoder
-
-    (first, k), L = transcoders[0], len(transcoders)
-    n, d = first["encoder_weight"].shape
-    d_out = first["decoder_bias"].shape[0]
-    if any(t["encoder_weight"].shape != (n, d) or kk != k for t, kk in transcoders):
-        raise AttributionError("per-layer transcoders of different widths or k")
-    state = {
-        "encoder_weight": torch.stack([t["encoder_weight"] for t, _ in transcoders]),
-        "encoder_bias": torch.stack([t["encoder_bias"] for t, _ in transcoders]),
-        "decoder_bias": torch.stack([t["decoder_bias"] for t, _ in transcoders]),
-        "threshold": torch.zeros(L, n),
-    }
-    for layer, (t, _) in enumerate(transcoders):
-        w = torch.zeros(n, L - layer, d_out)
-        w[:, 0] = t["decoder_weight"]
-        state[f"decoder_weight.{layer}"] = w
-    clt = CrossLayerTranscoder(d, n, min(k, n), d_out=d_out, n_layers=L)
-    clt.load_full_state(state)
-    return clt.eval()
-
-
 @dataclass
 class Features:
-    """The active features of a prompt: CLT layer, model layer, position, latent, value."""
+    """The active features of a prompt: replacement layer, model layer, position, latent,
+    value."""
 
-    layer: torch.Tensor  # [F] the CLT layer (index into Transcoders.blocks)
+    layer: torch.Tensor  # [F] the replacement's layer (index into Replacement.blocks)
     model_layer: torch.Tensor  # [F] the model's block index
     pos: torch.Tensor  # [F]
     latent: torch.Tensor  # [F]
@@ -135,8 +53,7 @@ class Features:
 class LocalReplacement:
     """One prompt's clean run and its frozen linear model (module docstring)."""
 
-    model: object
-    transcoders: Transcoders
+    replacement_model: object  # the ReplacementModel it was captured from
     tokens: torch.Tensor  # [P]
     embeddings: torch.Tensor  # [P, d]
     patterns: list[torch.Tensor]  # per block [H, P, P]
@@ -145,13 +62,13 @@ class LocalReplacement:
     mlp_in: list[torch.Tensor]  # per block [P, d]
     mlp_out: list[torch.Tensor]  # per block [P, d]
     logits: torch.Tensor  # [P, V] the model's
-    codes: dict[int, torch.Tensor]  # CLT layer -> dense code [P, n]
+    codes: dict[int, torch.Tensor]  # replacement layer -> dense code [P, n_l]
     errors: torch.Tensor  # [n_blocks, P, d]
     features: Features = field(init=False)
-    block_of_layer: list[int] = field(init=False)  # CLT layer -> model block
+    block_of_layer: list[int] = field(init=False)  # replacement layer -> model block
 
     def __post_init__(self):
-        self.block_of_layer = _block_indices(self.model, self.transcoders.blocks)
+        self.block_of_layer = list(self.replacement_model.layers)
         rows = [(layer, *nz) for layer, c in self.codes.items() for nz in c.nonzero().tolist()]
         rows.sort()
         idx = torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
@@ -161,6 +78,14 @@ class LocalReplacement:
         )
         blocks = torch.tensor(self.block_of_layer, dtype=torch.long)
         self.features = Features(layer, blocks[layer], pos, latent, value)
+
+    @property
+    def model(self):
+        return self.replacement_model.model
+
+    @property
+    def replacement(self):  # the Replacement
+        return self.replacement_model.replacement
 
     @property
     def n_blocks(self) -> int:
@@ -190,23 +115,31 @@ class LocalReplacement:
             h = h + _frozen_attention(block.self_attn, h * s1 * block.input_layernorm.weight,
                                       self.patterns[i])  # fmt: skip
             xs.append(h * s2 * block.post_attention_layernorm.weight)
-            h = h + error_scale[:, i, :, None] * self.errors[i] + self._written(i, values, feats)
+            h = (
+                h
+                + error_scale[:, i, :, None] * self.errors[i]
+                + self._written(i, values, feats, xs[-1])
+            )
         final = h[:, -1] * self.final_scale[-1] * parts.norm.weight
         return xs, final
 
-    def _written(self, block: int, values: torch.Tensor, feats: Features) -> torch.Tensor:
-        """What the transcoders write into block ``block``'s output ``[B, P, d]``."""
+    def _written(self, block: int, values: torch.Tensor, feats: Features,
+                 x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """What the replacement writes into block ``block``'s output ``[B, P, d]`` (its
+        skip path from the block's input ``x [B, P, d]`` too)."""
         B, P = values.shape[0], self.n_pos
         if block not in self.block_of_layer:
             return torch.zeros(B, P, self.embeddings.shape[1])
         t = self.block_of_layer.index(block)
-        clt = self.transcoders.clt
-        out = clt.decoder_bias[t].expand(B, P, -1)
-        for s in self.transcoders.sources(t):
+        rep = self.replacement
+        out = rep.decoder_bias[t].expand(B, P, -1)
+        for s in rep.sources(t):
             sel = (feats.layer == s).nonzero()[:, 0]
             if len(sel):
-                rows = clt.decoder(s, t)[feats.latent[sel]]  # [F_s, d]
+                rows = rep.decoder(s, t)[feats.latent[sel]]  # [F_s, d]
                 out = out.index_add(1, feats.pos[sel], values[:, sel, None] * rows)
+        if rep.skip[t] is not None:
+            out = out + x @ rep.skip[t].t()
         return out
 
     def clean_sources(self, batch: int = 1) -> tuple[torch.Tensor, ...]:
@@ -220,15 +153,26 @@ class LocalReplacement:
     def pre_activations(self, xs: list[torch.Tensor], feats: Features | None = None):
         """Each feature's pre-activation ``W_enc x + b_enc`` from ``run``'s inputs ``[B, F]``."""
         feats = self.features if feats is None else feats
-        clt = self.transcoders.clt
-        w = clt.encoder_weight[feats.layer, feats.latent]  # [F, d]
+        w, b = self.encoder_rows(feats)
         x = torch.stack([xs[int(b)][:, int(p)] for b, p in zip(feats.model_layer, feats.pos, strict=True)], 1) \
             if len(feats) else torch.zeros(xs[0].shape[0], 0, w.shape[1])  # fmt: skip
-        return (x * w).sum(-1) + clt.encoder_bias[feats.layer, feats.latent]
+        return (x * w).sum(-1) + b
+
+    def encoder_rows(self, feats: Features | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each feature's encoder row ``[F, d]`` and bias ``[F]``."""
+        feats = self.features if feats is None else feats
+        rep = self.replacement
+        w = torch.zeros(len(feats), rep.encoder_weight[0].shape[1])
+        b = torch.zeros(len(feats))
+        for layer in feats.layer.unique().tolist():
+            sel = feats.layer == layer
+            w[sel] = rep.encoder_weight[layer][feats.latent[sel]]
+            b[sel] = rep.encoder_bias[layer][feats.latent[sel]]
+        return w, b
 
     def check_exact(self) -> float:
         """The largest relative difference between the frozen model at its clean sources
-        and the model (MLP inputs, last logits); raises ``AttributionError`` above
+        and the model (MLP inputs, last logits); raises ``ReplacementError`` above
         ``EXACT_RTOL``."""
         with torch.no_grad():
             xs, final = self.run(*self.clean_sources())
@@ -241,7 +185,7 @@ class LocalReplacement:
             scale = want.abs().max().clamp_min(1e-6)
             worst = max(worst, float((got - want).abs().max() / scale))
         if worst > EXACT_RTOL:
-            raise AttributionError(
+            raise ReplacementError(
                 f"the frozen replacement model misses the model by {worst:.2e} (relative): "
                 "an architecture outside the Llama family (norm or attention biases?)"
             )
@@ -262,27 +206,11 @@ class _Parts:
 def _parts(model) -> _Parts:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
-        raise AttributionError(
+        raise ReplacementError(
             f"{type(model).__name__}: the local replacement model needs a Llama-style causal "
             "LM (model.layers, model.norm, lm_head)"
         )
     return _Parts(inner.layers, inner.embed_tokens, inner.norm, model.lm_head)
-
-
-def _block_indices(model, blocks: Sequence[str]) -> list[int]:
-    """The model block index of each MLP module name."""
-    layers = _parts(model).layers
-    modules = dict(model.named_modules())
-    out = []
-    for name in blocks:
-        mlp = modules.get(name)
-        hit = [i for i, b in enumerate(layers) if b.mlp is mlp] if mlp is not None else []
-        if not hit:
-            raise AttributionError(f"the transcoders' block {name!r} is no MLP of the model")
-        out.append(hit[0])
-    if out != sorted(set(out)):
-        raise AttributionError(f"the transcoders' blocks {list(blocks)} are not in model order")
-    return out
 
 
 def _frozen_attention(attn, normed: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
@@ -300,9 +228,11 @@ def _rms_scale(norm, h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def capture(model, transcoders: Transcoders, tokens: torch.Tensor) -> LocalReplacement:
-    """Run ``tokens`` ``[P]`` through ``model`` (a Llama-style causal LM, eager attention)
-    and freeze its local replacement model; checked exact (``check_exact``)."""
+def capture(replacement_model, tokens: torch.Tensor) -> LocalReplacement:
+    """Run ``tokens`` ``[P]`` through the replacement model's model (a Llama-style causal
+    LM, eager attention) and freeze its local replacement model; checked exact
+    (``check_exact``)."""
+    model, rep = replacement_model.model, replacement_model.replacement
     parts = _parts(model)
     if getattr(model.config, "_attn_implementation", "eager") != "eager":
         model.set_attn_implementation("eager")  # the patterns come from eager attention
@@ -330,32 +260,19 @@ def capture(model, transcoders: Transcoders, tokens: torch.Tensor) -> LocalRepla
         for h in hooks:
             h.remove()
     n = len(parts.layers)
-    blocks = _block_indices(model, transcoders.blocks)
-    codes = {l: transcoders.encode(l, seen[f"in.{b}"]) for l, b in enumerate(blocks)}  # noqa: E741
+    blocks = replacement_model.layers
+    codes = [rep.encode(t, seen[f"in.{b}"]) for t, b in enumerate(blocks)]
     errors = torch.stack([seen[f"out.{i}"] for i in range(n)])
-    clt = transcoders.clt
     for t, b in enumerate(blocks):
-        recon = sum(codes[s] @ clt.decoder(s, t) for s in transcoders.sources(t))
-        errors[b] -= recon + clt.decoder_bias[t]
+        errors[b] -= rep.decode(t, codes, seen[f"in.{b}"])
     local = LocalReplacement(
-        model, transcoders, tokens, parts.embed(tokens),
+        replacement_model, tokens, parts.embed(tokens),
         [seen[f"att.{i}"] for i in range(n)],
         [(_rms_scale(b.input_layernorm, seen[f"n1.{i}"]),
           _rms_scale(b.post_attention_layernorm, seen[f"n2.{i}"])) for i, b in enumerate(parts.layers)],
         _rms_scale(parts.norm, seen["nf"]),
         [seen[f"in.{i}"] for i in range(n)], [seen[f"out.{i}"] for i in range(n)],
-        logits, codes, errors,
+        logits, dict(enumerate(codes)), errors,
     )  # fmt: skip
     local.check_exact()
     return local
-
-
-def load_model(path: str | os.PathLike):
-    """A local Hugging Face causal LM directory, eval mode, eager attention, and its
-    tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(Path(path), attn_implementation="eager")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval(), AutoTokenizer.from_pretrained(Path(path))
