@@ -33,7 +33,8 @@ def random_clt(seed: int = 1) -> CrossLayerTranscoder:
 
 @pytest.fixture(scope="session")
 def dictionaries(tmp_path_factory):
-    """{"clt": the CLT's file, "per_layer": a transcoder file per block}."""
+    """{"clt": the CLT's file, "per_layer": a transcoder file per block, "skip": a skip
+    transcoder file per block}."""
     root = tmp_path_factory.mktemp("dictionaries")
     clt = random_clt()
     save_sae(root / "clt.safetensors", clt.full_state(), clt.metadata())
@@ -49,7 +50,19 @@ def dictionaries(tmp_path_factory):
         save_sae(path, t, {"architecture": "transcoder", "k": str(K),
                            "hook_point": f"model.layers.{i}.mlp:input"})  # fmt: skip
         per_layer.append(path)
-    return {"clt": root / "clt.safetensors", "per_layer": per_layer}
+    skip = []
+    for i in range(TINY.num_layers):  # per-layer skip transcoders: a linear path beside
+        d, n = TINY.hidden_size, N_LATENTS
+        t = {"encoder_weight": torch.randn(n, d, generator=gen) / d**0.5,
+             "encoder_bias": 0.1 * torch.randn(n, generator=gen),
+             "decoder_weight": 0.1 * torch.randn(n, d, generator=gen),
+             "decoder_bias": 0.1 * torch.randn(d, generator=gen),
+             "skip_weight": 0.1 * torch.randn(d, d, generator=gen) / d**0.5}  # fmt: skip
+        path = root / f"skip{i}.safetensors"
+        save_sae(path, t, {"architecture": "skip_transcoder", "k": str(K),
+                           "hook_point": f"model.layers.{i}.mlp:input"})  # fmt: skip
+        skip.append(path)
+    return {"clt": root / "clt.safetensors", "per_layer": per_layer, "skip": skip}
 
 
 CLT_LAYER = 0

@@ -25,13 +25,14 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module", params=["clt", "per_layer"])
+@pytest.fixture(scope="module", params=["clt", "per_layer", "skip"])
 def case(request, toy, dictionaries):
     """(local replacement model, its unpruned graph) of PROMPT."""
     rm = ReplacementModel.load(toy, dictionaries[request.param])
     sources = [rm.replacement.sources(t) for t in range(rm.replacement.n_layers)]
-    assert sources == [[t] if request.param == "per_layer" else list(range(t + 1))
+    assert sources == [list(range(t + 1)) if request.param == "clt" else [t]
                        for t in range(len(sources))]  # fmt: skip
+    assert all((s is not None) == (request.param == "skip") for s in rm.replacement.skip)
     local = rm.capture(torch.tensor(rm.tokenizer(PROMPT)["input_ids"]))
     return local, attribute_local(local, AttributionConfig(batch_size=40), PROMPT)
 
@@ -154,10 +155,11 @@ def test_zeroing_a_feature_moves_each_logit_by_its_edge(case):
     doubled = intervene(local, {key: 2 * float(graph.activations[top])}).demeaned_delta()
     np.testing.assert_allclose(doubled[graph.logit_tokens].numpy(), graph.adjacency[rows, top],
                                rtol=1e-4, atol=1e-5)  # fmt: skip
-    # the full replacement model (attention and norms live) is the model itself unchanged
-    full = intervene(local, {}, mode="full")
-    torch.testing.assert_close(full.clean, local.logits[-1], rtol=1e-5, atol=1e-5)
-    assert full.delta.abs().max() == 0
+    # "full" and "replaced" unchanged are the model itself
+    for mode in ("full", "replaced"):
+        same = intervene(local, {}, mode=mode)
+        torch.testing.assert_close(same.clean, local.logits[-1], rtol=1e-5, atol=1e-5)
+        assert same.delta.abs().max() == 0
     # a last-block feature at the last position reaches the logits directly only: the
     # full model moves them the way its edges say, though not by as much: the final norm is
     # live, and this random dictionary's outputs are a large part of the residual
@@ -171,3 +173,62 @@ def test_zeroing_a_feature_moves_each_logit_by_its_edge(case):
     assert np.corrcoef(moved, edge)[0, 1] > 0.8
     with pytest.raises(ReplacementError, match="mode"):
         intervene(local, {}, mode="other")
+
+
+def test_full_interventions_add_the_decoder_delta_to_the_real_mlps(case):
+    """circuit-tracer's feature_intervention: zeroing a feature of the first block at the
+    last position adds -a_f W_dec^{0->t}[latent] to every block t it writes, the MLPs
+    real: with attention live, the last logits equal the model's with those additions made
+    by hand; frozen (the default), the last position's own attention keeps its clean
+    pattern, a little apart."""
+    local, graph = case
+    rm, rep = local.replacement_model, local.replacement
+    first = np.flatnonzero((graph.feature_layer == 0) & (graph.feature_pos == graph.n_pos - 1))
+    f = int(first[0])
+    latent, value, p = int(graph.feature_latent[f]), float(graph.activations[f]), graph.n_pos - 1
+    got = intervene(local, {(0, p, latent): 0.0}, mode="full", freeze_attention=False).changed
+    handles = []
+    for t, module in enumerate(rm._modules):
+        if 0 in rep.decoders[t]:
+            delta = torch.zeros(graph.n_pos, rep.decoder(0, t).shape[1])
+            delta[p] = -value * rep.decoder(0, t)[latent]
+            handles.append(module.register_forward_hook(lambda m, a, out, d=delta: out + d))
+    try:
+        with torch.no_grad():
+            want = local.model(input_ids=local.tokens[None]).logits[0, -1]
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - local.logits[-1]).abs().max() > 1e-3
+    frozen = intervene(local, {(0, p, latent): 0.0}, mode="full").changed
+    assert 0 < (frozen - got).abs().max() < 0.1 * (got - local.logits[-1]).abs().max()
+    # "replaced" swaps the MLPs for the dictionary's response: another answer
+    replaced = intervene(local, {(0, p, latent): 0.0}, mode="replaced").changed
+    assert (replaced - got).abs().max() > 1e-4
+    with pytest.raises(ReplacementError, match="no feature"):
+        intervene(local, {(graph.n_blocks, 0, 0): 0.0}, mode="full")
+
+
+def test_a_replacement_of_any_dictionary_and_its_refusals(toy, dictionaries, tmp_path):
+    from pyspark_safetensors.circuits import load_replacement
+    from pyspark_safetensors.sae.checkpoint import save_sae
+    from pyspark_safetensors.sae.ecosystem import read_sae
+
+    rm = ReplacementModel.load(toy, dictionaries["per_layer"])
+    rep = rm.replacement
+    assert load_replacement(rm.model, rep) is rep
+    # per-layer transcoders hold no JumpReLU thresholds: the rule is refused, not a ReLU
+    with pytest.raises(ReplacementError, match="no JumpReLU thresholds"):
+        ReplacementModel.load(toy, dictionaries["per_layer"], rule="threshold")
+    clt = ReplacementModel.load(toy, dictionaries["clt"], rule="threshold").replacement
+    assert clt.rule == "threshold" and clt.threshold is not None
+    with pytest.raises(ReplacementError, match="encodes by topk"):
+        load_replacement(rm.model, rep, rule="threshold")
+    # a transcoder file that records no hook point must be given its block
+    tensors, _ = read_sae(dictionaries["per_layer"][0])
+    save_sae(tmp_path / "bare.safetensors", tensors, {"architecture": "transcoder", "k": "4"})
+    with pytest.raises(ReplacementError, match="records no hook_point"):
+        load_replacement(rm.model, [tmp_path / "bare.safetensors"])
+    named = load_replacement(rm.model, {"model.layers.0.mlp": tmp_path / "bare.safetensors"})
+    assert named.blocks == ("model.layers.0.mlp",) and rm.layers == [0, 1]
