@@ -233,3 +233,24 @@ def test_a_complete_dataset_refuses_appends_and_a_failed_batch_leaves_nothing(sp
         writer(extra, jvm).option("batch_size", 4).mode("append").save(str(out))
     writer(extra, jvm).option("batch_size", 4).mode("overwrite").save(str(out))  # an overwrite may
     assert "complete" not in manifest(out) and manifest(out)["total_samples"] == 1
+
+
+@pytest.mark.parametrize("impl", ["jvm", pytest.param("python", marks=pytest.mark.python_source)])
+def test_a_stream_id_is_refused_under_another_checkpoint(spark, tmp_path, impl):
+    """Both sinks take ``stream_id`` and record the checkpoint with the stream's batches:
+    under a new checkpoint Spark numbers the batches from 0 again, and a reused stream id
+    would drop every one as a replay (a file stream of 15 rows, then the same files under
+    another checkpoint: the dataset kept 15 rows and the query ended without an error)."""
+    require(spark, impl)
+    inputs, out, a, b = tmp_path / "in", tmp_path / "out", tmp_path / "ckA", tmp_path / "ckB"
+    add_files(inputs, 0, 3)
+    run(file_stream(spark, inputs), out, a, implementation=impl, stream_id="s1", batch_size=4)
+    assert manifest(out)["stream_commits"] == {"s1": 2}
+    assert manifest(out)["stream_checkpoints"] == {"s1": f"file:{a}"}
+    with pytest.raises(Exception, match="committed its batches up to 2 from checkpoint"):
+        run(file_stream(spark, inputs), out, b, implementation=impl, stream_id="s1", batch_size=4)
+    assert manifest(out)["total_samples"] == 15 and files_on_disk(out) == listed(out)
+    add_files(inputs, 3, 1)  # its own checkpoint continues the stream
+    run(file_stream(spark, inputs), out, a, implementation=impl, stream_id="s1", batch_size=4)
+    assert manifest(out)["stream_commits"] == {"s1": 3}
+    assert ids_by_reference_library(out) == list(range(20))

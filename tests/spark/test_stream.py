@@ -13,6 +13,7 @@ from pyspark.sql.utils import StreamingQueryException
 from safetensors.numpy import load_file
 
 from pyspark_safetensors.dataset import load_manifest
+from pyspark_safetensors.spark import stream
 
 pytestmark = [pytest.mark.spark, pytest.mark.python_source]
 
@@ -195,3 +196,39 @@ def test_offsets_are_positions_in_the_shard_list_and_an_overwrite_stops_the_stre
     append(0, 12, overwrite=True)  # as many shards as the offsets count, others
     with pytest.raises(StreamError, match="overwritten or rewritten under this stream"):
         reader.partitions(first, second)
+
+
+@pytest.mark.skipif(stream.ReadMaxFiles is None, reason="Spark before 4.2: no ReadLimit")
+@pytest.mark.parametrize(
+    "option, value, batches",
+    [("maxFilesPerTrigger", 3, [6, 6, 6, 2]), ("maxRowsPerTrigger", 9, [8, 8, 4]),
+     ("maxRowsPerTrigger", 1, [2] * 10), (None, None, [20])],
+)  # fmt: skip
+def test_a_stream_reads_at_most_the_limit_of_shards_or_rows_a_micro_batch(
+    spark, tmp_path, option, value, batches
+):
+    """Ten shards of 2 rows, read by micro-batches under a ReadLimit: whole shards, at
+    least one a batch; an availableNow query keeps the limit."""
+    out = tmp_path / "ds"
+    for start in range(0, 20, 4):
+        df = spark.range(start, start + 4, numPartitions=1)
+        df = df.select("id", F.array(F.col("id").cast("float")).alias("x"))
+        df.write.format("safetensors").option("implementation", "python").option(
+            "batch_size", 2
+        ).mode("append").save(str(out))
+    assert [s.samples_count for s in load_manifest(str(out)).shards] == [2] * 10
+    reader = spark.readStream.format("safetensors").option("implementation", "python")
+    if option:
+        reader = reader.option(option, value)
+    q = (
+        reader.load(str(out))
+        .writeStream.format("memory")
+        .queryName(f"limited_{len(batches)}_{value}")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    q.awaitTermination()
+    assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == batches
+    got = spark.table(f"limited_{len(batches)}_{value}").collect()
+    assert sorted(r.id for r in got) == list(range(20))

@@ -31,10 +31,10 @@ def sink(path, **options):
     return stream_writer(opts, SCHEMA, False)
 
 
-def run_tasks(path, stream, batch_id, *parts, check=True):
+def run_tasks(path, stream, batch_id, *parts, check=True, **options):
     """The micro-batch's tasks: each leases the batch and writes its part (``check=False``:
     written as a task that ran before the batch's first commit landed)."""
-    writer = sink(path)
+    writer = sink(path, **options)
     b = StreamBatch(stream, batch_id)
     results = []
     for task, (start, n) in enumerate(parts):
@@ -47,8 +47,8 @@ def run_tasks(path, stream, batch_id, *parts, check=True):
     return writer, b, results
 
 
-def commit(path, stream, batch_id, *parts, check=True):
-    writer, b, results = run_tasks(path, stream, batch_id, *parts, check=check)
+def commit(path, stream, batch_id, *parts, check=True, **options):
+    writer, b, results = run_tasks(path, stream, batch_id, *parts, check=check, **options)
     return commit_stream_batch(writer.job, b, results)
 
 
@@ -186,3 +186,76 @@ def test_a_batch_whose_commit_races_another_streams_is_committed_on_a_retry(tmp_
     assert {n for n in files(root) if n.endswith(".safetensors")} == {
         s.shard_path for s in manifest.shards
     }
+
+
+def committed_by(path, **options):
+    """Batch 0 of a sink with ``options`` written by one task and committed by the driver,
+    as Spark calls them; returns the sink."""
+    from pyspark_safetensors.spark.stream import BatchCommit
+
+    writer = sink(path, **options)
+    b = writer._batch("query", 0)
+    assert begin_stream_batch(writer.job.location, b)
+    result = writer.job.for_job(b.job_id).write_partition(iter([batch(0, 8)]), 0, 1)
+    writer.commit([BatchCommit(b.stream_id, 0, result)], 0)
+    return writer
+
+
+def test_a_stream_id_is_refused_under_another_checkpoint(tmp_path):
+    """Under a new checkpoint Spark numbers the batches from 0 again: every batch of a
+    reused stream id would be taken for a replay and dropped, so the sink refuses it."""
+    from pyspark_safetensors.spark.stream import StreamError
+
+    root, a, b = tmp_path / "ds", tmp_path / "ckA", tmp_path / "ckB"
+    committed_by(root, stream_id="s1", checkpointLocation=str(a))
+    manifest = load_manifest(root)
+    assert manifest.stream_commits == {"s1": 0}
+    assert manifest.stream_checkpoints == {"s1": f"file:{a}"}
+    with pytest.raises(StreamError, match=r"'s1' committed its batches up to 0 from checkpoint"):
+        sink(root, stream_id="s1", checkpointLocation=str(b))
+    sink(root, stream_id="s1", checkpointLocation=f"file://{a}/")  # the same checkpoint
+    sink(root, stream_id="s2", checkpointLocation=str(b))  # another stream
+    sink(root, checkpointLocation=str(b))  # the query's own id: new with its checkpoint
+    # every commit carries the checkpoints forward
+    w = PythonWriter(root, batch_size="4")
+    w.commit([w.write(iter([batch(8, 4)]))])
+    assert load_manifest(root).stream_checkpoints == {"s1": f"file:{a}"}
+    doc = json.loads((root / "dataset_manifest.json").read_text())
+    bad = copy.deepcopy(doc) | {"stream_checkpoints": {"s1": ""}}
+    with pytest.raises(ManifestError, match="stream_checkpoints"):
+        Manifest.from_json(bad, "m")
+
+
+@pytest.mark.parametrize("named", ["stream_id", "checkpoint"])
+def test_an_aborted_batch_whose_tasks_all_failed_leaves_nothing(tmp_path, named):
+    """No task succeeded, so no message names the stream: the sink takes it from its
+    stream_id option, or the query id from the checkpoint's metadata."""
+    root, checkpoint = tmp_path / "ds", tmp_path / "ck"
+    checkpoint.mkdir()
+    (checkpoint / "metadata").write_text(json.dumps({"id": "q7"}))
+    commit(root, "s" if named == "stream_id" else "q7", 0, (0, 4))
+    before = files(root)
+    options = {"stream_id": "s"} if named == "stream_id" else {}
+    writer = sink(root, checkpointLocation=str(checkpoint), **options)
+    b = writer._batch("q7", 1)
+    assert begin_stream_batch(writer.job.location, b)  # a task leases the batch, writes ...
+    writer.job.for_job(b.job_id).write_partition(iter([batch(4, 4)]), 0, 1)
+    assert files(root) != before
+    writer.abort([None, None], 1)  # ... and fails, as does every other: no message
+    assert files(root) == before
+
+
+def test_a_replay_republishes_the_index_and_success(tmp_path):
+    """A crash between a commit's manifest and its ``_tensor_index.parquet`` and
+    ``_SUCCESS`` leaves them a commit behind; the batch's replay puts them back."""
+    root, indexed = tmp_path / "ds", {"generate_index": "true"}
+    commit(root, "q1", 0, (0, 8), **indexed)
+    manifest = commit(root, "q1", 1, (8, 4), **indexed)
+    index = (root / "_tensor_index.parquet" / "part-00000.parquet").read_bytes()
+    assert index == (root / manifest.index_file).read_bytes()
+    for check in (True, False):  # the replay's tasks see the batch committed, or ran before
+        (root / "_tensor_index.parquet" / "part-00000.parquet").write_bytes(b"stale")
+        (root / "_SUCCESS").unlink()
+        commit(root, "q1", 1, (8, 4), check=check, **indexed)
+        assert (root / "_tensor_index.parquet" / "part-00000.parquet").read_bytes() == index
+        assert (root / "_SUCCESS").exists() and load_manifest(root) == manifest

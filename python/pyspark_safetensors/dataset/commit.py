@@ -138,10 +138,12 @@ class CompleteDatasetError(AppendError):
 @dataclass(frozen=True)
 class StreamBatch:
     """The streaming micro-batch a commit publishes: ``batch_id`` of the stream
-    ``stream_id`` (a streaming query's id, stable across restarts from its checkpoint)."""
+    ``stream_id`` (a streaming query's id, stable across restarts from its checkpoint),
+    written from the query's ``checkpoint`` location when the sink was told it."""
 
     stream_id: str
     batch_id: int
+    checkpoint: str | None = None
 
     def __post_init__(self):
         if not self.stream_id or self.batch_id < 0:
@@ -409,6 +411,7 @@ def commit_dataset(
     if stream is not None and stream.committed_in(previous):
         location.delete([s.final_name for s in staged])
         abort_dataset(location, job_id)
+        republish(location, previous)
         return previous
     kept: tuple[ShardEntry, ...] = ()
     kept_index: list[pa.Table] = []
@@ -435,6 +438,7 @@ def commit_dataset(
         parent_commit=previous.commit_id if previous is not None else None,
         created_at=_now(),
         stream_commits=_stream_commits(previous, stream),
+        stream_checkpoints=_stream_checkpoints(previous, stream),
         complete=False,
     )
     try:
@@ -459,6 +463,41 @@ def _refuse_duplicate_keys(indexes: list[pa.Table], where: str) -> None:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _stream_checkpoints(previous: Manifest | None, stream: StreamBatch | None) -> dict[str, str]:
+    """``previous``'s stream checkpoints, with ``stream``'s set to its checkpoint."""
+    checkpoints = dict(previous.stream_checkpoints) if previous is not None else {}
+    if stream is not None and stream.checkpoint:
+        checkpoints[stream.stream_id] = stream.checkpoint
+    return checkpoints
+
+
+def check_stream_checkpoint(manifest: Manifest | None, stream_id: str, checkpoint: str | None,
+                            where: str) -> None:  # fmt: skip
+    """Refuse stream ``stream_id`` under ``checkpoint`` when the dataset records its batches
+    from another checkpoint: under a new checkpoint Spark numbers the batches from 0 again,
+    and every one would be taken for a replay of a committed batch and dropped."""
+    if manifest is None or checkpoint is None or stream_id not in manifest.stream_commits:
+        return
+    recorded = manifest.stream_checkpoints.get(stream_id)
+    if recorded is not None and recorded != checkpoint:
+        raise InvalidArgumentError(
+            f"{where}: stream {stream_id!r} committed its batches up to "
+            f"{manifest.stream_commits[stream_id]} from checkpoint {recorded!r}; this query's "
+            f"checkpoint is {checkpoint!r}, whose batch ids start again at 0, so every batch "
+            "would be taken for a replay and dropped. Give this query another stream_id (or "
+            f"none: the query's own id), or run it from checkpoint {recorded!r}"
+        )
+
+
+def republish(location: DatasetLocation, manifest: Manifest) -> None:
+    """Put ``_tensor_index.parquet`` and ``_SUCCESS`` as ``manifest``'s commit leaves them:
+    a replayed batch does it, since a crash between a commit's manifest and these names
+    leaves them one commit behind."""
+    data = location.read_bytes(manifest.index_file) if manifest.index_file else None
+    _publish_spec_index(location, data)
+    location.put_bytes(SUCCESS, b"")
 
 
 def _stream_commits(previous: Manifest | None, stream: StreamBatch | None) -> dict[str, int]:

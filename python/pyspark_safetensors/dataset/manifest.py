@@ -74,6 +74,10 @@ class Manifest:
     stream_commits: dict[str, int] = field(default_factory=dict)
     """Streams appending to the dataset: stream id -> the last batch id it committed (a
     replayed batch commits nothing); every commit carries it forward."""
+    stream_checkpoints: dict[str, str] = field(default_factory=dict)
+    """Streams appending to the dataset: stream id -> the checkpoint location its batches
+    were committed from (a stream id continues only from its checkpoint: under a new one
+    its batch ids start again at 0); carried forward like ``stream_commits``."""
     complete: bool = False
     """The producer declared the dataset finished (``mark_complete``): appends refused."""
 
@@ -105,6 +109,7 @@ class Manifest:
             "parent_commit": self.parent_commit,
             "partition_columns": list(self.partition_columns) or None,
             "stream_commits": dict(self.stream_commits) or None,
+            "stream_checkpoints": dict(self.stream_checkpoints) or None,
             "complete": self.complete or None,
             "created_by": self.created_by,
             "created_at": self.created_at,
@@ -164,6 +169,7 @@ class Manifest:
             created_at=doc.get("created_at"),
             partition_columns=tuple(doc.get("partition_columns") or ()),
             stream_commits=dict(doc.get("stream_commits") or {}),
+            stream_checkpoints=dict(doc.get("stream_checkpoints") or {}),
             complete=bool(doc.get("complete", False)),
         )
         if (

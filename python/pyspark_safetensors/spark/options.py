@@ -308,6 +308,11 @@ _READER_PARSERS: dict[str, Callable[[str], dict]] = {
     # holds the schema, so it only picks the files view for plain files (see default_view).
     "inferSchema": lambda v: {"infer_schema": parse_bool("inferSchema", v)},
     "implementation": _implementation_option,
+    # a stream's admission control, named as Spark's file source and ReadLimits name it
+    "maxFilesPerTrigger": lambda v: {
+        "max_files_per_trigger": parse_int("maxFilesPerTrigger", v, 1)
+    },
+    "maxRowsPerTrigger": lambda v: {"max_rows_per_trigger": parse_int("maxRowsPerTrigger", v, 1)},
 }
 """One parser per read option (besides the paths)."""
 
@@ -330,10 +335,17 @@ class ReaderOptions:
     """Every path given (``load([p1, p2])``); read as one DataFrame."""
     infer_schema: bool = False
     """``inferSchema=true``: plain files default to the ``files`` view."""
+    max_files_per_trigger: int | None = None
+    """A stream's micro-batch reads at most this many shards (Spark 4.2+)."""
+    max_rows_per_trigger: int | None = None
+    """A stream's micro-batch reads at most this many rows, in whole shards: at least one
+    (Spark 4.2+)."""
 
     def __post_init__(self):
         if not self.paths:
             object.__setattr__(self, "paths", (self.path,))
+        if self.max_files_per_trigger and self.max_rows_per_trigger:
+            raise OptionError("give one of maxFilesPerTrigger and maxRowsPerTrigger")
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:

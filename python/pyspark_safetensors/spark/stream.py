@@ -14,10 +14,14 @@ The source: an offset is a position in the dataset's shard list, which appends o
 extend (``{"shards": n, "last": name of shard n - 1}``); a micro-batch reads the shards
 between two offsets through the batch reader (``reader.SafetensorsReader``) with its
 views and options. Only manifest-listed shards are read, never a shard being written.
+Options ``maxFilesPerTrigger`` (shards) and ``maxRowsPerTrigger`` (rows, in whole shards,
+at least one) cap a micro-batch through Spark's ``ReadLimit`` (Spark 4.2 and newer, where
+Python sources have admission control; refused on older lines).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -35,14 +39,29 @@ from ..dataset import (
     TaskResult,
     abort_dataset,
     begin_stream_batch,
+    check_stream_checkpoint,
     commit_dataset,
     load_manifest,
+    republish,
 )
 from ..format.errors import PysparkSafetensorsError
 from .compat import stream_task_ids
 from .options import OptionError
 from .reader import ReadPlan, SafetensorsReader, Source
 from .writer import WriteJob
+
+try:  # Spark 4.2 and newer: admission control of Python stream readers
+    from pyspark.sql.streaming.datasource import (
+        ReadAllAvailable,
+        ReadMaxFiles,
+        ReadMaxRows,
+        SupportsTriggerAvailableNow,
+    )
+
+    _AVAILABLE_NOW: tuple[type, ...] = (SupportsTriggerAvailableNow,)
+except ImportError:
+    ReadAllAvailable = ReadMaxFiles = ReadMaxRows = None
+    _AVAILABLE_NOW = ()
 
 try:  # Spark 4.1 and newer hand a stream writer Arrow batches
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriter
@@ -56,9 +75,12 @@ except ImportError:  # Spark 4.0: rows
 STREAM_ID_OPTION = "stream_id"
 """The sink's option naming its stream instead of the query's id."""
 
-STREAM_ONLY_OPTIONS = (STREAM_ID_OPTION, "checkpointLocation")
-"""Options a streaming write takes besides the batch writer's: Spark hands the query's
-``checkpointLocation`` to the sink too."""
+CHECKPOINT_OPTION = "checkpointLocation"
+"""The query's checkpoint, which Spark hands the sink too: recorded with the stream's
+batches, so that a stream id is refused under another checkpoint."""
+
+STREAM_ONLY_OPTIONS = (STREAM_ID_OPTION, CHECKPOINT_OPTION)
+"""Options a streaming write takes besides the batch writer's."""
 
 COMMIT_ATTEMPTS = 5
 """How often a micro-batch's commit is tried when another writer's commit landed while it
@@ -73,14 +95,33 @@ class StreamError(PysparkSafetensorsError, ValueError):
     stream over something that is not a dataset, a dataset rewritten under a stream."""
 
 
-def split_stream_options(options: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
-    """(the ``stream_id`` option, the other options less ``checkpointLocation``)."""
+def split_stream_options(
+    options: Mapping[str, str],
+) -> tuple[str | None, str | None, dict[str, str]]:
+    """(the ``stream_id`` option, the checkpoint location as ``checkpoint_key`` gives it,
+    the other options)."""
     stream_only = {name.lower() for name in STREAM_ONLY_OPTIONS}
     rest = {k: v for k, v in options.items() if k.lower() not in stream_only}
-    stream_id = next((v for k, v in options.items() if k.lower() == STREAM_ID_OPTION), None)
+    given = {k.lower(): v for k, v in options.items() if k.lower() in stream_only}
+    stream_id = given.get(STREAM_ID_OPTION)
     if stream_id is not None and not stream_id.strip():
         raise OptionError(f"option {STREAM_ID_OPTION} is empty")
-    return stream_id, rest
+    checkpoint = given.get(CHECKPOINT_OPTION.lower())
+    return stream_id, checkpoint_key(checkpoint) if checkpoint else None, rest
+
+
+def checkpoint_key(location: str) -> str:
+    """A checkpoint location as the manifest records it (the JVM sink's rule too): a path
+    without a scheme made absolute, ``file:`` for a local one, no trailing slash."""
+    import posixpath
+    from urllib.parse import urlsplit
+
+    scheme = urlsplit(location).scheme
+    if len(scheme) > 1 and scheme != "file":
+        return location.rstrip("/")
+    path = location[len("file:") :] if scheme == "file" else location
+    path = "/" + path.lstrip("/") if scheme == "file" else os.path.abspath(path)
+    return "file:" + posixpath.normpath(path)
 
 
 def refuse_complete_mode(overwrite: bool) -> None:
@@ -109,9 +150,11 @@ class SafetensorsStreamWriter(_StreamWriter):
     """The sink: every micro-batch one append of the dataset, the batch writer's options
     and modes, exactly once across restarts by the batch id."""
 
-    def __init__(self, job: WriteJob, stream_id: str | None, schema: StructType):
+    def __init__(self, job: WriteJob, stream_id: str | None, schema: StructType,
+                 checkpoint: str | None = None):  # fmt: skip
         self.job = job
         self.stream_id = stream_id
+        self.checkpoint = checkpoint
         self.schema = schema
 
     def write(self, iterator) -> WriterCommitMessage:
@@ -134,7 +177,7 @@ class SafetensorsStreamWriter(_StreamWriter):
                 f"id among its local properties); set option {STREAM_ID_OPTION}, or report "
                 "the Spark version"
             )
-        return StreamBatch(stream_id, batch_id)
+        return StreamBatch(stream_id, batch_id, self.checkpoint)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         batch = self._committed_batch(messages, batchId)
@@ -144,10 +187,25 @@ class SafetensorsStreamWriter(_StreamWriter):
         commit_stream_batch(self.job, batch, results)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """The batch's files and lease deleted, also when none of its tasks succeeded (no
+        message names the stream: it is the ``stream_id`` option or the query's id, which
+        the checkpoint keeps); a stream that never restarts leaves nothing behind."""
         batch = self._committed_batch(messages, batchId)
-        if batch is not None:
-            abort_dataset(self.job.location, batch.job_id)
-        # else no task succeeded; the batch's replay reclaims what its tasks left
+        stream_id = batch.stream_id if batch is not None else self.stream_id or self._query_id()
+        if stream_id is not None:
+            abort_dataset(self.job.location, StreamBatch(stream_id, batchId).job_id)
+        # else the stream cannot be named: the batch's replay reclaims what its tasks left
+
+    def _query_id(self) -> str | None:
+        """The query's id, from its checkpoint's ``metadata`` file (Spark writes it first)."""
+        import json
+
+        if self.checkpoint is None:
+            return None
+        try:
+            return json.loads(DatasetLocation.of(self.checkpoint).read_bytes("metadata"))["id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def _committed_batch(self, messages, batch_id: int) -> StreamBatch | None:
         streams = {m.stream_id for m in messages if isinstance(m, BatchCommit)}
@@ -159,7 +217,7 @@ class SafetensorsStreamWriter(_StreamWriter):
                 f"micro-batch {batch_id}: its tasks saw streams {sorted(streams)} and batches "
                 f"{sorted(batches)}; nothing was committed"
             )
-        return StreamBatch(streams.pop(), batch_id)
+        return StreamBatch(streams.pop(), batch_id, self.checkpoint)
 
 
 def commit_stream_batch(
@@ -170,6 +228,9 @@ def commit_stream_batch(
     batch that wrote no shard publishes no commit (as the JVM sink): its lease goes."""
     if not any(r.shards for r in results):
         abort_dataset(job.location, batch.job_id)
+        current = load_manifest(job.location) if job.location.is_file(MANIFEST) else None
+        if batch.committed_in(current):  # a replay: its commit may have died before these
+            republish(job.location, current)
         return None
     for attempt in range(COMMIT_ATTEMPTS):
         try:
@@ -218,10 +279,18 @@ def stream_writer(
     from .options import WriterOptions
 
     refuse_complete_mode(overwrite)
-    stream_id, rest = split_stream_options(options)
+    stream_id, checkpoint, rest = split_stream_options(options)
     storage, writer_options = split_storage_options(rest)
     job = WriteJob(WriterOptions.parse(writer_options), schema, False, storage, lease=False)
-    return SafetensorsStreamWriter(job, stream_id, schema)
+    if stream_id is not None and job.location.is_file(MANIFEST):
+        # the query's own id is new with each checkpoint: only a given stream id can meet
+        # another checkpoint's batches
+        try:
+            check_stream_checkpoint(load_manifest(job.location), stream_id, checkpoint,
+                                    f"dataset {job.location.uri!r}")  # fmt: skip
+        except PysparkSafetensorsError as e:
+            raise StreamError(str(e)) from None
+    return SafetensorsStreamWriter(job, stream_id, schema, checkpoint)
 
 
 # ------------------------------------------------------------------ the source
@@ -236,7 +305,7 @@ class StreamPartition(InputPartition):
     part: InputPartition
 
 
-class SafetensorsStreamReader(DataSourceStreamReader):
+class SafetensorsStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
     """The rows of each commit that lands on a dataset, from its first commit on, in the
     view the batch reader would give (``rows``, ``kv``, ``index``, ``tensors``,
     ``files``)."""
@@ -252,14 +321,55 @@ class SafetensorsStreamReader(DataSourceStreamReader):
         self.plan = plan
         self.schema = schema
         self._reader(plan.sources[0])  # a given schema is checked here, on the driver
+        self._target: int | None = None  # the shards an availableNow query reads
+        limited = plan.options.max_files_per_trigger or plan.options.max_rows_per_trigger
+        if limited and ReadMaxFiles is None:
+            import pyspark
+
+            raise StreamError(
+                f"maxFilesPerTrigger and maxRowsPerTrigger need Spark 4.2 or newer (admission "
+                f"control of Python stream sources); this is Spark {pyspark.__version__}"
+            )
 
     def initialOffset(self) -> dict:
         return {"shards": 0}
 
+    def prepareForTriggerAvailableNow(self) -> None:
+        """An availableNow query reads the shards listed now, in micro-batches of its
+        limit (without this, Spark would read them in one batch, limit or not)."""
+        self._target = len(load_manifest(self.location).shards)
+
+    def getDefaultReadLimit(self):
+        """The options' cap of a micro-batch (Spark 4.2+ asks before each)."""
+        options = self.plan.options
+        if options.max_files_per_trigger:
+            return ReadMaxFiles(options.max_files_per_trigger)
+        if options.max_rows_per_trigger:
+            return ReadMaxRows(options.max_rows_per_trigger)
+        return ReadAllAvailable()
+
     def latestOffset(self, start: dict | None = None, limit=None) -> dict:
-        # Spark 4.2's admission control passes (start, ReadAllAvailable): every new shard
+        """Every new shard, or (Spark 4.2+, a ``ReadLimit``) as many as the limit takes
+        from ``start``: shards up to ``max_files``, or whole shards up to ``max_rows`` rows,
+        at least one."""
         manifest = load_manifest(self.location)
-        return _offset(manifest, len(manifest.shards))
+        end = (
+            len(manifest.shards)
+            if self._target is None
+            else min(len(manifest.shards), self._target)
+        )
+        if start is not None and limit is not None and ReadMaxFiles is not None:
+            first = self._check(manifest, start)
+            if isinstance(limit, ReadMaxFiles):
+                end = min(end, first + limit.max_files)
+            elif isinstance(limit, ReadMaxRows):
+                rows, stop = 0, first
+                while stop < end and (stop == first or rows + manifest.shards[stop].samples_count
+                                      <= limit.max_rows):  # fmt: skip
+                    rows += manifest.shards[stop].samples_count
+                    stop += 1
+                end = stop
+        return _offset(manifest, end)
 
     def partitions(self, start: dict, end: dict) -> list[StreamPartition]:
         manifest = load_manifest(self.location)

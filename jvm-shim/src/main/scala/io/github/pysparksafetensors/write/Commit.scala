@@ -152,20 +152,42 @@ object Commit {
         s"$where is marked complete (its producer declared it finished: 'complete' in its manifest); " +
           "appends are refused: overwrite it, or write to another path")
 
-  /** The stream fields of a commit after `previous`: every stream's last batch carried
-    * forward, `stream`'s set to its batch; `complete` carried by an append, dropped by an
-    * overwrite (a new generation starts unfinished). */
-  private[write] def streamFields(previous: Option[ManifestDoc], stream: Option[(String, Long)],
-      overwrite: Boolean): (Seq[(String, Long)], Option[Boolean]) = {
+  /** The stream fields of a commit after `previous`: every stream's last batch and
+    * checkpoint carried forward, `stream`'s set to its own; `complete` carried by an
+    * append, dropped by an overwrite (a new generation starts unfinished). */
+  private[write] def streamFields(previous: Option[ManifestDoc], stream: Option[StreamBatch],
+      overwrite: Boolean): (Seq[(String, Long)], Seq[(String, String)], Option[Boolean]) = {
     val before = previous.getOrElse(ManifestDoc(Nil, Nil, "batch", None, None, None, None, None, None, None, Map.empty, "", None))
-    (stream.fold(before.streamCommits) { case (s, b) => before.withStreamCommit(s, b) },
+    (stream.fold(before.streamCommits)(s => before.withStreamCommit(s.id, s.batch)),
+      stream.flatMap(s => s.checkpoint.map(c => before.withStreamCheckpoint(s.id, c))).getOrElse(before.streamCheckpoints),
       if (overwrite) None else before.complete)
   }
 
   /** Whether `previous` has batch `stream` committed already: the replay of a micro-batch
     * after a restart, which publishes nothing. */
-  private[write] def replayed(previous: Option[ManifestDoc], stream: Option[(String, Long)]): Boolean =
-    stream.exists { case (s, b) => previous.exists(_.committed(s, b)) }
+  private[write] def replayed(previous: Option[ManifestDoc], stream: Option[StreamBatch]): Boolean =
+    stream.exists(s => previous.exists(_.committed(s.id, s.batch)))
+
+  /** A replayed batch puts `_tensor_index.parquet` and `_SUCCESS` as `manifest`'s commit
+    * leaves them: a crash between a commit's manifest and these names leaves them a commit
+    * behind (`republish` of the Python commit). */
+  private[write] def republish(files: DatasetFiles, manifest: ManifestDoc): Unit = {
+    publishSpecIndex(files, manifest.indexFile.map(files.readBytes))
+    files.putBytes(Layout.Success, Array.emptyByteArray)
+  }
+
+  /** Refuse stream `streamId` under `checkpoint` when `previous` records its batches from
+    * another checkpoint: under a new one Spark numbers the batches from 0 again, and every
+    * one would be taken for a replay and dropped (`check_stream_checkpoint`). */
+  def refuseOtherCheckpoint(previous: Option[ManifestDoc], streamId: String, checkpoint: Option[String],
+      where: String): Unit =
+    for (p <- previous; c <- checkpoint; last <- p.streamCommits.find(_._1 == streamId).map(_._2);
+         recorded <- p.streamCheckpoints.find(_._1 == streamId).map(_._2) if recorded != c)
+      throw new SafetensorsWriteException(
+        s"$where: stream '$streamId' committed its batches up to $last from checkpoint '$recorded'; this " +
+          s"query's checkpoint is '$c', whose batch ids start again at 0, so every batch would be taken for a " +
+          s"replay and dropped. Give this query another stream_id (or none: the query's own id), or run it " +
+          s"from checkpoint '$recorded'")
 
   /** Publish the shards of `results` as the dataset: the twin of `commit_dataset`.
     * `stream`: the (stream id, batch id) of a streaming micro-batch, recorded in the
@@ -173,12 +195,12 @@ object Commit {
     * deleted and the manifest as it stands is returned. */
   def commit(files: DatasetFiles, jobId: String, results: Seq[TaskCommit], template: ManifestDoc,
       overwrite: Boolean, generateIndex: Boolean, uniqueKeys: Boolean, keepPrevious: Boolean,
-      stream: Option[(String, Long)] = None): ManifestDoc = {
+      stream: Option[StreamBatch] = None): ManifestDoc = {
     val where = s"dataset '${files.uri}'"
     val staged = results.flatMap(_.shards).sortBy(s => (s.taskId, s.shardIndex))
     var schema = mergeSchemas(results.map(_.schema), where, template.mode == "kv")
     val previous = previousManifest(files, overwrite, s"'${files.uri}/${Layout.Manifest}'")
-    if (replayed(previous, stream)) { abort(files, jobId); return previous.get }
+    if (replayed(previous, stream)) { abort(files, jobId); republish(files, previous.get); return previous.get }
     var kept = Seq.empty[ShardEntry]
     var keptIndex = Seq.empty[IndexRows]
     previous.filter(_ => !overwrite).foreach { p =>
@@ -205,10 +227,10 @@ object Commit {
       val crc = new java.util.zip.CRC32C(); crc.update(data)
       (Layout.indexName(commitId), f"${crc.getValue}%08x")
     }
-    val (streamCommits, complete) = streamFields(previous, stream, overwrite)
+    val (streamCommits, streamCheckpoints, complete) = streamFields(previous, stream, overwrite)
     val manifest = template.copy(
       shards = entries(kept, staged),
-      streamCommits = streamCommits, complete = complete,
+      streamCommits = streamCommits, streamCheckpoints = streamCheckpoints, complete = complete,
       schema = schema,
       shapes = schema.map { case (n, c) => n -> template.batchSize.fold(c.sampleShape)(b => b +: c.sampleShape) }.toMap,
       indexFile = indexFile.map(_._1), indexCrc32c = indexFile.map(_._2),

@@ -35,7 +35,9 @@ final case class ManifestDoc(
     /** Streaming writes: per stream id, the last batch id committed, in document order. */
     streamCommits: Seq[(String, Long)] = Nil,
     /** Whether the producer declared the dataset finished (appends are then refused). */
-    complete: Option[Boolean] = None
+    complete: Option[Boolean] = None,
+    /** Streaming writes: per stream id, the checkpoint its batches were committed from. */
+    streamCheckpoints: Seq[(String, String)] = Nil
 ) {
   /** Whether batch `batchId` of stream `streamId` is committed already (a replay). */
   def committed(streamId: String, batchId: Long): Boolean =
@@ -45,6 +47,12 @@ final case class ManifestDoc(
   def withStreamCommit(streamId: String, batchId: Long): Seq[(String, Long)] =
     if (streamCommits.exists(_._1 == streamId)) streamCommits.map { case (s, b) => s -> (if (s == streamId) batchId else b) }
     else streamCommits :+ (streamId -> batchId)
+
+  /** `streamCheckpoints` with stream `streamId`'s entry set to `checkpoint`. */
+  def withStreamCheckpoint(streamId: String, checkpoint: String): Seq[(String, String)] =
+    if (streamCheckpoints.exists(_._1 == streamId))
+      streamCheckpoints.map { case (s, c) => s -> (if (s == streamId) checkpoint else c) }
+    else streamCheckpoints :+ (streamId -> checkpoint)
 
   def toJson: Array[Byte] = {
     val m = ManifestDoc.mapper
@@ -84,6 +92,10 @@ final case class ManifestDoc(
     if (streamCommits.nonEmpty) {
       val commits = doc.putObject("stream_commits")
       streamCommits.foreach { case (s, b) => commits.put(s, b) }
+    }
+    if (streamCheckpoints.nonEmpty) {
+      val checkpoints = doc.putObject("stream_checkpoints")
+      streamCheckpoints.foreach { case (s, c) => checkpoints.put(s, c) }
     }
     complete.foreach(doc.put("complete", _))
     doc.put("created_by", createdBy)
@@ -158,7 +170,12 @@ object ManifestDoc {
           fail(where, s"stream_commits['${e.getKey}'] must be a batch id, an integer >= 0")
         e.getKey -> e.getValue.asLong
       }).getOrElse(Nil),
-      complete = Option(doc.get("complete")).filter(_.isBoolean).map(_.asBoolean)
+      complete = Option(doc.get("complete")).filter(_.isBoolean).map(_.asBoolean),
+      streamCheckpoints = Option(doc.get("stream_checkpoints")).filter(_.isObject).map(_.properties().asScala.toList.map { e =>
+        if (!e.getValue.isTextual || e.getValue.asText.isEmpty)
+          fail(where, s"stream_checkpoints['${e.getKey}'] must be a checkpoint location, a non-empty string")
+        e.getKey -> e.getValue.asText
+      }).getOrElse(Nil)
     )
   }
 }

@@ -36,14 +36,16 @@ object PartitionedCommit {
     * the others. */
   def commit(files: DatasetFiles, jobId: String, results: Seq[TaskCommit], template: ManifestDoc,
       replace: Replace, generateIndex: Boolean, uniqueKeys: Boolean, keepPrevious: Boolean,
-      stream: Option[(String, Long)] = None): ManifestDoc = {
+      stream: Option[StreamBatch] = None): ManifestDoc = {
     val where = s"dataset '${files.uri}'"
     val kv = template.mode == "kv"
     val replaceAll = replace == Replace.All
     val written = results.filter(_.shards.nonEmpty).groupBy(_.dir)
     val dirs = written.keys.toSeq.sorted
     val previous = Commit.previousManifest(files, replaceAll, s"'${files.uri}/${Layout.Manifest}'")
-    if (Commit.replayed(previous, stream)) { abort(files, jobId); return previous.get }
+    if (Commit.replayed(previous, stream)) {
+      abort(files, jobId); Commit.republish(files, previous.get); return previous.get
+    }
     if (replace == Replace.Nothing) previous.foreach(Commit.refuseComplete(_, where))
     val replaced: String => Boolean = replace match {
       case Replace.All => _ => true
@@ -106,9 +108,9 @@ object PartitionedCommit {
     val rootSchema = Commit.mergeSchemas(keptSchema ++ dirs.map(schemas), where, varying = true)
     def shapes(schema: Seq[(String, ColumnSchema)]) =
       schema.map { case (n, c) => n -> template.batchSize.fold(c.sampleShape)(b => b +: c.sampleShape) }.toMap
-    val (streamCommits, complete) = Commit.streamFields(previous, stream, replace != Replace.Nothing)
+    val (streamCommits, streamCheckpoints, complete) = Commit.streamFields(previous, stream, replace != Replace.Nothing)
     val manifest = template.copy(shards = shards, schema = rootSchema, shapes = shapes(rootSchema),
-      streamCommits = streamCommits, complete = complete,
+      streamCommits = streamCommits, streamCheckpoints = streamCheckpoints, complete = complete,
       indexFile = indexFile.map(_._1), indexCrc32c = indexFile.map(_._2), commitId = Some(commitId),
       parentCommit = previous.flatMap(_.commitId), createdAt = Some(stamp))
     try Commit.publish(files, manifest, previous)

@@ -23,9 +23,13 @@ import org.apache.spark.sql.connector.write.streaming.{StreamingDataWriterFactor
   * continuous trigger is refused.
   *
   * @param plan the write as planned at the query's start (its `jobId` unused).
-  * @param streamId the streaming query's id, stable across restarts from its checkpoint.
+  * @param streamId the option `stream_id`, else the streaming query's id, stable across
+  *   restarts from its checkpoint.
+  * @param checkpoint the query's checkpoint location (`checkpointKey`), recorded with the
+  *   stream's batches: a given `stream_id` is refused under another checkpoint.
   */
-final class SafetensorsStreamingWrite private (plan: WriteJob, streamId: String) extends StreamingWrite {
+final class SafetensorsStreamingWrite private (plan: WriteJob, streamId: String, checkpoint: Option[String])
+    extends StreamingWrite {
   // the job of the batch whose tasks run now: set on the driver, read by commit and abort
   @volatile private var current: Option[WriteJob] = None
 
@@ -54,7 +58,7 @@ final class SafetensorsStreamingWrite private (plan: WriteJob, streamId: String)
     // A batch without rows publishes nothing: readers see no new commit, and a replay of it
     // has nothing to write twice.
     if (!written) { SafetensorsBatchWrite.abortJob(job); return }
-    try SafetensorsBatchWrite.commitJob(job, messages, Replace.Nothing, Some(streamId -> epochId))
+    try SafetensorsBatchWrite.commitJob(job, messages, Replace.Nothing, Some(StreamBatch(streamId, epochId, checkpoint)))
     catch { case e: Throwable => SafetensorsBatchWrite.abortJob(job); throw e }
   }
 
@@ -77,13 +81,34 @@ object SafetensorsStreamingWrite {
     * DataSource V2 streaming sink no `partitionBy`. */
   val PartitionColumnsOption = "partition_columns"
 
+  /** The option naming the stream instead of the query's id (the Python sink's too). */
+  val StreamIdOption = "stream_id"
+
+  /** A checkpoint location as the manifest records it (the Python sink's `checkpoint_key`):
+    * a path without a scheme made absolute, `file:` for a local one, no trailing slash. */
+  def checkpointKey(location: String): String = {
+    val scheme = "^([A-Za-z][A-Za-z0-9+.-]*):".r.findFirstMatchIn(location).map(_.group(1).toLowerCase(Locale.ROOT))
+    scheme match {
+      case Some(s) if s.length > 1 && s != "file" => location.replaceAll("/+$", "")
+      case Some("file") =>
+        "file:" + java.nio.file.Paths.get("/" + location.substring(5).replaceAll("^/+", "")).normalize().toString
+      case _ => "file:" + java.nio.file.Paths.get(location).toAbsolutePath.normalize().toString
+    }
+  }
+
   def apply(info: LogicalWriteInfo, tableOptions: util.Map[String, String],
       partitionColumns: Seq[String]): SafetensorsStreamingWrite = {
     val given = new util.HashMap[String, String]()
     var named = Seq.empty[String]
+    var streamId: Option[String] = None
+    var checkpoint: Option[String] = None
     info.options().asCaseSensitiveMap().asScala.foreach { case (k, v) =>
       val key = k.toLowerCase(Locale.ROOT)
       if (key == PartitionColumnsOption) named = v.split(",").map(_.trim).filter(_.nonEmpty).toSeq
+      else if (key == StreamIdOption) {
+        if (v.trim.isEmpty) throw new SafetensorsWriteException(s"option $StreamIdOption is empty")
+        streamId = Some(v)
+      } else if (key == "checkpointlocation") checkpoint = Some(checkpointKey(v))
       else if (!QueryOptions(key)) given.put(k, v)
     }
     if (named.nonEmpty && partitionColumns.nonEmpty && named != partitionColumns)
@@ -93,7 +118,13 @@ object SafetensorsStreamingWrite {
     val stated = SafetensorsBatchWrite.withTableOptions(given, tableOptions, WriterOptions.takes)
     val plan = SafetensorsBatchWrite.plan(info.schema(), stated,
       if (named.nonEmpty) named else partitionColumns, Replace.Nothing)
-    new SafetensorsStreamingWrite(plan, info.queryId())
+    // the query's own id is new with each checkpoint: only a given stream id can meet
+    // another checkpoint's batches
+    streamId.foreach { id =>
+      val previous = Commit.previousManifest(plan.files, overwrite = false, s"'${plan.files.uri}/${Layout.Manifest}'")
+      Commit.refuseOtherCheckpoint(previous, id, checkpoint, s"dataset '${plan.files.uri}'")
+    }
+    new SafetensorsStreamingWrite(plan, streamId.getOrElse(info.queryId()), checkpoint)
   }
 }
 
@@ -101,3 +132,7 @@ final class SafetensorsStreamingWriterFactory(job: WriteJob) extends StreamingDa
   override def createWriter(partitionId: Int, taskId: Long, epochId: Long): DataWriter[InternalRow] =
     new SafetensorsDataWriter(job, partitionId, taskId)
 }
+
+/** A streaming micro-batch a commit publishes: batch `batch` of stream `id`, written from
+  * the query's `checkpoint` when the sink was told it (the Python `StreamBatch`). */
+final case class StreamBatch(id: String, batch: Long, checkpoint: Option[String] = None)

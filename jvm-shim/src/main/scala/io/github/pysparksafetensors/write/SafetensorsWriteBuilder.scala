@@ -131,9 +131,9 @@ object SafetensorsBatchWrite {
   }
 
   /** Commit the shards the tasks' `messages` report, as `Commit` (or `PartitionedCommit`)
-    * does; `stream`: a streaming micro-batch's (stream id, batch id). */
+    * does; `stream`: a streaming micro-batch. */
   def commitJob(job: WriteJob, messages: Array[WriterCommitMessage], replace: Replace,
-      stream: Option[(String, Long)]): ManifestDoc = {
+      stream: Option[StreamBatch]): ManifestDoc = {
     val results = messages.toSeq.flatMap {
       case t: TaskCommit => Seq(t)
       case t: TaskCommits => t.parts
