@@ -110,10 +110,12 @@ class SafetensorsDataSource(DataSource):
 
     Streaming (``docs/streaming.md``): ``df.writeStream.format("safetensors")`` appends each
     micro-batch, exactly once across restarts (its batch id recorded in the manifest's
-    ``stream_commits`` under the query's id, or under the option ``stream_id``), output mode
-    ``append`` only, with the writer's options; ``spark.readStream.format("safetensors")
-    .load(path)`` gives the rows of each commit that lands on a dataset, in the reader's
-    views and options.
+    ``stream_commits`` under the query's id, or under the option ``stream_id``, refused
+    under another checkpoint than its own), output mode ``append`` only, with the writer's
+    options; ``spark.readStream.format("safetensors").load(path)`` gives the rows of each
+    commit that lands on a dataset, in the reader's views and options, a micro-batch capped
+    by ``maxFilesPerTrigger`` (shards) or ``maxRowsPerTrigger`` (rows in whole shards) on
+    Spark 4.2 and newer.
 
     Example::
 
