@@ -41,23 +41,31 @@ THRESHOLD = 0.9
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory, seed):
     """The tiny toy ViT, trained once per test process (the vision tests' own place)."""
-    from pyspark_safetensors.extract.toy_vit import TINY_VIT, toy_vit
+    from pyspark_safetensors.extract.toy_vit import toy_vit
 
-    return toy_vit(tmp_path_factory.getbasetemp() / "toy-vit", replace(TINY_VIT, seed=seed))
+    return toy_vit(tmp_path_factory.getbasetemp() / "toy-vit", vit_config(seed))
+
+
+def vit_config(seed: int):
+    """``TINY_VIT`` with its per-patch objective weighted 4: at 1 a circle's and a square's
+    inside patches stayed too alike for any latent to tell them apart at some seeds."""
+    from pyspark_safetensors.extract.toy_vit import TINY_VIT
+
+    return replace(TINY_VIT, seed=seed, patch_loss=4.0)
 
 
 @pytest.fixture(scope="module")
 def vit_run(spark, toy, tmp_path_factory, seed):
     from pyspark_safetensors.dataset import write_batch_dataset
     from pyspark_safetensors.extract import ExtractConfig, run_extraction
-    from pyspark_safetensors.extract.toy_vit import TINY_VIT, write_image_set
+    from pyspark_safetensors.extract.toy_vit import write_image_set
     from pyspark_safetensors.extract.vision import TOKEN_KINDS
     from pyspark_safetensors.sae import SAEConfig
     from pyspark_safetensors.sae.train import Trainer
     from pyspark_safetensors.torch import open_dataset
 
     root = tmp_path_factory.mktemp("toy-vit-features")
-    labels = pq.read_table(write_image_set(root / "shapes", N_IMAGES, replace(TINY_VIT, seed=seed)))
+    labels = pq.read_table(write_image_set(root / "shapes", N_IMAGES, vit_config(seed)))
     run_extraction(spark, ExtractConfig(images=str(root / "shapes" / "images"), model=str(toy),
                                         hooks=(HOOK,), batch_size=64), root / "acts")  # fmt: skip
     doc = json.loads((root / "acts" / "extraction.json").read_text())
@@ -74,8 +82,8 @@ def vit_run(spark, toy, tmp_path_factory, seed):
     train = patch & ~np.isin(column["image_id"].reshape(-1), list(odd))
     x = column["activation"].reshape(len(patch), -1)[train].astype(np.float32)
     write_batch_dataset(root / "train", {"activation": x})
-    Trainer(SAEConfig(dataset=str(root / "train"), expansion_factor=2, k=4, batch_size=128,
-                      tokens=8 * len(x), out_dir=str(root / "sae"), progress=False, seed=seed,
+    Trainer(SAEConfig(dataset=str(root / "train"), expansion_factor=2, k=8, batch_size=128,
+                      tokens=16 * len(x), out_dir=str(root / "sae"), progress=False, seed=seed,
                       plots=False)).fit()  # fmt: skip
     held_out = labels.filter(pc.equal(pc.bit_wise_and(labels.column("index"), 1), 1))
     pq.write_table(held_out, root / "held-out.parquet")
@@ -112,15 +120,18 @@ def test_shape_has_a_detector_on_held_out_images(vit_run, figure):
     _, summary, held_out = vit_run
     best, figures = best_per_factor(summary, held_out)
     figure("shape_auroc", best["shape"], above=THRESHOLD, context=figures)
-    # and it sees the shape, not only the inside of one: a latent firing on every patch
-    # inside any shape scores about 0.92 for each value too (most negatives are outside)
-    top = max((r for r in summary.ground_truth if r["factor"] == "shape"),
-              key=lambda r: r["auroc"])  # fmt: skip
+    # and some shape's detector sees the shape, not only the inside of one: a latent firing
+    # on every patch inside any shape scores about 0.92 for each value too (most negatives
+    # are outside), so each value's best latent is measured against that blind latent
     inside = np.array(held_out.column("patch_mask").to_pylist())
-    positive = inside & (np.array(held_out.column("shape").to_pylist()) == top["value"])[:, None]
-    negatives = (~positive).sum()
-    blind = ((~inside).sum() + 0.5 * (inside & ~positive).sum()) / negatives
-    figure("shape_auroc_over_blind", top["auroc"] - blind, above=0.03, context=figures)
+    shapes = np.array(held_out.column("shape").to_pylist())
+    over = {}
+    for row in (r for r in summary.ground_truth if r["factor"] == "shape"):
+        positive = inside & (shapes == row["value"])[:, None]
+        blind = ((~inside).sum() + 0.5 * (inside & ~positive).sum()) / (~positive).sum()
+        over[row["value"]] = row["auroc"] - blind
+    figure("shape_auroc_over_blind", max(over.values()), above=0.03,
+           context=f"{over} {figures}")  # fmt: skip
 
 
 def test_the_browser_of_the_toy_vit(vit_run, tmp_path):

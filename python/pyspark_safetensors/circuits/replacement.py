@@ -192,6 +192,7 @@ def clt_replacement(model, clt, *, rule: str = "topk") -> Replacement:
     records none, every MLP block of the model. Refused, naming the tensor and the shape
     expected, when its layers or widths do not fit the model."""
     from ..sae.architectures import CrossLayerTranscoder
+    from ..sae.architectures.clt import block_of
     from ..sae.ecosystem import load_sae_model
 
     if rule not in RULES:
@@ -202,7 +203,7 @@ def clt_replacement(model, clt, *, rule: str = "topk") -> Replacement:
         raise ReplacementError(f"{where}: a {type(module).__name__}, not a cross-layer transcoder")
     L, n, d = module.n_layers, module.n_latents, _hidden(model)
     shape = tuple(module.encoder_weight.shape)
-    recorded = [h.rpartition(":")[0] for h in module.hook_points]
+    recorded = [block_of(h) for h in module.hook_points]
     blocks = _covered_blocks(model, where, recorded, L, "encoder_weight", shape)
     _fits(where, "encoder_weight", shape, (len(blocks), n, d), f"the model's MLP blocks read {d}")
     _fits(where, "decoder_bias", module.decoder_bias.shape, (len(blocks), d),
