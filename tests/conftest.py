@@ -159,25 +159,6 @@ def _runs_the_python_source(item) -> bool:
     return "python" in params.values() or bool(list(item.iter_markers("python_source")))
 
 
-# Modules that import the Python source's own modules (pyspark.sql.datasource).
-_PYTHON_SOURCE_MODULES = {
-    "test_compat.py",
-    "test_read_plan.py",
-    "test_struct_shapes.py",
-    "test_commit.py",
-    "test_generations.py",
-    "test_stream_commits.py",
-}
-
-
-def pytest_ignore_collect(collection_path, config):
-    from pyspark_safetensors.spark.register import python_data_sources
-
-    if collection_path.name in _PYTHON_SOURCE_MODULES and not python_data_sources():
-        return True
-    return None
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import inspect
 
-import pyspark.sql.datasource
 import pytest
+
+pytest.importorskip("pyspark.sql.datasource", reason="this Spark has no Python data sources")
+
+import pyspark.sql.datasource
 from pyspark.sql.datasource import DataSource, DataSourceReader
 
 from pyspark_safetensors.spark import compat

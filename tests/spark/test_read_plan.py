@@ -8,6 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
+pytest.importorskip("pyspark.sql.datasource", reason="this Spark has no Python data sources")
+
+
 from pyspark_safetensors.dataset import write_batch_dataset
 from pyspark_safetensors.spark.source import SafetensorsDataSource
 

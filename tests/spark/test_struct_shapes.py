@@ -3,6 +3,9 @@
 import numpy as np
 import pytest
 
+pytest.importorskip("pyspark.sql.datasource", reason="this Spark has no Python data sources")
+
+
 from pyspark_safetensors.format import read_header, write_shard
 from pyspark_safetensors.spark.reader import ReadError, _struct_rows, _tensor_struct
 

@@ -11,6 +11,9 @@ import sys
 import textwrap
 
 import pytest
+
+pytest.importorskip("pyspark.sql.datasource", reason="this Spark has no Python data sources")
+
 from direct_writes import JvmWriter, PythonWriter, batch, files, writer
 
 from implementations import require

@@ -9,6 +9,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+
+pytest.importorskip("pyspark.sql.datasource", reason="this Spark has no Python data sources")
+
 from direct_writes import batch, files, writer
 from pyspark.sql import functions as F
 

@@ -8,6 +8,9 @@ import json
 import time
 
 import pytest
+
+pytest.importorskip("pyspark.sql.datasource", reason="this Spark has no Python data sources")
+
 from direct_writes import SCHEMA, PythonWriter, batch, files
 
 from pyspark_safetensors.dataset import (
