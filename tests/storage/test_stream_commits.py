@@ -219,6 +219,8 @@ def test_a_stream_id_is_refused_under_another_checkpoint(tmp_path):
     sink(root, stream_id="s1", checkpointLocation=f"file://{a}/")  # the same checkpoint
     sink(root, stream_id="s2", checkpointLocation=str(b))  # another stream
     sink(root, checkpointLocation=str(b))  # the query's own id: new with its checkpoint
+    with pytest.raises(StreamError, match="partitioned writes are the JVM source's"):
+        sink(root, partition_columns="key")  # the JVM sink's option, named, not unknown
     # every commit carries the checkpoints forward
     w = PythonWriter(root, batch_size="4")
     w.commit([w.write(iter([batch(8, 4)]))])

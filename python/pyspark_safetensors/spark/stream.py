@@ -82,6 +82,9 @@ batches, so that a stream id is refused under another checkpoint."""
 STREAM_ONLY_OPTIONS = (STREAM_ID_OPTION, CHECKPOINT_OPTION)
 """Options a streaming write takes besides the batch writer's."""
 
+PARTITION_COLUMNS_OPTION = "partition_columns"
+"""The JVM sink's option of partition columns: refused here with a pointer to it."""
+
 COMMIT_ATTEMPTS = 5
 """How often a micro-batch's commit is tried when another writer's commit landed while it
 committed (two streams into one dataset): its shards stay staged between tries."""
@@ -279,6 +282,12 @@ def stream_writer(
     from .options import WriterOptions
 
     refuse_complete_mode(overwrite)
+    if any(k.lower() == PARTITION_COLUMNS_OPTION for k in options):
+        raise StreamError(
+            f"option {PARTITION_COLUMNS_OPTION}: partitioned writes are the JVM source's (its "
+            "sink takes the option: .option('implementation', 'jvm')); the Python source "
+            "writes one dataset"
+        )
     stream_id, checkpoint, rest = split_stream_options(options)
     storage, writer_options = split_storage_options(rest)
     job = WriteJob(WriterOptions.parse(writer_options), schema, False, storage, lease=False)
