@@ -289,17 +289,15 @@ def test_lm_loss_with_the_transcoder_replacing_the_mlp(toy, figure):
     )
     kl = float((clean_logp.exp() * (clean_logp - spliced_logp)).sum(-1).mean())
     assert row["kl_spliced"] == pytest.approx(kl, rel=1e-3, abs=1e-7)
-    # what a trained transcoder gives: the block matters (either ablation hurts; which one
-    # hurts more is the toy model's: zero ablation at seed 0, mean ablation at seed 1), the
-    # transcoder recovers most of it. Spread (tests/margins.py, 1 thread / no AVX-512; seed 1
-    # fails the old zero > mean order only): CE recovered 0.976 / 0.994 (> 0.8), against mean
-    # ablation 0.954 / 0.989 (> 0.5), KL 0.3 % of zero ablation's (< 20 %), the LUT's alike
-    assert min(row["ce_zero_ablated"], row["ce_mean_ablated"]) > report["ce_clean"]
-    figure("ce_loss_recovered", row["ce_loss_recovered"], above=0.8)
-    figure("ce_loss_recovered_mean", row["ce_loss_recovered_mean"], above=0.5)
+    # what a trained transcoder gives: spliced in, the next-token distributions stay far
+    # closer to the clean ones than with the block zero-ablated. CE loss recovered is
+    # reported, not checked: the tiny toy's block barely matters (zero-ablating it moves the
+    # CE by -0.007 to +0.18 nats over seeds 0-4, against a clean 4.4), so the ratio of those
+    # differences is noise. Spread (tests/margins.py, seeds 0-4, the pinned CPU path): KL
+    # spliced 0.3-1.5 % of zero ablation's (< 20 %, margin +92 %), the LUT's alike
     figure("kl_spliced_over_zero", row["kl_spliced"] / row["kl_zero_ablated"], below=0.2)
     # the block's LUT is the transcoder in float16, run at BOS too: close, not equal
-    assert row["ce_loss_recovered_lut"] == pytest.approx(row["ce_loss_recovered"], abs=0.05)
+    assert row["ce_lut"] == pytest.approx(row["ce_spliced"], abs=0.01)
     figure("kl_lut_over_zero", row["kl_lut"] / row["kl_zero_ablated"], below=0.2)
     assert report["lut"][0]["ce"] == pytest.approx(row["ce_lut"], rel=1e-6)  # the only entry
     assert set(row) >= {"kl_lut", "ce_loss_recovered_lut", "ce_loss_recovered_mean",

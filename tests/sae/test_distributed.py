@@ -277,8 +277,9 @@ def test_data_parallel_jumprelu_equals_one_process_with_the_double_batch(
 @pytest.mark.trained
 def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activations, seed,
                                                                figure):  # fmt: skip
-    """Spread over seeds 0-2, identical at 1 and 2 threads, deterministic and without
-    AVX-512 (tests/margins.py): 20 steps take the FVU to 0.849-0.874 of its first (< 0.9)."""
+    """Spread over seeds 0-4 on the pinned CPU path, identical at 1 and 2 threads
+    (tests/margins.py): 20 steps take the FVU to 0.849-0.883 of its first (< 0.95, margin
+    +7 %; 0.9 left 1.8 %)."""
     common = [f"dataset={activations}", "n_latents=128", "k=6", "batch_size=256",
               "tokens=5120", "warmup_steps=2", "lr=0.002", "log_every=1", "progress=false", "plots=false",
               "checkpoints=1", f"seed={seed}"]  # fmt: skip
@@ -303,7 +304,7 @@ def test_torchrun_tensor_parallel_training_matches_one_process(tmp_path, activat
     assert tp == pytest.approx(single, rel=2e-3)
     # it learns: the first step starts from the fitted encoder scale (FVU ~0.54 here,
     # not the > 1 of an unscaled tied encoder), and 20 steps take it to ~0.45
-    figure("fvu_ratio", tp[-1] / tp[0], below=0.9)
+    figure("fvu_ratio", tp[-1] / tp[0], below=0.95)
     assert (tmp_path / "tp" / "sae.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "tp" / "checkpoints").iterdir()) == [
         "step-00000010", "step-00000020"

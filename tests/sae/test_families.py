@@ -211,13 +211,16 @@ def test_misaligned_datasets_are_refused_naming_both(family_data, tmp_path):
 def test_a_transcoder_trains_on_pairs_and_loads_back(
     family_data, tmp_path, architecture, seed, figure
 ):
-    """Spread over seeds 0-2, identical at 1 and 2 threads, deterministic and without AVX-512 (tests/margins.py): the last FVU 0.430-0.474 of the first (< 0.5;
-    skip: 0.364-0.388), held-out FVU 0.247-0.267 (< 0.4; skip: 0.146-0.180)."""
+    """Spread over seeds 0-4 on the pinned CPU path, identical at 1 and 2 threads
+    (tests/margins.py): the last training batch's FVU 0.430-0.508 of the first (< 0.6,
+    margin +15 %; skip: 0.364-0.437), held-out FVU 0.247-0.267 (< 0.4, +33 %; skip:
+    0.146-0.188). The ratio of two single batches is the noisier figure: 0.5 failed at
+    seed 3."""
     trainer = Trainer(_config(family_data, tmp_path / "run", architecture, seed=seed))
     assert (trainer.config.d, trainer.config.d_out) == (D_IN, D_OUT)
     metrics = trainer.fit()
     first = trainer.history[0]["fvu"]
-    figure("fvu_ratio", metrics["fvu"] / first, below=0.5)
+    figure("fvu_ratio", metrics["fvu"] / first, below=0.6)
     figure("val_fvu", metrics["val_fvu"], below=0.4)
     tensors, meta = load_sae(tmp_path / "run" / "sae.safetensors")
     assert meta["architecture"] == architecture
