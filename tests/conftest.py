@@ -58,8 +58,8 @@ def repo_root() -> Path:
 # training, set by ``tests/margins.py`` when it measures each such figure's spread (unset,
 # a run is the suite's usual one): torch's threads in the test processes (and, through
 # OMP_NUM_THREADS, in the Spark workers and torchrun processes they start),
-# deterministic kernels, and the seed the ``seed`` fixture hands the trained tests. A CPU
-# without AVX-512 is ATEN_CPU_CAPABILITY=avx2, which torch reads itself.
+# deterministic kernels, and the seed the ``seed`` fixture hands the trained tests. The
+# CPU's own kernels instead of the pinned path above are PSS_TEST_NATIVE_KERNELS=1.
 THREADS = os.environ.get("PSS_TEST_THREADS", "")
 if THREADS:
     os.environ["OMP_NUM_THREADS"] = THREADS
