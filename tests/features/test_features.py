@@ -167,9 +167,12 @@ def test_a_jumprelu_sae_without_k_equals_the_reference_and_its_own_rule(
 
     sae = make_jumprelu(tmp_path / "saelens")
     assert "k" not in json.loads((sae / "cfg.json").read_text())
+    # one torch thread in the workers and here: a JumpReLU's code is the exact bits of each
+    # pre-activation against its threshold, and on the suite's reproducible MKL path a
+    # GEMM's bits depend on the thread count (tests/cpu_path.py)
     config = FeaturesConfig(
         extraction=str(extraction), sae=str(sae), out=str(tmp_path / "features"), top_n=5,
-        context=3, samples_per_band=2, batch_tokens=128,
+        context=3, samples_per_band=2, batch_tokens=128, threads=1,
     )  # fmt: skip
     summary = run_features(spark, config)
     plan = plan_features(config)

@@ -700,7 +700,7 @@ def _compute(spark, plan: FeaturesPlan, config: FeaturesConfig, started: float, 
         labels = read_factors(config.factors, plan.layout, keys)
     cores = default_parallelism(spark)
     tasks = max(cores, -(-len(dataset) // ROWS_PER_TASK))
-    ranges = row_ranges(len(dataset), tasks)
+    ranges = row_ranges(len(dataset), tasks, config.batch_tokens)
     encoded = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
         _encode_fn(plan, config, dataset, ranges, None if labels is None else labels.ids),
         CANDIDATES_SCHEMA,

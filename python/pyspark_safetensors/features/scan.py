@@ -34,12 +34,18 @@ CONTEXT_BLOCK = 2048
 """Entries whose windows are gathered at once (``[block, window, m]`` codes)."""
 
 
-def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of ``parts`` contiguous ranges of about equal size covering
-    ``total`` rows (none empty, but the one range of no rows)."""
+def row_ranges(total: int, parts: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """``[start, stop)`` of up to ``parts`` contiguous ranges of about equal size covering
+    ``total`` rows (none empty, but the one range of no rows), each starting at a multiple
+    of ``multiple``. The features job gives it its chunk size: every chunk it encodes is
+    then one the single-process loop encodes too, the same rows in the same matrix, so
+    their codes are the same bits whatever the BLAS (a row's GEMM result can depend on the
+    rows beside it: MKL's reproducible path's does)."""
     parts = max(1, min(parts, total))
-    bounds = [total * i // parts for i in range(parts + 1)]
-    return list(itertools.pairwise(bounds))
+    step = parts * multiple
+    starts = {(total * i + step // 2) // step * multiple for i in range(parts)}
+    bounds = sorted(b for b in starts if b < total) or [0]
+    return list(itertools.pairwise([*bounds, total]))
 
 
 class RowReader:
