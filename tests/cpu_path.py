@@ -21,8 +21,11 @@ What no variable pins: MKL's vector ``sqrt`` under ``COMPATIBLE`` is built on th
 approximate reciprocal square root, whose bits differ between vendors, so torch's
 ``sqrt`` is not reproducible across CPUs. Adam's ``foreach`` step uses it; its ``fused``
 step (ATen's own kernel, correctly rounded) does not: the project's trainers take the
-fused step on CPU. Torch's thread count changes the order of parallel reductions: the
-same figure needs the same number of threads (the suite's machines have 2 cores).
+fused step on CPU. Torch's thread count changes the order of parallel reductions, and on
+this path a GEMM's bits too: at 2 threads a row's result can depend on the rows beside it
+in the batch (at 1 thread it did not, nor on the EPYC's own MKL path). The same figure
+needs the same threads and batches: compare a Spark job with a loop at one thread each
+(Spark's Python workers run one), over the same chunks.
 
 ``python tests/cpu_path.py`` prints the fingerprint of each kernel the trained tests use;
 ``tests/test_cpu_path.py`` checks that the pinned path gives the same fingerprints on CPUs
