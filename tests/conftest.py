@@ -81,12 +81,16 @@ def seed() -> int:
 @pytest.fixture
 def figure(record_property):
     """``figure(name, value, above=..., below=...)``: assert a trained figure against its
-    threshold and record both (``tests/margins.py`` reads them from the JUnit report)."""
+    threshold and record both (``tests/margins.py`` reads them from the JUnit report).
+    ``timed=True``: the figure depends on timing (which rows a follower saw when), so the
+    run's fingerprint leaves it out."""
 
     def check(name: str, value: float, *, above: float | None = None,
-              below: float | None = None, context: object = "") -> None:  # fmt: skip
+              below: float | None = None, context: object = "", timed: bool = False) -> None:  # fmt: skip
         value = float(value)
         record_property(f"figure:{name}", repr(value))
+        if timed:
+            record_property(f"timed:{name}", "true")
         bound = (">", above) if above is not None else ("<", below)
         record_property(f"threshold:{name}", f"{bound[0]} {bound[1]!r}")
         if above is not None:

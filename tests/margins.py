@@ -58,8 +58,8 @@ def run_condition(env: dict[str, str], args: list[str], report: Path) -> int:
     return run.returncode
 
 
-def figures(report: Path) -> dict[str, tuple[float, str]]:
-    """``{test::figure: (value, threshold)}`` recorded in one JUnit report."""
+def figures(report: Path) -> dict[str, tuple[float, str, bool]]:
+    """``{test::figure: (value, threshold, timed)}`` recorded in one JUnit report."""
     out = {}
     for case in ET.parse(report).iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -70,7 +70,8 @@ def figures(report: Path) -> dict[str, tuple[float, str]]:
                 param = case.get("name").partition("[")[2].rstrip("]")
                 module = case.get("classname").rsplit(".", 1)[-1]
                 where = f"{module}::{test}{f'[{param}]' if param else ''}::{name}"
-                out[where] = (float(value), props.get(f"threshold:{name}", ""))
+                out[where] = (float(value), props.get(f"threshold:{name}", ""),
+                              f"timed:{name}" in props)  # fmt: skip
     return out
 
 
@@ -82,7 +83,7 @@ def margin(values: list[float], threshold: str) -> float:
     return worst / abs(t) if t else worst
 
 
-def table(results: dict[str, dict[str, tuple[float, str]]]) -> str:
+def table(results: dict[str, dict[str, tuple[float, str, bool]]]) -> str:
     names = sorted({n for r in results.values() for n in r})
     conditions = list(results)
     lines = [
@@ -100,18 +101,21 @@ def table(results: dict[str, dict[str, tuple[float, str]]]) -> str:
     return "\n".join(lines)
 
 
-def fingerprint(figures: dict[str, tuple[float, str]]) -> str:
-    """A hash of every figure's exact value (and its name): equal fingerprints, equal bits."""
-    body = "\n".join(f"{name}={value.hex()}" for name, (value, _) in sorted(figures.items()))
+def fingerprint(figures: dict[str, tuple[float, str, bool]]) -> str:
+    """A hash of every figure's exact value (and its name), timed ones left out: equal
+    fingerprints, equal bits."""
+    body = "\n".join(f"{name}={value.hex()}" for name, (value, _, timed) in sorted(figures.items())
+                      if not timed)  # fmt: skip
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
-def fingerprints(results: dict[str, dict[str, tuple[float, str]]]) -> str:
+def fingerprints(results: dict[str, dict[str, tuple[float, str, bool]]]) -> str:
     first = next(iter(results.values()), {})
     lines = ["", "| condition | figures | fingerprint |", "|---|---|---|"]
     lines += [f"| {c} | {len(f)} | `{fingerprint(f)}` |" for c, f in results.items()]
     lines += ["", f"| figure | exact value under {next(iter(results), '-')} |", "|---|---|"]
-    lines += [f"| {name} | `{value.hex()}` |" for name, (value, _) in sorted(first.items())]
+    lines += [f"| {name} | `{value.hex()}`{' (timed: not in the fingerprint)' if timed else ''} |"
+              for name, (value, _, timed) in sorted(first.items())]  # fmt: skip
     return "\n".join(lines)
 
 

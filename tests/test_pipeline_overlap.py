@@ -163,7 +163,9 @@ def test_training_took_every_row_once_as_the_sequential_run(runs, figure):
     )
     # the same rows in another order: held-out figures of the same size
     fvu = {o: summaries[o]["evaluation"]["sae"][HOOK]["fvu"] for o in (True, False)}
-    figure("fvu_overlapped_minus_sequential", abs(fvu[True] - fvu[False]), below=0.15, context=fvu)
+    # which rows the training saw in which order follows the extraction's timing
+    figure("fvu_overlapped_minus_sequential", abs(fvu[True] - fvu[False]), below=0.15,
+           context=fvu, timed=True)  # fmt: skip
 
 
 def test_overlap_takes_one_epoch_and_groups_within_the_texts():
