@@ -20,7 +20,8 @@ every core once the extraction is done. (Never more threads than free cores besi
 extraction at the same priority: an OpenMP team sharing a core runs at the pace of its
 slowest thread.) Split evenly instead, each stage ran at half speed and the whole was
 slower than one stage after the other (``docs/BENCHMARKS.md``). An extraction that fails
-ends the run at once, with its own error: the stage's directory is deleted, and the
+ends the run at once, with its own error (also when the training failed first on the
+data the failed extraction deleted under it): the stage's directory is deleted, and the
 training's thread, a daemon, is not waited for.
 
 A finished extraction of the same key is reused, and the runs then follow datasets
@@ -45,6 +46,11 @@ CORES = os.cpu_count() or 1
 UNFINISHED = ".unfinished"
 """A stage directory holding this file is being built in place (or its build crashed):
 never reused."""
+
+
+FAILURE_GRACE_SECONDS = 10.0
+"""How long a run whose training failed first waits for the extraction to fail on its own
+(its error, the cause, is then the run's) before cancelling it."""
 
 
 def check_overlap(config) -> None:
@@ -92,11 +98,19 @@ def extract_and_train(pipeline) -> tuple[Path, dict]:
         extraction.wait()
         trained = training.result()
     except BaseException as error:
+        if training.done() and not extraction.done.done():
+            # the training failed first, maybe on data a failing extraction deletes under
+            # it: a moment for the extraction's own error to show before it is cancelled
+            wait([extraction.done], timeout=FAILURE_GRACE_SECONDS)
+        own = extraction.done.exception() if extraction.done.done() else None
         first = extraction.cancel()
-        if not training.done():  # the followers' data vanishes: they stop
+        if not training.done() or own is not None:  # the followers' data vanishes: they stop
             shutil.rmtree(path, ignore_errors=True)
-        if first is not None and isinstance(error, DatasetReplacedError):
-            raise first from error  # a failed extraction deletes what the training followed
+        # a failed extraction deletes what the training followed: the training may fail on
+        # that first (a shard gone under its manifest), but the extraction's error is the cause
+        cause = own is not None or isinstance(error, DatasetReplacedError)
+        if first is not None and first is not error and cause:
+            raise first from error
         raise
     (path / UNFINISHED).unlink()  # the commit point: extraction.json is in
     if replaced is not None:
