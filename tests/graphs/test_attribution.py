@@ -232,3 +232,6 @@ def test_a_replacement_of_any_dictionary_and_its_refusals(toy, dictionaries, tmp
         load_replacement(rm.model, [tmp_path / "bare.safetensors"])
     named = load_replacement(rm.model, {"model.layers.0.mlp": tmp_path / "bare.safetensors"})
     assert named.blocks == ("model.layers.0.mlp",) and rm.layers == [0, 1]
+    # a prompt's ids as a graph keeps them (numpy), as docs/graphs.md hands them back
+    local = rm.capture(np.asarray(rm.tokenizer("The quick fox")["input_ids"]))
+    assert local.tokens.dtype == torch.long and len(local.features) > 0

@@ -66,6 +66,7 @@ class LocalReplacement:
     errors: torch.Tensor  # [n_blocks, P, d]
     features: Features = field(init=False)
     block_of_layer: list[int] = field(init=False)  # replacement layer -> model block
+    _rows: tuple | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.block_of_layer = list(self.replacement_model.layers)
@@ -159,8 +160,12 @@ class LocalReplacement:
         return (x * w).sum(-1) + b
 
     def encoder_rows(self, feats: Features | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each feature's encoder row ``[F, d]`` and bias ``[F]``."""
-        feats = self.features if feats is None else feats
+        """Each feature's encoder row ``[F, d]`` and bias ``[F]`` (the prompt's features'
+        gathered once: every batch of attribution targets reads them)."""
+        if feats is None:
+            if self._rows is None:
+                self._rows = self.encoder_rows(self.features)
+            return self._rows
         rep = self.replacement
         w = torch.zeros(len(feats), rep.encoder_weight[0].shape[1])
         b = torch.zeros(len(feats))

@@ -419,11 +419,12 @@ class ReplacementModel:
             p.requires_grad_(False)
         return cls(model, load_replacement(model, dictionary, rule=rule), tokenizer)
 
-    def capture(self, tokens: torch.Tensor):
-        """The frozen local replacement model of one prompt (``tokens [P]``): ``local.py``."""
+    def capture(self, tokens):
+        """The frozen local replacement model of one prompt (``tokens [P]``, token ids as a
+        tensor, array or list): ``local.py``."""
         from .local import capture
 
-        return capture(self, tokens)
+        return capture(self, torch.as_tensor(tokens, dtype=torch.long))
 
     @contextmanager
     def hooked(
