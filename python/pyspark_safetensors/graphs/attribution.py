@@ -45,11 +45,18 @@ class AttributionConfig:
     """Logit nodes are taken, most probable first, until their probability sums to this."""
     batch_size: int = 64
     """Targets per backward pass."""
+    max_feature_nodes: int = 0
+    """Attribute at most this many features, the most influential on the logits first
+    (partial attribution); 0: every active feature."""
+    update_interval: int = 4
+    """Batches attributed between two re-rankings of the features by influence."""
 
     def __post_init__(self):
-        if self.max_logits < 1 or not 0 < self.logit_probability <= 1 or self.batch_size < 1:
+        if (self.max_logits < 1 or not 0 < self.logit_probability <= 1 or self.batch_size < 1
+                or self.max_feature_nodes < 0 or self.update_interval < 1):  # fmt: skip
             raise AttributionError(
-                "max_logits and batch_size must be >= 1 and logit_probability in (0, 1]"
+                "max_logits, batch_size and update_interval must be >= 1, max_feature_nodes "
+                ">= 0 and logit_probability in (0, 1]"
             )
 
 

@@ -80,6 +80,11 @@ class GraphsConfig:
     """Pruning keeps the highest-scoring edges making up this share of the edge scores."""
     batch_size: int = 64
     """Targets per backward pass."""
+    max_feature_nodes: int = 0
+    """Attribute at most this many features per prompt, the most influential first
+    (partial attribution, as circuit-tracer's); 0: every active feature."""
+    update_interval: int = 4
+    """Batches attributed between two re-rankings of the features by influence."""
     rule: str = "topk"
     """The transcoders' inference rule: "topk" or "threshold"."""
     partitions: int = 0
@@ -131,7 +136,8 @@ def graph_row(config: GraphsConfig, prompt_id: int, prompt: str | None) -> dict:
         if not prompt or not prompt.strip():
             raise AttributionError("an empty prompt")
         ids = replacement_model.tokenizer(prompt)["input_ids"]
-        attr = AttributionConfig(config.max_logits, config.logit_probability, config.batch_size)
+        attr = AttributionConfig(config.max_logits, config.logit_probability, config.batch_size,
+                                 config.max_feature_nodes, config.update_interval)
         graph = attribute(replacement_model, ids, attr, prompt)
     except ReplacementError as e:  # the prompt's (an AttributionError) or its model's
         return row | {"status": "error", "error": str(e), "nodes": [], "edges": []}
