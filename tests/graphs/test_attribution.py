@@ -235,3 +235,53 @@ def test_a_replacement_of_any_dictionary_and_its_refusals(toy, dictionaries, tmp
     # a prompt's ids as a graph keeps them (numpy), as docs/graphs.md hands them back
     local = rm.capture(np.asarray(rm.tokenizer("The quick fox")["input_ids"]))
     assert local.tokens.dtype == torch.long and len(local.features) > 0
+
+
+def _selection_by_hand(graph, limit: int, batch: int, interval: int) -> list[int]:
+    """circuit-tracer's partial attribution replayed on a full graph (numpy): the logit
+    rows known first; then, until ``limit`` features are attributed, rank the features by
+    their influence through the rows known so far and take the next ``interval * batch``
+    not yet taken (each taken feature's row then becomes known)."""
+    F, K, n = graph.n_features, len(graph.logit_tokens), graph.n_nodes
+    known = list(range(graph.logit_start, n))
+    taken: list[int] = []
+    while len(taken) < limit:
+        a = np.abs(graph.adjacency[known].astype(np.float32))
+        a /= np.maximum(a.sum(1, keepdims=True), 1e-8)
+        prod = np.zeros(n, np.float32)
+        prod[-K:] = graph.logit_probabilities
+        total = np.zeros(n, np.float32)
+        while True:
+            prod = prod[known] @ a
+            if not prod.any():
+                break
+            total += prod
+        rank = np.argsort(-total[:F], kind="stable")
+        fresh = [int(f) for f in rank if f not in taken]
+        new = fresh[: min(interval * batch, limit - len(taken))]
+        taken += new
+        known += new
+    return sorted(taken)
+
+
+@pytest.mark.parametrize("limit", [7, 30])
+def test_partial_attribution_takes_the_most_influential_features(case, limit):
+    local, full = case
+    config = AttributionConfig(batch_size=4, max_feature_nodes=limit, update_interval=2)
+    graph = attribute_local(local, config)
+    F, Fs = full.n_features, graph.n_features
+    assert Fs == limit and graph.n_active == F
+    chosen = [int(np.flatnonzero((full.feature_layer == a) & (full.feature_pos == b)
+                                 & (full.feature_latent == c))[0])
+              for a, b, c in zip(graph.feature_layer, graph.feature_pos, graph.feature_latent,
+                                 strict=True)]  # fmt: skip
+    assert chosen == _selection_by_hand(full, limit, 4, 2)
+    # its rows and columns are the full graph's at its nodes
+    nodes = np.r_[chosen, F : full.n_nodes]
+    np.testing.assert_allclose(graph.adjacency, full.adjacency[np.ix_(nodes, nodes)],
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(graph.values, full.values[nodes], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(graph.bias, full.bias[nodes], rtol=1e-5, atol=1e-6)
+    # every limit at or above the active features is the full graph
+    whole = attribute_local(local, AttributionConfig(batch_size=40, max_feature_nodes=F + 5))
+    np.testing.assert_array_equal(whole.adjacency, full.adjacency)

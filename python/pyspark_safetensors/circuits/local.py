@@ -48,6 +48,11 @@ class Features:
     def __len__(self) -> int:
         return len(self.value)
 
+    def subset(self, index: torch.Tensor) -> Features:
+        """The features at ``index``."""
+        return Features(self.layer[index], self.model_layer[index], self.pos[index],
+                        self.latent[index], self.value[index])  # fmt: skip
+
 
 @dataclass
 class LocalReplacement:
@@ -143,6 +148,29 @@ class LocalReplacement:
             out = out + x @ rep.skip[t].t()
         return out
 
+    def gradients(self, batch: int) -> Gradients:
+        """The frozen model's linear part, run once for ``batch`` rows so that a backward
+        pass per batch of targets gives each target's gradient at every block output and
+        at the embeddings (``Gradients.of``)."""
+        parts = _parts(self.model)
+        B, (P, d) = batch, self.embeddings.shape
+        # its values do not matter (the model is linear in h): zeros, with a leaf added at
+        # the embeddings and after every block's MLP to read the gradient there
+        taps = [torch.zeros(B, P, d, requires_grad=True) for _ in range(self.n_blocks + 1)]
+        h, xs = taps[-1], []
+        skips = {b: self.replacement.skip[t] for t, b in enumerate(self.block_of_layer)}
+        with torch.enable_grad():
+            for i, block in enumerate(parts.layers):
+                s1, s2 = self.scales[i]
+                h = h + _frozen_attention(block.self_attn, h * s1 * block.input_layernorm.weight,
+                                          self.patterns[i])  # fmt: skip
+                xs.append(h * s2 * block.post_attention_layernorm.weight)
+                if skips.get(i) is not None:
+                    h = h + xs[-1] @ skips[i].t()
+                h = h + taps[i]
+            final = h[:, -1] * self.final_scale[-1] * parts.norm.weight
+        return Gradients(xs, final, taps)
+
     def clean_sources(self, batch: int = 1) -> tuple[torch.Tensor, ...]:
         """The clean sources, ``batch`` copies: (values, error scales, embedding scales)."""
         return (
@@ -195,6 +223,31 @@ class LocalReplacement:
                 "an architecture outside the Llama family (norm or attention biases?)"
             )
         return worst
+
+
+@dataclass
+class Gradients:
+    """``LocalReplacement.gradients``' retained forward: the MLP inputs ``xs`` and the
+    final residual ``[B, d]`` of the linear part, and its taps (every block's output, then
+    the embeddings), each ``[B, P, d]``."""
+
+    xs: list[torch.Tensor]
+    final: torch.Tensor
+    taps: list[torch.Tensor]
+
+    def of(self, inject: dict[int, torch.Tensor], final: torch.Tensor | None,
+           last: bool = False) -> list[torch.Tensor]:  # fmt: skip
+        """Row b's gradient at every tap (``[B, P, d]`` each; zero where none reaches) of
+        ``sum_l <inject[l], xs[l]> + <final, self.final>``: ``inject[l]`` ``[B, P, d]`` at
+        block l's MLP input, ``final`` ``[B, d]``. ``last``: the forward is not needed
+        again (its graph is freed)."""
+        outputs = [self.xs[layer] for layer in inject] + ([self.final] if final is not None else [])
+        grads = [*inject.values()] + ([final] if final is not None else [])
+        got = torch.autograd.grad(outputs, self.taps, grads, retain_graph=not last,
+                                  allow_unused=True)  # fmt: skip
+        return [
+            torch.zeros_like(t) if g is None else g for g, t in zip(got, self.taps, strict=True)
+        ]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 of the prompt's local replacement model (``circuits.local``, the replacement model's
 frozen mode).
 
-Nodes, in this order (circuit-tracer's): the active features (sorted by model layer,
+Nodes, in this order (circuit-tracer's): the attributed features (sorted by model layer,
 position, latent), an error node per (block, position), block-major, the token
 embeddings per position, and the output logits of the last position, the most probable
 first, until their probabilities sum to ``logit_probability`` or ``max_logits`` are
@@ -13,10 +13,23 @@ node is the logit's share of the softmax.
 In the frozen model every target is linear in the sources, ``target_j = sum_i A[j, i] +
 bias_j``: ``A[j, i]`` (row = target, column = source) is the coefficient of source i
 times its value (a feature's activation; 1 for error and embedding nodes, whose scale
-is the source), found by a backward pass from the target, ``batch_size`` targets at a
-time (each a row of a batched forward); ``bias_j`` is the target with every source at 0
-(the transcoders' and encoders' biases through the frozen model). Both are exact to
-float tolerance (tests/graphs).
+is the source). A row is found by a backward pass from its target, ``batch_size``
+targets at a time, through the frozen model's linear part (run forward once): the
+target's gradient at each block's output meets what each source writes there (a
+feature's decoder rows times its activation, an error's vector, a token's embedding).
+``bias_j`` is the target with every source at 0 (the dictionaries' biases through the
+frozen model). Both are exact to float tolerance (tests/graphs).
+
+**Partial attribution** (``max_feature_nodes``, circuit-tracer's definition): the logit
+rows first; then the features ranked by their influence on the logits through the rows
+known so far (``influences``), the next ``update_interval * batch_size`` not yet taken
+attributed batch by batch, re-ranked, until ``max_feature_nodes`` are. The graph keeps
+those features and every error, token and logit node; edges from the features left out
+are dropped (their effect is in no node). Memory per prompt, in float32 words, with F
+active features, L blocks, P positions, K logit nodes, M = min(max_feature_nodes, F):
+the rows ``(M + K) (F + (L + 1) P)`` while attributing, then the graph's adjacency
+``(M + (L + 1) P + K)^2``; the retained forward is ``batch_size`` copies of the
+residual stream per block.
 """
 
 from __future__ import annotations
@@ -25,8 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
-from ..circuits.local import LocalReplacement
+from ..circuits.local import Features, LocalReplacement
 from ..circuits.replacement import ReplacementError
 from .graph import AttributionGraph
 
@@ -74,68 +88,172 @@ def logit_directions(local: LocalReplacement, ids: torch.Tensor) -> torch.Tensor
     return w[ids] - w.mean(0)
 
 
-def _targets(local: LocalReplacement, xs, final, idx: torch.Tensor, logit_dirs) -> torch.Tensor:
-    """Row b's target ``idx[b]`` (< F: a feature's pre-activation; else a logit node)."""
-    feats, F = local.features, len(local.features)
-    enc_w, enc_b = local.encoder_rows()
-    out = []
-    for b, j in enumerate(idx.tolist()):
-        if j < F:
-            x = xs[int(feats.model_layer[j])][b, int(feats.pos[j])]
-            out.append(x @ enc_w[j] + enc_b[j])
-        else:
-            out.append(final[b] @ logit_dirs[j - F])
-    return torch.stack(out)
+class _Rows:
+    """The adjacency rows of a prompt's targets: a backward pass per batch of targets
+    through the frozen model's linear part (run forward once), each target's gradient at
+    every block output dotted with what each source writes there (circuit-tracer's
+    contraction: a feature's decoder rows into each block times its activation, an error
+    node's vector, a token's embedding)."""
+
+    def __init__(self, local: LocalReplacement, batch: int, logit_dirs: torch.Tensor):
+        self.local, self.logit_dirs, self.batch = local, logit_dirs, batch
+        self.enc_w = local.encoder_rows()[0]
+        self.forward = local.gradients(batch)
+        feats, rep = local.features, local.replacement
+        # per replacement layer s: its features padded per position ``[P, m]`` (-1: none),
+        # so that a block's gradient meets their decoder rows in one batched product
+        self.padded = {}
+        for s in feats.layer.unique().tolist():
+            idx = (feats.layer == s).nonzero()[:, 0]
+            pos = feats.pos[idx]
+            counts = torch.bincount(pos, minlength=local.n_pos)
+            slot = torch.arange(len(idx)) - (torch.cumsum(counts, 0) - counts)[pos]
+            pad = torch.full((local.n_pos, int(counts.max())), -1, dtype=torch.long)
+            pad[pos, slot] = idx
+            self.padded[s] = pad
+        self.writes = {s: [(self.local.block_of_layer[t], rep.decoder(s, t))
+                           for t in range(rep.n_layers) if s in rep.sources(t)]
+                       for s in self.padded}  # fmt: skip
+
+    @property
+    def width(self) -> int:
+        """Sources: features, errors (block-major), embeddings."""
+        local = self.local
+        return len(local.features) + local.n_blocks * local.n_pos + local.n_pos
+
+    def __call__(self, targets: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Rows ``[len(targets), width]`` of ``targets`` (a feature's index below F, else
+        F + a logit node's)."""
+        local, feats, F = self.local, self.local.features, len(self.local.features)
+        B, P, d = len(targets), local.n_pos, local.embeddings.shape[1]
+        rows = torch.arange(B)
+        inject, final = {}, None
+        is_feature = targets < F
+        for layer in feats.model_layer[targets[is_feature]].unique().tolist():
+            sel = is_feature.clone()
+            sel[is_feature] = feats.model_layer[targets[is_feature]] == layer
+            g = torch.zeros(self.batch, P, d)
+            g[rows[sel], feats.pos[targets[sel]]] = self.enc_w[targets[sel]]
+            inject[layer] = g
+        if (~is_feature).any():
+            final = torch.zeros(self.batch, d)
+            final[rows[~is_feature]] = self.logit_dirs[targets[~is_feature] - F]
+        with torch.enable_grad():
+            grads = self.forward.of(inject, final, last)
+        grads = [g[:B] for g in grads]
+        out = torch.empty(B, self.width)
+        values = out[:, :F]
+        values.zero_()
+        for s, pad in self.padded.items():
+            got = torch.zeros(P, B, pad.shape[1])
+            safe = pad.clamp_min(0)
+            for block, decoder in self.writes[s]:
+                rows_ = decoder[feats.latent[safe]]  # [P, m, d]
+                got += torch.bmm(grads[block].transpose(0, 1), rows_.transpose(1, 2))
+            keep = pad >= 0
+            values[:, pad[keep]] = got.permute(1, 0, 2)[:, keep]
+        values *= feats.value
+        err = out[:, F : F + local.n_blocks * P].view(B, local.n_blocks, P)
+        for i in range(local.n_blocks):
+            err[:, i] = (grads[i] * local.errors[i]).sum(-1)
+        out[:, F + local.n_blocks * P :] = (grads[-1] * local.embeddings).sum(-1)
+        return out
 
 
-def edge_rows(local: LocalReplacement, targets: torch.Tensor, logit_dirs) -> torch.Tensor:
-    """The adjacency rows ``[len(targets), F + n_blocks P + P]`` of ``targets`` (feature
-    indices below F, then F + logit index), by one batched backward pass."""
-    B = len(targets)
-    values, err, emb = (s.requires_grad_(True) for s in local.clean_sources(B))
-    with torch.enable_grad():
-        xs, final = local.run(values, err, emb)
-        total = _targets(local, xs, final, targets, logit_dirs).sum()
-        grads = torch.autograd.grad(total, (values, err, emb), allow_unused=True)
-    # a source upstream of no target in the batch gets no gradient: its edges are 0
-    g_val, g_err, g_emb = (torch.zeros_like(s) if g is None else g
-                           for g, s in zip(grads, (values, err, emb), strict=True))  # fmt: skip
-    return torch.cat([g_val * local.features.value, g_err.flatten(1), g_emb], 1).detach()
-
-
-def constant_terms(local: LocalReplacement, logit_dirs) -> torch.Tensor:
-    """Every target with every source at zero ``[F + K]``."""
-    values, err, emb = (torch.zeros_like(s) for s in local.clean_sources(1))
-    n = len(local.features) + len(logit_dirs)
+def constant_terms(local: LocalReplacement, logit_dirs, selected: torch.Tensor) -> torch.Tensor:
+    """Every target (the ``selected`` features, then the logit nodes) with every source at
+    zero ``[len(selected) + K]``."""
+    none = Features(*(torch.zeros(0, dtype=t.dtype) for t in (
+        local.features.layer, local.features.model_layer, local.features.pos,
+        local.features.latent, local.features.value)))  # fmt: skip
+    values, err, emb = (torch.zeros(1, 0), torch.zeros(1, local.n_blocks, local.n_pos),
+                        torch.zeros(1, local.n_pos))  # fmt: skip
     with torch.no_grad():
-        xs, final = local.run(values, err, emb)
-        pre = local.pre_activations(xs)[0]
-        return torch.cat([pre, final[0] @ logit_dirs.T]) if n else pre
+        xs, final = local.run(values, err, emb, none)
+        pre = local.pre_activations(xs, local.features.subset(selected))[0]
+        return torch.cat([pre, final[0] @ logit_dirs.T])
+
+
+def influences(rows: torch.Tensor, row_nodes: torch.Tensor, logit_probabilities: torch.Tensor,
+               n_nodes: int) -> torch.Tensor:  # fmt: skip
+    """Each node's influence on the logit nodes (the last ``K`` of ``n_nodes``) through the
+    attributed ``rows`` (``[R, width]``, row i the node ``row_nodes[i]``): ``w (Â + Â² +
+    ...)`` over the rows known so far, as circuit-tracer ranks features for partial
+    attribution (float32, its normalisation)."""
+    norm = rows.abs()
+    norm /= norm.sum(1, keepdim=True).clamp(min=1e-8)
+    prod = torch.zeros(n_nodes)
+    prod[-len(logit_probabilities) :] = logit_probabilities
+    total = torch.zeros(n_nodes)
+    for _ in range(n_nodes + 1):
+        prod = torch.nn.functional.pad(prod[row_nodes] @ norm, (0, n_nodes - norm.shape[1]))
+        if not prod.any():
+            return total
+        total += prod
+    raise AttributionError("the influence does not converge: the graph has a cycle")
 
 
 def attribute_local(local: LocalReplacement, config: AttributionConfig = AttributionConfig(),
-                    prompt: str = "") -> AttributionGraph:  # fmt: skip
-    """The unpruned graph of a captured prompt."""
-    feats, F = local.features, len(local.features)
+                    prompt: str = "", progress: bool = False) -> AttributionGraph:  # fmt: skip
+    """The graph of a captured prompt: every active feature's row, or (``config.
+    max_feature_nodes``) the logits' rows first and then the features' in order of their
+    influence on the logits, re-ranked every ``update_interval`` batches, until the limit
+    (circuit-tracer's partial attribution). The graph holds the attributed features, every
+    error, embedding and logit node; its adjacency is over those nodes only."""
+    F = len(local.features)
     ids, probs = salient_logits(local.logits[-1], config.max_logits, config.logit_probability)
     dirs = logit_directions(local, ids)
-    n_src = F + local.n_blocks * local.n_pos + local.n_pos
-    N = n_src + len(ids)
-    adjacency = torch.zeros(N, N)
-    all_targets = torch.arange(F + len(ids))
-    for lo in range(0, len(all_targets), config.batch_size):
-        chunk = all_targets[lo : lo + config.batch_size]
-        rows = edge_rows(local, chunk, dirs)
-        where = torch.where(chunk < F, chunk, chunk - F + n_src)
-        adjacency[where, :n_src] = rows
-    bias = torch.zeros(N)
-    const = constant_terms(local, dirs)
-    bias[:F], bias[n_src:] = const[:F], const[F:]
+    K = len(ids)
+    limit = min(config.max_feature_nodes or F, F)
+    attributed = _Rows(local, min(config.batch_size, max(limit, K)), dirs)
+    n_src = attributed.width
+    # row i of ``rows`` is node ``row_nodes[i]``: the logits first, then features in the
+    # order attributed (memory: (limit + K) rows of every source)
+    rows = torch.zeros(limit + K, n_src)
+    row_nodes = torch.zeros(limit + K, dtype=torch.long)
+    for lo in range(0, K, config.batch_size):
+        hi = min(lo + config.batch_size, K)
+        rows[lo:hi] = attributed(torch.arange(lo, hi) + F, last=limit == 0 and hi == K)
+        row_nodes[lo:hi] = torch.arange(lo, hi) + n_src
+    filled, visited = K, torch.zeros(F, dtype=torch.bool)
+    bar = tqdm(total=limit, desc="attribution", unit="feature", disable=not progress)
+    while filled < limit + K:
+        if limit == F:
+            pending = torch.arange(F)
+        else:
+            inf = influences(rows[:filled], row_nodes[:filled], probs, n_src + K)
+            rank = torch.argsort(inf[:F], descending=True)
+            queue = min(config.update_interval * config.batch_size, limit + K - filled)
+            pending = rank[~visited[rank]][:queue]
+        for chunk in pending.split(config.batch_size):
+            hi = filled + len(chunk)
+            rows[filled:hi] = attributed(chunk, last=hi == limit + K)
+            row_nodes[filled:hi] = chunk
+            visited[chunk] = True
+            filled = hi
+            bar.update(len(chunk))
+    bar.close()
+    selected = visited.nonzero()[:, 0]
+    # the graph's nodes: the attributed features (in feature order), then the rest
+    columns = torch.cat([selected, torch.arange(F, n_src)])
+    order = torch.argsort(row_nodes[K:])  # feature rows in feature order
+    n = len(columns) + K
+    adjacency = torch.zeros(n, n)
+    adjacency[: len(selected), : n - K] = rows[K:][order][:, columns]
+    adjacency[n - K :, : n - K] = rows[:K][:, columns]
+    del rows
+    feats = local.features.subset(selected)
+    const = constant_terms(local, dirs, selected)
+    bias, values = torch.zeros(n), torch.zeros(n)
+    bias[: len(selected)], bias[n - K :] = const[: len(selected)], const[len(selected) :]
     with torch.no_grad():
-        xs, final = local.run(*local.clean_sources())
-        values = torch.zeros(N)
-        values[:F] = local.pre_activations(xs)[0]
-        values[n_src:] = final[0] @ dirs.T
+        x = torch.stack([local.mlp_in[int(b)][int(p)]
+                         for b, p in zip(feats.model_layer, feats.pos, strict=True)]) \
+            if len(feats) else torch.zeros(0, local.embeddings.shape[1])  # fmt: skip
+        w, b = local.encoder_rows(feats)
+        values[: len(selected)] = (x * w).sum(-1) + b
+        logits = local.logits[-1]
+        values[n - K :] = logits[ids] - logits.mean()
     return AttributionGraph(
         prompt=prompt,
         tokens=local.tokens.numpy().astype(np.int64),
@@ -149,11 +267,12 @@ def attribute_local(local: LocalReplacement, config: AttributionConfig = Attribu
         adjacency=adjacency.numpy(),
         values=values.numpy(),
         bias=bias.numpy(),
+        n_active=F,
     )
 
 
 def attribute(replacement_model, tokens, config: AttributionConfig = AttributionConfig(),
-              prompt: str = "") -> AttributionGraph:  # fmt: skip
+              prompt: str = "", progress: bool = False) -> AttributionGraph:  # fmt: skip
     """The unpruned attribution graph of ``tokens`` (``[P]`` ids, BOS included if the
     model wants one) through ``replacement_model`` (``circuits.ReplacementModel``)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
@@ -162,4 +281,4 @@ def attribute(replacement_model, tokens, config: AttributionConfig = Attribution
     context = getattr(replacement_model.model.config, "max_position_embeddings", None)
     if context and len(tokens) > context:
         raise AttributionError(f"a prompt of {len(tokens)} tokens exceeds the model's {context}")
-    return attribute_local(replacement_model.capture(tokens), config, prompt)
+    return attribute_local(replacement_model.capture(tokens), config, prompt, progress)

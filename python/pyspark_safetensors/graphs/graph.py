@@ -44,6 +44,11 @@ class AttributionGraph:
     adjacency: np.ndarray  # [N, N] float32
     values: np.ndarray  # [N] a feature's pre-activation, a logit node's demeaned logit
     bias: np.ndarray  # [N] a target's constant term (its value with every source at 0)
+    n_active: int = -1  # the prompt's active features (-1: as many as the graph holds)
+
+    def __post_init__(self):
+        if self.n_active < 0:
+            self.n_active = len(self.activations)
 
     @property
     def n_features(self) -> int:
