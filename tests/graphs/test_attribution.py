@@ -25,16 +25,26 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module", params=["clt", "per_layer", "skip"])
+@pytest.fixture(scope="module", params=["clt", "per_layer", "skip", "skip:no_bos_nodes"])
 def case(request, toy, dictionaries):
-    """(local replacement model, its unpruned graph) of PROMPT."""
-    rm = ReplacementModel.load(toy, dictionaries[request.param])
+    """(local replacement model, its unpruned graph) of PROMPT; ``:no_bos_nodes``:
+    circuit-tracer's convention, no nodes at position 0."""
+    kind, _, convention = request.param.partition(":")
+    rm = ReplacementModel.load(toy, dictionaries[kind])
     sources = [rm.replacement.sources(t) for t in range(rm.replacement.n_layers)]
-    assert sources == [list(range(t + 1)) if request.param == "clt" else [t]
+    assert sources == [list(range(t + 1)) if kind == "clt" else [t]
                        for t in range(len(sources))]  # fmt: skip
-    assert all((s is not None) == (request.param == "skip") for s in rm.replacement.skip)
-    local = rm.capture(torch.tensor(rm.tokenizer(PROMPT)["input_ids"]))
-    return local, attribute_local(local, AttributionConfig(batch_size=40), PROMPT)
+    assert all((s is not None) == (kind == "skip") for s in rm.replacement.skip)
+    ids = torch.tensor(rm.tokenizer(PROMPT)["input_ids"])
+    local = rm.capture(ids, first_position=not convention)
+    graph = attribute_local(local, AttributionConfig(batch_size=40), PROMPT)
+    if convention:
+        assert (graph.feature_pos > 0).all() and not local.errors[:, 0].any()
+        assert local.fixed[:, 0].abs().amin(-1).gt(0).all()  # every block writes at BOS
+        whole = rm.capture(ids)
+        assert (whole.features.pos == 0).any()
+        np.testing.assert_array_equal(local.logits, whole.logits)
+    return local, graph
 
 
 def _targets(local, graph, xs, final):

@@ -160,6 +160,9 @@ def _replaced_logits(local: LocalReplacement, by_layer) -> torch.Tensor:
             code[p, latent] = value
         return code
 
-    errors = [local.errors[b][None] for b in local.block_of_layer]
+    errors = [local.errors[b][None].clone() for b in local.block_of_layer]
+    if local.first_errors is not None:  # position 0's errors, no nodes in ``local``
+        for e, b in zip(errors, local.block_of_layer, strict=True):
+            e[0, 0] = local.first_errors[b]
     with local.replacement_model.hooked(edit=edit, add=errors):
         return local.model(input_ids=local.tokens[None]).logits[0, -1]

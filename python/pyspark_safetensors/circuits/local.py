@@ -69,6 +69,8 @@ class LocalReplacement:
     logits: torch.Tensor  # [P, V] the model's
     codes: dict[int, torch.Tensor]  # replacement layer -> dense code [P, n_l]
     errors: torch.Tensor  # [n_blocks, P, d]
+    fixed: torch.Tensor | None = None  # [n_blocks, P, d] block outputs of no node (capture)
+    first_errors: torch.Tensor | None = None  # [n_blocks, d] position 0's when fixed
     features: Features = field(init=False)
     block_of_layer: list[int] = field(init=False)  # replacement layer -> model block
     _rows: tuple | None = field(init=False, default=None, repr=False)
@@ -126,6 +128,8 @@ class LocalReplacement:
                 + error_scale[:, i, :, None] * self.errors[i]
                 + self._written(i, values, feats, xs[-1])
             )
+            if self.fixed is not None:
+                h = h + self.fixed[i]
         final = h[:, -1] * self.final_scale[-1] * parts.norm.weight
         return xs, final
 
@@ -286,10 +290,14 @@ def _rms_scale(norm, h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def capture(replacement_model, tokens: torch.Tensor) -> LocalReplacement:
+def capture(
+    replacement_model, tokens: torch.Tensor, first_position: bool = True
+) -> LocalReplacement:
     """Run ``tokens`` ``[P]`` through the replacement model's model (a Llama-style causal
     LM, eager attention) and freeze its local replacement model; checked exact
-    (``check_exact``)."""
+    (``check_exact``). ``first_position=False`` is circuit-tracer's convention: position 0
+    (BOS, the attention sink) has no features and no error nodes, what its MLPs write is a
+    constant of the prompt (``fixed``)."""
     model, rep = replacement_model.model, replacement_model.replacement
     parts = _parts(model)
     if getattr(model.config, "_attn_implementation", "eager") != "eager":
@@ -323,6 +331,17 @@ def capture(replacement_model, tokens: torch.Tensor) -> LocalReplacement:
     errors = torch.stack([seen[f"out.{i}"] for i in range(n)])
     for t, b in enumerate(blocks):
         errors[b] -= rep.decode(t, codes, seen[f"in.{b}"])
+    fixed = first_errors = None
+    if not first_position:
+        fixed = torch.zeros_like(errors)
+        fixed[:, 0] = errors[:, 0]
+        first, none = [c[:1] for c in codes], [torch.zeros_like(c[:1]) for c in codes]
+        for t, b in enumerate(blocks):  # what position 0's features write, now a constant
+            x = seen[f"in.{b}"][:1]
+            fixed[b, 0] += (rep.decode(t, first, x) - rep.decode(t, none, x))[0]
+        first_errors = errors[:, 0].clone()
+        errors[:, 0] = 0
+        codes = [torch.cat([torch.zeros_like(c[:1]), c[1:]]) for c in codes]
     local = LocalReplacement(
         replacement_model, tokens, parts.embed(tokens),
         [seen[f"att.{i}"] for i in range(n)],
@@ -330,7 +349,7 @@ def capture(replacement_model, tokens: torch.Tensor) -> LocalReplacement:
           _rms_scale(b.post_attention_layernorm, seen[f"n2.{i}"])) for i, b in enumerate(parts.layers)],
         _rms_scale(parts.norm, seen["nf"]),
         [seen[f"in.{i}"] for i in range(n)], [seen[f"out.{i}"] for i in range(n)],
-        logits, dict(enumerate(codes)), errors,
+        logits, dict(enumerate(codes)), errors, fixed, first_errors,
     )  # fmt: skip
     local.check_exact()
     return local

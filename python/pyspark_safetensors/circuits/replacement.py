@@ -419,12 +419,13 @@ class ReplacementModel:
             p.requires_grad_(False)
         return cls(model, load_replacement(model, dictionary, rule=rule), tokenizer)
 
-    def capture(self, tokens):
+    def capture(self, tokens, first_position: bool = True):
         """The frozen local replacement model of one prompt (``tokens [P]``, token ids as a
-        tensor, array or list): ``local.py``."""
+        tensor, array or list): ``local.py``; ``first_position=False``: circuit-tracer's
+        convention, no nodes at position 0."""
         from .local import capture
 
-        return capture(self, torch.as_tensor(tokens, dtype=torch.long))
+        return capture(self, torch.as_tensor(tokens, dtype=torch.long), first_position)
 
     @contextmanager
     def hooked(

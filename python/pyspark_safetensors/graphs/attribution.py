@@ -64,6 +64,10 @@ class AttributionConfig:
     (partial attribution); 0: every active feature."""
     update_interval: int = 4
     """Batches attributed between two re-rankings of the features by influence."""
+    first_position: bool = False
+    """Position 0's features and errors are nodes. Off (circuit-tracer's convention):
+    position 0, BOS and the attention sink, has none, and what its MLPs write is part of
+    every target's constant term."""
 
     def __post_init__(self):
         if (self.max_logits < 1 or not 0 < self.logit_probability <= 1 or self.batch_size < 1
@@ -281,4 +285,5 @@ def attribute(replacement_model, tokens, config: AttributionConfig = Attribution
     context = getattr(replacement_model.model.config, "max_position_embeddings", None)
     if context and len(tokens) > context:
         raise AttributionError(f"a prompt of {len(tokens)} tokens exceeds the model's {context}")
-    return attribute_local(replacement_model.capture(tokens), config, prompt, progress)
+    local = replacement_model.capture(tokens, config.first_position)
+    return attribute_local(local, config, prompt, progress)
