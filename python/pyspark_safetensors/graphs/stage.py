@@ -11,6 +11,7 @@ shows: the counts, the refused prompts and the scores' mean and min.
     tokens = 32                         # ... each cut to this many tokens
     # prompts = "prompts.txt"           # or a text file, one prompt per line, as it is
     # node_threshold = 0.8              # pruning and logits: job.GraphsConfig's defaults
+    # max_feature_nodes = 0             # partial attribution (0: every active feature)
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from ..format.errors import InvalidArgumentError
 DICTIONARIES = ("clt", "per_layer")
 """What a graphs dataset can be made through: the CLT, or its per-layer transcoders."""
 PRUNING = {"max_logits": int, "logit_probability": float, "node_threshold": float,
-           "edge_threshold": float}  # fmt: skip
-"""``job.GraphsConfig`` fields the table may set (unset: their defaults, circuit-tracer's)."""
+           "edge_threshold": float, "max_feature_nodes": int, "update_interval": int}  # fmt: skip
+"""``job.GraphsConfig`` fields the table may set: pruning, logits and partial attribution
+(unset: their defaults, circuit-tracer's)."""
 
 
 @dataclass(frozen=True)
