@@ -218,6 +218,9 @@ def features(argv: list[str]) -> int:
 class GraphsCommand:
     master: str = "local[*]"
     """Spark master."""
+    storage_option: tuple[str, ...] = ()
+    """KEY=VALUE ... for a URI model, transcoder, prompts file or output: endpoint_url,
+    region, path_style, anonymous (default: the AWS_* environment variables)."""
 
 
 def graphs(argv: list[str]) -> int:
@@ -225,7 +228,8 @@ def graphs(argv: list[str]) -> int:
     parquet table's --column) in the model (--model) with a CLT or per-layer transcoders
     (--transcoders), made in Spark: nodes and pruned edges as parquet partitioned by
     prompt, each adjacency in a safetensors dataset, scores per prompt (see
-    graphs/job.py)."""
+    graphs/job.py). Each path may be a URI (s3://bucket/graphs, ...)."""
+    from .dataset.location import DatasetLocation
     from .graphs.job import GraphsConfig
 
     omit = _tyro().conf.OmitArgPrefixes
@@ -236,15 +240,17 @@ def graphs(argv: list[str]) -> int:
     )
     args = _parse(args_type, argv, "graphs", graphs.__doc__)
     config = args.config
+    storage_options = _storage_options(args.job.storage_option)
     for path in (config.model, *config.transcoders, config.prompts):
-        if not path or not os.path.exists(path):
+        where = DatasetLocation.of(path, storage_options=storage_options) if path else None
+        if where is None or (where.is_local and not os.path.exists(where.root)):  # a URI: the job's
             raise FileNotFoundError(f"no such file or directory: {path!r}")
     from .graphs.job import run_graphs
     from .spark.session import local_session
 
     spark = local_session(args.job.master, quick_jit=True)  # the model runs in Python
     try:
-        print(run_graphs(spark, config))
+        print(run_graphs(spark, config, storage_options=storage_options))
     finally:
         spark.stop()
     return 0
