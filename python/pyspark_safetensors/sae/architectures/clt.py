@@ -62,6 +62,7 @@ all-gather for all layers, the decoders' partial sums one all-reduce.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -98,10 +99,77 @@ def decoder_name(layer: int) -> str:
     return f"decoder_weight.{layer}"
 
 
-def block_of(hook_point: str) -> str:
-    """The MLP module of an ``<module>:input`` (or ``:output``) hook point."""
+#: Hook names of TransformerLens (and circuit-tracer, whose configs name a dictionary's
+#: hooks ``blocks.{i}.{feature_input_hook}``) at the MLP block of layer i, after
+#: ``blocks.{i}.``: what each is of that block. "residual" is the residual stream before
+#: the block's norm (``hook_resid_mid``; TransformerLens's ``hook_mlp_in`` is a copy of it
+#: taken before ``ln2``), which no replacement of the block reads.
+TL_BLOCK_HOOKS = {
+    "mlp": "block", "mlp.hook_in": "input", "ln2.hook_normalized": "input",
+    "mlp.hook_out": "output", "hook_mlp_out": "output",
+    "hook_resid_mid": "residual", "hook_mlp_in": "residual",
+}  # fmt: skip
+_TL_NAME = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.(.+)$")
+
+#: The metadata key recording how a dictionary's JumpReLU thresholds were set (absent:
+#: it holds none, and ``rule="threshold"`` is refused): ``THRESHOLD_SOURCES``.
+THRESHOLD_SOURCE = "threshold_source"
+THRESHOLD_SOURCES = ("calibrated", "trained", "peer")
+""""calibrated": ``calibrate_thresholds`` (the trainer, before every checkpoint);
+"trained": a straight-through JumpReLU fine-tune; "peer": read from another library's
+file (circuit-tracer's JumpReLU or ReLU transcoders, SAELens' JumpReLU SAEs), its own
+activation function."""
+
+
+def block_of(hook_point: str, blocks: Sequence[str] | None = None) -> str:
+    """The MLP block a hook point names: the one rule of block names. Without ``blocks``,
+    the module of our ``<module>:input`` (or ``:output``) hook points, any other name as it
+    is. With ``blocks`` (a model's MLP block modules in layer order,
+    ``circuits.model_blocks``), the one of them the name means, in our convention or
+    another library's:
+
+    - a block's module name, bare or with ``:input``/``:output`` (ours) or circuit-tracer's
+      ``.hook_in``/``.hook_out`` (``model.layers.0.mlp``, ``transformer.h.0.mlp:input``);
+    - a name relative to the model's base model, the one block ending with it (sparsify's
+      hook points, ``layers.0.mlp``, ``h.0.mlp``);
+    - TransformerLens's and circuit-tracer's ``blocks.{i}.{hook}`` (``TL_BLOCK_HOOKS``:
+      ``blocks.0.mlp.hook_in``, ``blocks.0.ln2.hook_normalized``, ``blocks.0.hook_mlp_out``):
+      block i.
+
+    Refused, naming the blocks, when it means none of them; and a hook on the residual
+    stream before the block's norm (``blocks.{i}.hook_resid_mid``, TransformerLens's
+    ``blocks.{i}.hook_mlp_in``), which a replacement of the block never sees."""
     module, sep, side = hook_point.rpartition(":")
-    return module if sep and side in ("input", "output") else hook_point
+    module = module if sep and side in ("input", "output") else hook_point
+    if blocks is None:
+        return module
+    blocks = list(blocks)
+    if module in blocks:
+        return module
+    tl = _TL_NAME.match(module)
+    if tl:
+        layer, hook = int(tl.group(1)), tl.group(2)
+        kind = TL_BLOCK_HOOKS.get(hook)
+        if kind == "residual":
+            raise InvalidArgumentError(
+                f"{hook_point!r} is the residual stream before block {layer}'s MLP norm, not the "
+                "MLP's input: a replacement of the block encodes what the block reads (its "
+                f"input, blocks.{layer}.mlp.hook_in or blocks.{layer}.ln2.hook_normalized), so a "
+                "dictionary trained on this hook does not fit it"
+            )
+        if kind is not None and layer < len(blocks):
+            return blocks[layer]
+    for suffix in (".hook_in", ".hook_out"):
+        if module.endswith(suffix) and module[: -len(suffix)] in blocks:
+            return module[: -len(suffix)]
+    ending = [b for b in blocks if b.endswith(f".{module}")]
+    if len(ending) == 1:
+        return ending[0]
+    raise InvalidArgumentError(
+        f"{hook_point!r} names no MLP block of the model; its blocks: {blocks} (also read: "
+        "a block relative to the base model, e.g. layers.0.mlp; TransformerLens / "
+        "circuit-tracer's blocks.{i}.mlp.hook_in, blocks.{i}.hook_mlp_out)"
+    )
 
 
 def clt_file_shapes(metadata: dict) -> dict[str, tuple[int, ...]]:
@@ -177,6 +245,8 @@ class CrossLayerTranscoder(SparseAutoencoder):
         # a plain tensor, not a buffer: it is this rank's shard and travels in the file,
         # never in the trainer's (rank 0's) buffers
         self.threshold = torch.zeros(n_layers, self.n_layer_local, device=device)
+        #: How ``threshold`` was set (``THRESHOLD_SOURCES``), None while it holds none.
+        self.threshold_source: str | None = None
         self._shift: torch.Tensor | None = None
 
     # --- parameters --------------------------------------------------------------------
@@ -434,6 +504,7 @@ class CrossLayerTranscoder(SparseAutoencoder):
             if all(p[1] is not None for p in pairs):
                 y = torch.cat([p[1] for p in pairs]).to(dev, self.decoder_bias.dtype)
                 self._refine_thresholds(x, y, counts, k)
+            self.threshold_source = "calibrated"
         finally:
             self.train(was_training)
 
@@ -635,4 +706,4 @@ class CrossLayerTranscoder(SparseAutoencoder):
             "hook_points": json.dumps(list(self.hook_points)),
             "target_hook_points": json.dumps(list(self.target_hook_points)),
             "blocks": json.dumps([block_of(h) for h in self.hook_points]),
-        }
+        } | ({THRESHOLD_SOURCE: self.threshold_source} if self.threshold_source else {})
