@@ -19,7 +19,26 @@ slot repeated), the same outputs.
 ``b_dec [d]``, ``activation_function.threshold [n]`` (JumpReLU; absent: ReLU) and an
 optional ``W_skip [d, d]`` (``x @ W_skip.T``). Read as a CLT whose decoders are the
 ``l -> l`` ones only (the others zero); written from a CLT whose ``l -> t`` decoders
-(t > l) are all zero, refused otherwise (naming the first that is not).
+(t > l) are all zero, refused otherwise (naming the first that is not), or from per-layer
+transcoders (``export_transcoder_set``). One such file alone (``read_ct_transcoder``) is a
+transcoder, its ``W_skip`` our skip transcoder's ``skip_weight`` as it is: what the
+replacement model reads a set as, file by file (``transcoder_set_files``).
+
+**circuit-tracer's config** (``config.yaml`` beside the files, YAML; the files alone are
+a whole dictionary): ``model_kind``, ``feature_input_hook`` and ``feature_output_hook``
+(per-layer hook names, ``blocks.{l}.{hook}`` in TransformerLens's terms: ``mlp.hook_in``
+is the MLP's input, ``hook_resid_mid`` the residual stream before its norm), an optional
+``transcoders`` list (a set's files in layer order; an ``hf://`` one is taken as the file
+of its name in the directory) and ``scan``. Read as the hook points ``blocks.{l}.{hook}``,
+which ``block_of`` resolves against a model; ours adds ``blocks``, ``k`` and
+``threshold_source``. Without a config no hook point is recorded: the dictionary's layers
+are the model's blocks in order.
+
+**Thresholds.** circuit-tracer encodes with the thresholds a file holds, or with a ReLU
+(thresholds 0, exactly the same): thresholds read from it are the peer's
+(``threshold_source = "peer"``, unless our config recorded another). It has no top-k, so a
+dictionary without thresholds (a top-k one: no ``threshold_source``) is not written in its
+layouts: circuit-tracer would fire every positive pre-activation.
 
 **sparsify, cross-layer** (its ``cross_layer`` training option, ``coalesce_topk =
 "none"``): a directory per layer (named by the MLP module, sorted as sparsify sorts its
@@ -51,6 +70,7 @@ import torch
 
 from ..dataset.publish import publishing
 from ..format import SafetensorsFile, write_shard
+from .architectures.clt import THRESHOLD_SOURCE, THRESHOLD_SOURCES
 from .checkpoint import CheckpointError
 
 #: Layouts ``export_sae`` writes a CLT in (besides sparsify's).
@@ -64,6 +84,11 @@ CT_CONFIG = "config.yaml"
 #: circuit-tracer's nnsight hook names of a Llama-style MLP's input and output (its
 #: ``tl_nnsight_mapping``): ``post_attention_layernorm``'s output and the MLP's output.
 CT_INPUT_HOOK, CT_OUTPUT_HOOK = "mlp.hook_in", "mlp.hook_out"
+#: A circuit-tracer per-layer transcoder file's tensors (``SingleLayerTranscoder.
+#: to_safetensors``) and their names here; ``W_skip`` is optional.
+CT_TRANSCODER = {"W_enc": "encoder_weight", "b_enc": "encoder_bias", "W_dec": "decoder_weight",
+                 "b_dec": "decoder_bias"}  # fmt: skip
+CT_THRESHOLD = "activation_function.threshold"
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -91,16 +116,20 @@ def _zero_or_refuse(path: Path, name: str, t: torch.Tensor, why: str) -> None:
         raise CheckpointError(f"{path}: {name} is not zero: {why}")
 
 
-def _metadata(n_layers, n, d_in, d_out, k, blocks, source) -> dict:
-    """Our CLT metadata for a file read from another layout."""
+def _metadata(n_layers, n, d_in, d_out, k, hooks, source, thresholds=None) -> dict:
+    """Our CLT metadata for a file read from another layout: ``hooks`` = ``(input hook
+    points, target hook points)`` (empty: none recorded), ``thresholds`` its
+    ``threshold_source`` (None: it holds none)."""
+    from .architectures.clt import block_of
+
+    inputs, targets = hooks
     return {
         "architecture": "clt", "activation": "topk", "k": "" if k is None else str(k),
         "n_layers": str(n_layers), "d_in": str(d_in), "d_out": str(d_out),
         "n_latents": str(n), "tied_decoders": "false",
-        "hook_points": json.dumps([f"{b}:input" for b in blocks]),
-        "target_hook_points": json.dumps([f"{b}:output" for b in blocks]),
-        "blocks": json.dumps(list(blocks)), "source_layout": source,
-    }  # fmt: skip
+        "hook_points": json.dumps(list(inputs)), "target_hook_points": json.dumps(list(targets)),
+        "blocks": json.dumps([block_of(h) for h in inputs]), "source_layout": source,
+    } | ({THRESHOLD_SOURCE: thresholds} if thresholds else {})  # fmt: skip
 
 
 # --- detection ---------------------------------------------------------------------------
@@ -129,8 +158,12 @@ def _sparsify_layers(path: Path) -> list[Path]:
                     found.append(sub)
             except (ValueError, TypeError, AttributeError):
                 continue
-    key = [lambda p: [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", p.name)]]
-    return sorted(found, key=key[0])
+    return sorted(found, key=lambda p: _natural(p.name))
+
+
+def _natural(name: str) -> list:
+    """Sort key of a hook point as sparsify sorts them (numbers by value)."""
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -146,19 +179,47 @@ def read_clt(path: Path, layout: str) -> tuple[dict[str, torch.Tensor], dict]:
                      "config": config}  # fmt: skip
 
 
-def _ct_config(path: Path) -> dict:
+def ct_config(path: Path) -> dict:
+    """circuit-tracer's ``config.yaml`` in the directory ``path`` ({} when there is none:
+    the files alone are a whole dictionary); refused when present but unreadable."""
+    f = Path(path) / CT_CONFIG
+    if not f.is_file():
+        return {}
+    text = f.read_text()
     try:
-        cfg = json.loads((path / CT_CONFIG).read_text())
-    except (OSError, ValueError):
-        return {}  # the files alone are a valid circuit-tracer CLT; a YAML we did not write
-    return cfg if isinstance(cfg, dict) else {}
+        import yaml  # circuit-tracer's own reader (huggingface_hub's dependency)
+    except ImportError:  # JSON, which ours writes, is YAML too
+        yaml = None
+    errors = (ValueError,) if yaml is None else (ValueError, yaml.YAMLError)
+    try:
+        cfg = json.loads(text) if yaml is None else yaml.safe_load(text)
+    except errors as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f}: not a mapping of settings")
+    return cfg
 
 
-def _blocks(cfg: dict, n_layers: int) -> list[str]:
+def _hooks(cfg: dict, n_layers: int) -> tuple[list[str], list[str]]:
+    """The hook points a circuit-tracer config records, per layer: ours (``blocks``), else
+    its ``blocks.{l}.{feature_input_hook}`` and ``...{feature_output_hook}``; none without
+    a config."""
     blocks = cfg.get("blocks")
     if isinstance(blocks, list) and len(blocks) == n_layers:
-        return [str(b) for b in blocks]
-    return [f"layers.{layer}.mlp" for layer in range(n_layers)]
+        return [f"{b}:input" for b in blocks], [f"{b}:output" for b in blocks]
+    hook_in, hook_out = cfg.get("feature_input_hook"), cfg.get("feature_output_hook")
+    if not hook_in:
+        return [], []
+    inputs = [f"blocks.{layer}.{hook_in}" for layer in range(n_layers)]
+    targets = [f"blocks.{layer}.{hook_out}" for layer in range(n_layers)] if hook_out else []
+    return inputs, targets
+
+
+def _ct_thresholds(cfg: dict) -> str:
+    """How a circuit-tracer file's thresholds were set: what our config recorded, else
+    "peer" (the library's own JumpReLU, or its ReLU read as thresholds 0)."""
+    recorded = cfg.get(THRESHOLD_SOURCE)
+    return recorded if recorded in THRESHOLD_SOURCES else "peer"
 
 
 def _read_ct(path: Path) -> tuple[dict, dict, dict]:
@@ -188,40 +249,98 @@ def _read_ct(path: Path) -> tuple[dict, dict, dict]:
             _zero_or_refuse(f, "W_skip", raw["W_skip"], "our CLT has no skip path")
     t |= {"encoder_weight": torch.stack(enc_w), "encoder_bias": torch.stack(enc_b),
           "decoder_bias": torch.stack(dec_b), "threshold": torch.stack(thr)}  # fmt: skip
-    cfg = _ct_config(path)
+    cfg = ct_config(path)
     k = cfg.get("k") if isinstance(cfg.get("k"), int) else None
-    return t, _metadata(n_layers, n, d, d, k, _blocks(cfg, n_layers), CIRCUIT_TRACER), cfg
+    meta = _metadata(n_layers, n, d, d, k, _hooks(cfg, n_layers), CIRCUIT_TRACER,
+                     _ct_thresholds(cfg))  # fmt: skip
+    return t, meta, cfg
+
+
+def is_ct_transcoder(path: Path) -> bool:
+    """Whether the file ``path`` is a circuit-tracer per-layer transcoder (its tensor
+    names, and none of ours)."""
+    try:
+        with SafetensorsFile(path) as f:
+            names = set(f.keys())
+    except OSError:
+        return False
+    return set(CT_TRANSCODER) <= names and "encoder_weight" not in names
+
+
+def read_ct_transcoder(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors in our transcoder's names, info)`` of one circuit-tracer per-layer
+    transcoder file (``SingleLayerTranscoder.to_safetensors``): ``W_enc [n, d]`` as our
+    ``encoder_weight``, ``W_dec [n, d]``, ``b_enc``, ``b_dec`` as they are, its
+    ``activation_function.threshold`` as ``threshold`` (a ReLU transcoder's: zeros, the
+    same code) and ``W_skip [d, d]`` (applied ``x @ W_skip.T``) as ``skip_weight``. No
+    ``k``: it encodes with its thresholds."""
+    path = Path(path)
+    raw = _tensors(path)
+    if "W_enc" not in raw or raw["W_enc"].ndim != 2:
+        raise CheckpointError(f"{path}: missing tensor W_enc [n, d]")
+    n, d = raw["W_enc"].shape
+    t = {ours: _take(path, raw, theirs, shape) for (theirs, ours), shape in
+         zip(CT_TRANSCODER.items(), ((n, d), (n,), (n, d), (d,)), strict=True)}  # fmt: skip
+    relu = CT_THRESHOLD not in raw
+    t["threshold"] = torch.zeros(n) if relu else _take(path, raw, CT_THRESHOLD, (n,))
+    if "W_skip" in raw:
+        t["skip_weight"] = _take(path, raw, "W_skip", (d, d))
+    meta = {"architecture": "skip_transcoder" if "W_skip" in raw else "transcoder",
+            "activation": "relu" if relu else "jumprelu", "source_layout": CT_TRANSCODER_FILE,
+            THRESHOLD_SOURCE: "peer"}  # fmt: skip
+    return t, {"layout": CT_TRANSCODER_FILE, "architecture": meta["architecture"], "k": None,
+               "metadata": meta}  # fmt: skip
+
+
+#: ``read_sae``'s layout name of one circuit-tracer per-layer transcoder file.
+CT_TRANSCODER_FILE = "circuit-tracer-transcoder"
+
+
+def transcoder_set_files(path: Path) -> tuple[list[Path], tuple[list[str], list[str]], dict]:
+    """A circuit-tracer transcoder set's files in layer order (its config's
+    ``transcoders``, an ``hf://`` entry taken as the file of its name here, else
+    ``layer_{l}.safetensors``), the hook points its config records (``_hooks``) and the
+    config, with our additions overriding the hook names."""
+    path = Path(path)
+    cfg = ct_config(path)
+    listed = cfg.get("transcoders")
+    if isinstance(listed, list) and listed:
+        files = [path / Path(str(entry).split("hf://", 1)[-1]).name if str(entry).startswith("hf://")
+                 else path / str(entry) for entry in listed]  # fmt: skip
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path / CT_CONFIG}: transcoders {missing} are not files here")
+    else:
+        files, layer = [], 0
+        while (path / f"layer_{layer}.safetensors").is_file():
+            files.append(path / f"layer_{layer}.safetensors")
+            layer += 1
+    if not files:
+        raise CheckpointError(f"{path}: no layer_0.safetensors (a circuit-tracer transcoder set)")
+    return files, _hooks(cfg, len(files)), cfg
 
 
 def _read_ct_set(path: Path) -> tuple[dict, dict, dict]:
-    n_layers = 0
-    while (path / f"layer_{n_layers}.safetensors").is_file():
-        n_layers += 1
-    first = _tensors(path / "layer_0.safetensors")
-    if "W_enc" not in first or first["W_enc"].ndim != 2:
-        raise CheckpointError(f"{path / 'layer_0.safetensors'}: missing tensor W_enc [n, d]")
-    n, d = first["W_enc"].shape
-    parts: dict[str, list] = {"encoder_weight": [], "encoder_bias": [], "decoder_bias": [],
-                              "threshold": []}  # fmt: skip
+    files, hooks, cfg = transcoder_set_files(path)
+    layers = [read_ct_transcoder(f)[0] for f in files]
+    n, d = layers[0]["encoder_weight"].shape
+    n_layers = len(layers)
     t = {}
-    for layer in range(n_layers):
-        f = path / f"layer_{layer}.safetensors"
-        raw = first if layer == 0 else _tensors(f)
-        parts["encoder_weight"].append(_take(f, raw, "W_enc", (n, d)))
-        parts["encoder_bias"].append(_take(f, raw, "b_enc", (n,)))
-        parts["decoder_bias"].append(_take(f, raw, "b_dec", (d,)))
-        name = "activation_function.threshold"
-        parts["threshold"].append(_take(f, raw, name, (n,)) if name in raw else torch.zeros(n))
-        w_dec = _take(f, raw, "W_dec", (n, d))
-        if "W_skip" in raw:
-            _zero_or_refuse(f, "W_skip", raw["W_skip"], "our CLT has no skip path")
+    for layer, (f, tc) in enumerate(zip(files, layers, strict=True)):
+        for name, shape in (("encoder_weight", (n, d)), ("decoder_weight", (n, d))):
+            _take(f, tc, name, shape)  # every layer as wide as the first
+        if "skip_weight" in tc:
+            _zero_or_refuse(f, "W_skip", tc["skip_weight"], "our CLT has no skip path (the "
+                            "replacement model reads the set file by file, skip paths "
+                            "included: load_replacement)")  # fmt: skip
         slots = torch.zeros(n, n_layers - layer, d)
-        slots[:, 0] = w_dec  # a per-layer set: only the l -> l decoder
+        slots[:, 0] = tc["decoder_weight"]  # a per-layer set: only the l -> l decoder
         t[f"decoder_weight.{layer}"] = slots
-    t |= {name: torch.stack(v) for name, v in parts.items()}
-    cfg = _ct_config(path)
+    for name in ("encoder_weight", "encoder_bias", "decoder_bias", "threshold"):
+        t[name] = torch.stack([tc[name] for tc in layers])
     k = cfg.get("k") if isinstance(cfg.get("k"), int) else None
-    return t, _metadata(n_layers, n, d, d, k, _blocks(cfg, n_layers), CIRCUIT_TRACER_SET), cfg
+    meta = _metadata(n_layers, n, d, d, k, hooks, CIRCUIT_TRACER_SET, _ct_thresholds(cfg))
+    return t, meta, cfg
 
 
 _SPARSIFY_REFUSED = {
@@ -273,17 +392,33 @@ def _read_sparsify(path: Path) -> tuple[dict, dict, dict]:
         t[f"decoder_weight.{layer}"] = slots
     t |= {"encoder_weight": torch.stack(enc_w), "encoder_bias": torch.stack(enc_b),
           "decoder_bias": bias.float(), "threshold": torch.zeros(n_layers, n)}  # fmt: skip
-    meta = _metadata(n_layers, n, d, d, ks.pop(), [sub.name for sub in layers], SPARSIFY)
+    names = [sub.name for sub in layers]  # sparsify's hook points, its modules' names
+    hooks = [f"{b}:input" for b in names], [f"{b}:output" for b in names]
+    meta = _metadata(n_layers, n, d, d, ks.pop(), hooks, SPARSIFY)  # top-k: no thresholds
     return t, meta, {sub.name: cfg for sub, cfg in zip(layers, cfgs, strict=True)}
 
 
 # --- writing ---------------------------------------------------------------------------------
 
 
+def _needs_thresholds(what: str, thresholds: str | None) -> None:
+    """Refuse writing a dictionary without thresholds in circuit-tracer's layouts."""
+    if thresholds is None:
+        raise CheckpointError(
+            f"{what} holds no JumpReLU thresholds (no threshold_source: it keeps the top k per "
+            "row), and circuit-tracer encodes with a file's thresholds or, without them, a ReLU "
+            "(every positive pre-activation): its latents would not be ours. Give it thresholds "
+            "first (a CLT trained here has them calibrated at every checkpoint; "
+            "CrossLayerTranscoder.calibrate_thresholds on training rows sets them), or export "
+            "it to sparsify, which keeps the top k"
+        )
+
+
 def export_clt(tensors: dict[str, torch.Tensor], meta: dict, out_dir: Path, layout: str,
-               *, k: int | None = None) -> Path:  # fmt: skip
-    """Write our CLT (``tensors`` and ``meta`` as ``read_sae`` gives them) in ``layout``
-    (``CIRCUIT_TRACER``, ``CIRCUIT_TRACER_SET`` or ``SPARSIFY``), whole or not at all."""
+               *, k: int | None = None, thresholds: str | None = None) -> Path:  # fmt: skip
+    """Write our CLT (``tensors`` and ``meta`` as ``read_sae`` gives them, ``thresholds``
+    its ``threshold_source``) in ``layout`` (``CIRCUIT_TRACER``, ``CIRCUIT_TRACER_SET`` or
+    ``SPARSIFY``), whole or not at all; circuit-tracer's layouts only with thresholds."""
     n_layers, _, d_in = tensors["encoder_weight"].shape
     d_out = tensors["decoder_bias"].shape[1]
     if d_in != d_out:
@@ -291,6 +426,8 @@ def export_clt(tensors: dict[str, torch.Tensor], meta: dict, out_dir: Path, layo
             f"a CLT from {d_in} to {d_out} dimensions; {layout}'s coders have one width "
             "(the model's), so it cannot store this one"
         )
+    if layout != SPARSIFY:
+        _needs_thresholds("the CLT", thresholds)
     decoders = [_untied(tensors[f"decoder_weight.{layer}"], n_layers - layer)
                 for layer in range(n_layers)]  # fmt: skip
     blocks = json.loads(meta.get("blocks") or "[]") or [f"layers.{i}.mlp" for i in range(n_layers)]
@@ -300,6 +437,75 @@ def export_clt(tensors: dict[str, torch.Tensor], meta: dict, out_dir: Path, layo
     out = Path(out_dir)
     with publishing(out) as tmp:
         writer[layout](tmp, tensors, decoders, blocks, k)
+        if layout != SPARSIFY:
+            _ct_sidecar(tmp, THRESHOLD_SOURCE, thresholds)
+    return out
+
+
+def _ct_sidecar(tmp: Path, key: str, value) -> None:
+    """Add ``key`` to the config written in ``tmp``."""
+    doc = json.loads((tmp / CT_CONFIG).read_text())
+    (tmp / CT_CONFIG).write_text(json.dumps(doc | {key: value}, indent=2) + "\n")
+
+
+def export_transcoder_set(transcoders: list, out_dir: Path) -> Path:
+    """Write per-layer transcoders (``[(name, tensors, info)]`` as ``read_sae`` gives them,
+    in layer order: layer l is the l-th) as circuit-tracer's transcoder set: each
+    ``layer_{l}.safetensors`` as ``SingleLayerTranscoder.to_safetensors`` writes it (a
+    skip transcoder's ``skip_weight`` as ``W_skip``), and the config naming the files,
+    the hooks (``mlp.hook_in``, ``mlp.hook_out``), the blocks the files record, their
+    common ``k`` and ``threshold_source``; whole or not at all. Each must hold thresholds
+    (circuit-tracer has no top-k) and one width."""
+    from .architectures.clt import block_of
+
+    if not transcoders:
+        raise CheckpointError("no transcoders to write as a set")
+    blocks, ks, sources, width = [], set(), set(), None
+    for name, t, info in transcoders:
+        if info["architecture"] not in ("transcoder", "skip_transcoder"):
+            raise CheckpointError(f"{name}: a {info['architecture']} SAE, not a transcoder")
+        n, d = t["encoder_weight"].shape
+        width = width or (n, d)
+        if (n, d) != width:
+            raise CheckpointError(
+                f"{name}: {n} latents of width {d}; the first transcoder's {width[0]} of "
+                f"{width[1]} (circuit-tracer's set has one)"
+            )
+        if t["decoder_bias"].shape[0] != d:
+            raise CheckpointError(
+                f"{name}: a transcoder from {d} to {t['decoder_bias'].shape[0]} dimensions; "
+                "circuit-tracer's transcoders have one width (the model's)"
+            )
+        _needs_thresholds(name, info.get("threshold_source"))
+        meta = info.get("metadata") or {}
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        hook = meta.get("hook_point") or config.get("hook_point")
+        blocks.append(block_of(hook) if hook else None)
+        ks.add(info.get("k"))
+        sources.add(info["threshold_source"])
+    doc = {"model_kind": "transcoder_set", "feature_input_hook": CT_INPUT_HOOK,
+           "feature_output_hook": CT_OUTPUT_HOOK,
+           "transcoders": [f"layer_{layer}.safetensors" for layer in range(len(transcoders))]}  # fmt: skip
+    if all(blocks):
+        if len(set(blocks)) != len(blocks) or blocks != sorted(blocks, key=_natural):
+            raise CheckpointError(
+                f"the transcoders record blocks {blocks}: not one per layer in layer order "
+                "(a set's l-th file is layer l)"
+            )
+        doc["blocks"] = blocks
+    if len(ks) == 1 and None not in ks:
+        doc["k"] = ks.pop()
+    if len(sources) == 1:
+        doc[THRESHOLD_SOURCE] = sources.pop()
+    out = Path(out_dir)
+    with publishing(out) as tmp:
+        for layer, (_, t, _) in enumerate(transcoders):
+            weights = {theirs: _np(t[ours]) for theirs, ours in CT_TRANSCODER.items()}
+            weights[CT_THRESHOLD] = _np(t["threshold"])
+            if "skip_weight" in t:
+                weights["W_skip"] = _np(t["skip_weight"])
+            write_shard(tmp / f"layer_{layer}.safetensors", weights, {"format": "pt"})
+        (tmp / CT_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
     return out
 
 

@@ -29,6 +29,18 @@ encodes as our TopK transcoders do, so both directions are refused rather than c
 which latents fire. BatchTopK and Matryoshka codes (capped per row) and crosscoders
 have no layout in either library.
 
+A circuit-tracer per-layer transcoder file (``layer_{l}.safetensors``: ``W_enc``, ``W_dec``,
+``b_enc``, ``b_dec``, optional ``activation_function.threshold`` and ``W_skip``) reads as a
+transcoder (a skip transcoder with ``W_skip``) with its thresholds and no ``k``
+(``clt_interop.read_ct_transcoder``); a directory of sparsify transcoders, one per hook
+point (``sparsify_transcoders``), is a per-layer set the replacement model reads.
+
+``read_sae``'s info names the ``threshold_source`` of the file's JumpReLU thresholds
+(``architectures/clt.py``'s ``THRESHOLD_SOURCES``; None when it holds none): the
+metadata's; SAELens' JumpReLU and ReLU (thresholds 0) SAEs' and circuit-tracer's are
+"peer"; a JumpReLU SAE of ours "trained"; a CLT of ours written before the key, with
+non-zero thresholds, "calibrated" (the trainer calibrated them before every checkpoint).
+
 ``read_sae``'s info names the ``architecture`` (``sae/architectures/``);
 ``load_sae_model`` gives any of them as that architecture's module; ``export_sae`` writes
 ours in the SAELens layout (TopK, JumpReLU) or the sparsify one (TopK, transcoders) so
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -92,16 +105,23 @@ def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     layout; ``info``: ``layout`` ("ours", "saelens", "sparsify"), ``architecture``
     (a key of ``ARCHITECTURES``), ``k`` (or None) and the source's ``metadata`` /
     ``config``."""
-    path = Path(path)
+    tensors, info = _read(Path(path))
+    info["threshold_source"] = _threshold_source(path, tensors, info)
+    return tensors, info
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from . import clt_interop
+
     if path.is_file():
+        if clt_interop.is_ct_transcoder(path):
+            return clt_interop.read_ct_transcoder(path)
         tensors, meta = load_sae(path)
         arch = meta.get("architecture") or meta.get("activation") or "topk"
         return tensors, {"layout": "ours", "architecture": arch,
                          "k": _int_or_none(meta.get("k")), "metadata": meta}  # fmt: skip
     if not path.is_dir():
         raise CheckpointError(f"{path}: no SAE file or directory")
-    from . import clt_interop
-
     layout = clt_interop.detect(path)
     if layout is not None:  # another library's cross-layer transcoder or transcoder set
         return clt_interop.read_clt(path, layout)
@@ -112,11 +132,57 @@ def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
             names = set(f.keys())
         if "encoder.weight" in names:
             return _read_sparsify(path)
-        return read_sae(path / SAE_FILE)
+        return _read(path / SAE_FILE)
     raise CheckpointError(
         f"{path}: not an SAE directory: expected our {SAE_FILE}, SAELens' {FOREIGN_CONFIG} + "
         f"{SAELENS_WEIGHTS}, or sparsify's {FOREIGN_CONFIG} + {SPARSIFY_WEIGHTS}"
     )
+
+
+def _threshold_source(path, tensors: dict[str, torch.Tensor], info: dict) -> str | None:
+    """How the file's JumpReLU thresholds were set (module docstring), None without."""
+    from .architectures.clt import THRESHOLD_SOURCE, THRESHOLD_SOURCES
+
+    recorded = (info.get("metadata") or {}).get(THRESHOLD_SOURCE)
+    if recorded is not None:
+        if recorded not in THRESHOLD_SOURCES:
+            raise CheckpointError(
+                f"{path}: {THRESHOLD_SOURCE} {recorded!r}, not one of {THRESHOLD_SOURCES}"
+            )
+        return recorded
+    if "threshold" not in tensors:
+        return None
+    if info["layout"] == "saelens":
+        return "peer"  # its JumpReLU, or its ReLU read as thresholds 0: the same code
+    if info["layout"] == "ours" and info["architecture"] == "jumprelu":
+        return "trained"  # a JumpReLU SAE's thresholds are its trained parameters
+    ours_clt = info["layout"] == "ours" and info["architecture"] == "clt"
+    if ours_clt and bool(tensors["threshold"].any()):
+        # a CLT of ours written before the key: the trainer calibrated its thresholds
+        # before every checkpoint (calibrate_thresholds); a never calibrated one's are 0
+        return "calibrated"
+    return None
+
+
+def sparsify_transcoders(path: str | os.PathLike) -> dict[str, Path]:
+    """``{hook point: directory}`` of a sparsify run's per-layer transcoders (a directory
+    holding one ``cfg.json`` + ``sae.safetensors`` directory per hook point, named by it,
+    ``transcode`` set, no cross-layer ``n_targets``), sorted as sparsify sorts them; {} when
+    ``path`` is not one."""
+    path = Path(path)
+    found = {}
+    for sub in sorted(path.iterdir()) if path.is_dir() else ():
+        if not ((sub / FOREIGN_CONFIG).is_file() and (sub / SPARSIFY_WEIGHTS).is_file()):
+            continue
+        try:
+            cfg = json.loads((sub / FOREIGN_CONFIG).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict) and cfg.get("transcode") and not cfg.get("n_targets"):
+            found[sub.name] = sub
+    from .clt_interop import _natural
+
+    return {name: found[name] for name in sorted(found, key=_natural)}
 
 
 def _int_or_none(value) -> int | None:
@@ -246,8 +312,15 @@ def load_sae_model(
     tensors, info = read_sae(path)
     cls = get_architecture(info["architecture"])
     if info["architecture"] == "clt":
-        return _clt_model(tensors, info["metadata"], k=k, device=device)
+        return _clt_model(tensors, info["metadata"], k=k, device=device,
+                          thresholds=info["threshold_source"])  # fmt: skip
     k = k or info["k"] or (None if cls.SELECTS_TOP_K else 1)  # else k is a training target
+    if k is None and info["threshold_source"] is not None:
+        raise CheckpointError(
+            f"{path}: a {info['layout']} file that records no k: it encodes with its JumpReLU "
+            "thresholds (circuits.load_replacement(..., rule='threshold')); pass k= for the "
+            "top-k rule"
+        )
     if k is None:
         raise CheckpointError(f"{path}: the file records no k; pass k=")
     n, d = tensors["encoder_weight"].shape
@@ -260,8 +333,10 @@ def load_sae_model(
     return sae.eval()
 
 
-def _clt_model(tensors: dict[str, torch.Tensor], meta: dict, *, k=None, device=None):
-    """A ``CrossLayerTranscoder`` of our CLT file's tensors and metadata."""
+def _clt_model(tensors: dict[str, torch.Tensor], meta: dict, *, k=None, device=None,
+               thresholds: str | None = None):  # fmt: skip
+    """A ``CrossLayerTranscoder`` of our CLT file's tensors and metadata, its
+    ``threshold_source`` ``thresholds`` (``read_sae``'s)."""
     from .architectures import CrossLayerTranscoder as CLT
 
     _, n, d_in = tensors["encoder_weight"].shape
@@ -274,11 +349,12 @@ def _clt_model(tensors: dict[str, torch.Tensor], meta: dict, *, k=None, device=N
     clt = CLT(d_in, n, min(k, n), d_out=tensors["decoder_bias"].shape[1],
               device=device, **CLT.stored_options(meta))  # fmt: skip
     clt.load_full_state(tensors)
+    clt.threshold_source = thresholds
     return clt.eval()
 
 
 def export_sae(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
     layout: Literal["saelens", "sparsify", "circuit-tracer", "circuit-tracer-transcoders"],
     *,
@@ -287,10 +363,22 @@ def export_sae(
     """Write the SAE at ``path`` (any recognised layout) as a directory that SAELens
     (``SAE.load_from_disk``) or sparsify (``SparseCoder.load_from_disk``) loads and that
     encodes exactly as ours; a cross-layer transcoder in circuit-tracer's layouts or
-    sparsify's cross-layer one (``clt_interop``); written whole or not at all."""
+    sparsify's cross-layer one (``clt_interop``); per-layer transcoders (a list of files,
+    layer l the l-th) as circuit-tracer's transcoder set (``"circuit-tracer-transcoders"``,
+    its ``load_transcoder_set``); written whole or not at all. circuit-tracer encodes with
+    JumpReLU thresholds, so only a dictionary that holds them (a ``threshold_source``) goes
+    there."""
     from . import clt_interop
     from .architectures import get_architecture
 
+    if not isinstance(path, str | os.PathLike):
+        if layout != clt_interop.CIRCUIT_TRACER_SET:
+            raise CheckpointError(
+                f"several files go only to {clt_interop.CIRCUIT_TRACER_SET!r} (per-layer "
+                f"transcoders as a set), not {layout!r}"
+            )
+        items = [(os.fspath(p), *read_sae(p)) for p in path]
+        return clt_interop.export_transcoder_set(items, Path(out_dir))
     tensors, info = read_sae(path)
     arch = info["architecture"]
     if arch == "clt":
@@ -299,11 +387,17 @@ def export_sae(
                 f"{path}: a cross-layer transcoder; SAELens has no cross-layer layout "
                 "(write it as 'circuit-tracer' or 'sparsify')"
             )
-        return clt_interop.export_clt(tensors, info["metadata"], Path(out_dir), layout, k=k)
+        return clt_interop.export_clt(tensors, info["metadata"], Path(out_dir), layout, k=k,
+                                      thresholds=info["threshold_source"])  # fmt: skip
+    if layout == clt_interop.CIRCUIT_TRACER_SET and arch in ("transcoder", "skip_transcoder"):
+        raise CheckpointError(
+            f"{path}: one per-layer transcoder; circuit-tracer's set holds every layer from 0 "
+            "(its l-th file is layer l): pass the transcoder files as a list, in layer order"
+        )
     if layout.startswith("circuit-tracer"):
         raise CheckpointError(
-            f"{path}: a {arch} SAE; circuit-tracer's layouts take a CLT (a per-layer "
-            "transcoder set is a CLT with only l -> l decoders)"
+            f"{path}: a {arch} SAE; circuit-tracer's layouts take a CLT or per-layer "
+            "transcoders (a list of files, for 'circuit-tracer-transcoders')"
         )
     k = k or info["k"]
     if k is None and get_architecture(arch).SELECTS_TOP_K:
