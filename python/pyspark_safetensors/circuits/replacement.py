@@ -11,9 +11,17 @@ from (a cross-layer transcoder, a set of per-layer transcoders, a LUT directory)
     z_l = act_l(x_l W_enc^l^T + b_enc^l)                        [N, n_l]
     y_hat_t = sum_{l in sources(t)} z_l W_dec^{l->t} + b_dec^t  (+ x_t W_skip^t^T)
 
-``act_l`` keeps the top ``k`` of ``ReLU(pre)`` per row, or (a CLT's ``rule="threshold"``)
-``pre * 1[pre > threshold]``. A CLT's ``sources(t)`` are the layers ``0..t``; a per-layer
-transcoder's are ``{t}`` alone. ``load_replacement`` makes one of any of these.
+``act_l`` keeps the top ``k`` of ``ReLU(pre)`` per row, or (``rule="threshold"``)
+``pre * 1[pre > threshold]`` with the dictionary's own JumpReLU thresholds: a CLT's
+calibrated ones, circuit-tracer's (its only rule; a ReLU transcoder's thresholds are 0).
+The threshold rule is refused for a dictionary that holds none (its ``threshold_source``,
+``sae/architectures/clt.py``, absent: top-k transcoders, sparsify's coders, a CLT never
+calibrated), and the top-k rule for one that records no ``k`` unless given one. A CLT's
+``sources(t)`` are the layers ``0..t``; a per-layer transcoder's are ``{t}`` alone.
+``load_replacement`` makes one of any of these, ours or as other libraries write them
+(circuit-tracer's CLT and transcoder sets, sparsify's cross-layer and per-layer runs);
+their names for the blocks (``blocks.{i}.mlp.hook_in``, ``layers.{i}.mlp``, ...) resolve
+to the model's by one rule, ``block_of``.
 
 ``ReplacementModel(model, replacement)`` hooks each replaced block: the block still runs
 (its true output on this run's input is what an error node needs), its input is encoded,
@@ -34,6 +42,7 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -48,7 +57,8 @@ RULES = ("topk", "threshold")
 class Replacement:
     """What replaces the MLP blocks ``blocks`` (module names, in layer order), in float32:
     per layer ``l`` its encoder ``encoder_weight[l] [n_l, d_in]``, ``encoder_bias[l]``,
-    ``k`` and optional ``threshold[l] [n_l]`` (the JumpReLU rule); per target ``t`` its
+    ``k`` and optional ``threshold[l] [n_l]`` (the JumpReLU rule; ``k`` may then be None);
+    per target ``t`` its
     decoders ``decoders[t] = {source l: W_dec^{l->t} [n_l, d_out]}``, ``decoder_bias[t]``
     and optional ``skip[t] [d_out, d_in]``."""
 
@@ -57,13 +67,15 @@ class Replacement:
     encoder_bias: list[torch.Tensor]
     decoders: list[dict[int, torch.Tensor]]
     decoder_bias: list[torch.Tensor]
-    k: int
+    k: int | None
     threshold: list[torch.Tensor] | None = None
     skip: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.skip:
             self.skip = [None] * len(self.blocks)
+        if self.threshold is None and not self.k:
+            raise InvalidArgumentError("a replacement without thresholds keeps the top k: give k")
         for t, decoders in enumerate(self.decoders):
             if any(not 0 <= s <= t for s in decoders):
                 raise InvalidArgumentError(
@@ -131,7 +143,9 @@ class Replacement:
 
 def model_blocks(model) -> list[str]:
     """The module names of a model's MLP blocks, in layer order (``model.layers.N.mlp``;
-    the extraction's ``mlp_layers`` rule)."""
+    the extraction's ``mlp_layers`` rule). A dictionary's names for them, ours or another
+    library's (``blocks.{i}.mlp.hook_in``, sparsify's ``layers.{i}.mlp``, ...), are
+    resolved against this list by the one rule, ``sae.architectures.clt.block_of``."""
     from ..extract.model import mlp_blocks
 
     blocks = mlp_blocks(model)
@@ -142,6 +156,17 @@ def model_blocks(model) -> list[str]:
             "module is the whole block), which a replacement swaps whole"
         )
     return [b.module for b in blocks]
+
+
+def _resolved(where: str, names: Sequence[str], blocks: Sequence[str]) -> list[str]:
+    """The model blocks ``names`` mean (``block_of``), refused as a ``ReplacementError``
+    naming ``where``."""
+    from ..sae.architectures.clt import block_of
+
+    try:
+        return [block_of(name, blocks) for name in names]
+    except InvalidArgumentError as e:
+        raise ReplacementError(f"{where}: {e}") from None
 
 
 def _hidden(model) -> int:
@@ -165,18 +190,17 @@ def _fits(where: str, name: str, shape, expected, why: str) -> None:
 
 
 def _covered_blocks(model, where: str, recorded: Sequence[str], n_layers: int, tensor: str, shape):
-    """The model blocks a dictionary of ``n_layers`` layers replaces: those it records,
-    checked against the model, else every block of the model."""
+    """The model blocks a dictionary of ``n_layers`` layers replaces: those its hook points
+    ``recorded`` name (in any convention ``block_of`` reads), checked against the model,
+    else every block of the model."""
     blocks = model_blocks(model)
     if recorded:
-        unknown = [b for b in recorded if b not in blocks]
-        if unknown:
+        resolved = _resolved(where, recorded, blocks)
+        if len(set(resolved)) != len(resolved) or sorted(resolved, key=blocks.index) != resolved:
             raise ReplacementError(
-                f"{where}: blocks {unknown} are not MLP blocks of the model ({blocks})"
+                f"{where}: blocks {list(recorded)} are not in layer order (the model's: {blocks})"
             )
-        if [b for b in blocks if b in recorded] != list(recorded):
-            raise ReplacementError(f"{where}: blocks {list(recorded)} are not in layer order")
-        return tuple(recorded)
+        return tuple(resolved)
     if n_layers != len(blocks):
         expected = (len(blocks), *shape[1:])
         raise ReplacementError(
@@ -186,25 +210,79 @@ def _covered_blocks(model, where: str, recorded: Sequence[str], n_layers: int, t
     return tuple(blocks)
 
 
-def clt_replacement(model, clt, *, rule: str = "topk") -> Replacement:
-    """The replacement a cross-layer transcoder (a ``CrossLayerTranscoder`` or a path
-    ``load_sae_model`` reads) gives ``model``: its ``blocks`` (metadata) or, when it
-    records none, every MLP block of the model. Refused, naming the tensor and the shape
-    expected, when its layers or widths do not fit the model."""
-    from ..sae.architectures import CrossLayerTranscoder
-    from ..sae.architectures.clt import block_of
-    from ..sae.ecosystem import load_sae_model
+#: What to do about a dictionary without thresholds asked for the threshold rule.
+_NO_THRESHOLDS = (
+    "use rule='topk', or give it JumpReLU thresholds first: a CLT trained here has them "
+    "calibrated at every checkpoint (pyspark-safetensors train; "
+    "CrossLayerTranscoder.calibrate_thresholds sets them on training rows), and "
+    "circuit-tracer's JumpReLU transcoders carry their own"
+)
 
+
+def _threshold_source(module) -> str | None:
+    """How a dictionary module's thresholds were set: its ``threshold_source`` (a file's,
+    set by ``load_sae_model``), else, for a module holding non-zero ones, "calibrated"
+    (as a file of ours written before the key: the trainer calibrated them); None when it
+    holds none."""
+    source = getattr(module, "threshold_source", None)
+    threshold = getattr(module, "threshold", None)
+    if source is None and isinstance(threshold, torch.Tensor) and threshold.ndim:
+        source = "calibrated" if bool(threshold.any()) else None
+    return source
+
+
+def _check_rule(rule: str) -> None:
     if rule not in RULES:
         raise InvalidArgumentError(f"rule must be one of {RULES}, got {rule!r}")
-    where = os.fspath(clt) if isinstance(clt, str | os.PathLike) else "the CLT"
-    module = load_sae_model(clt) if isinstance(clt, str | os.PathLike) else clt
-    if not isinstance(module, CrossLayerTranscoder):
-        raise ReplacementError(f"{where}: a {type(module).__name__}, not a cross-layer transcoder")
+
+
+def clt_replacement(model, clt, *, rule: str = "topk", k: int | None = None) -> Replacement:
+    """The replacement a cross-layer transcoder (a ``CrossLayerTranscoder`` or a path
+    ``read_sae`` reads: ours, circuit-tracer's, sparsify's) gives ``model``: the blocks its
+    hook points name (``block_of``: ours, circuit-tracer's ``blocks.{i}.mlp.hook_in``,
+    sparsify's ``layers.{i}.mlp``) or, when it records none, every MLP block of the model.
+    ``rule="topk"`` keeps the top ``k`` (the file's unless given: refused when it records
+    none, as circuit-tracer's do); ``rule="threshold"`` encodes with its JumpReLU
+    thresholds, refused when it holds none (no ``threshold_source``: a CLT never
+    calibrated, sparsify's). Refused, naming the tensor and the shape expected, when its
+    layers or widths do not fit the model."""
+    from ..sae.architectures import CrossLayerTranscoder
+    from ..sae.ecosystem import _clt_model, read_sae
+
+    _check_rule(rule)
+    if isinstance(clt, str | os.PathLike):
+        where = os.fspath(clt)
+        tensors, info = read_sae(clt)
+        if info["architecture"] != "clt":
+            raise ReplacementError(
+                f"{where}: a {info['architecture']} SAE, not a cross-layer transcoder (per-layer "
+                "transcoders: load_replacement or transcoder_replacement)"
+            )
+        k, source = k or info["k"], info["threshold_source"]
+        # the module's own k is not the replacement's (which encodes itself): any will do
+        module = _clt_model(tensors, info["metadata"], k=k or 1, thresholds=source)
+        layout = info["metadata"].get("source_layout", "ours")
+    else:
+        where, module, layout = "the CLT", clt, "ours"
+        if not isinstance(module, CrossLayerTranscoder):
+            raise ReplacementError(
+                f"{where}: a {type(module).__name__}, not a cross-layer transcoder"
+            )
+        k, source = k or module.k, _threshold_source(module)
+    if rule == "topk" and not k:
+        raise ReplacementError(
+            f"{where}: rule 'topk': the CLT ({layout}) records no k (it encodes with its "
+            "JumpReLU thresholds: rule='threshold'); pass k= for the top-k rule"
+        )
+    if rule == "threshold" and source is None:
+        why = ", which keeps the top k per layer" if layout == "sparsify" else ""
+        raise ReplacementError(
+            f"{where}: rule 'threshold': the CLT ({layout}{why}) holds no JumpReLU thresholds "
+            f"(no threshold_source); {_NO_THRESHOLDS}"
+        )
     L, n, d = module.n_layers, module.n_latents, _hidden(model)
     shape = tuple(module.encoder_weight.shape)
-    recorded = [block_of(h) for h in module.hook_points]
-    blocks = _covered_blocks(model, where, recorded, L, "encoder_weight", shape)
+    blocks = _covered_blocks(model, where, module.hook_points, L, "encoder_weight", shape)
     _fits(where, "encoder_weight", shape, (len(blocks), n, d), f"the model's MLP blocks read {d}")
     _fits(where, "decoder_bias", module.decoder_bias.shape, (len(blocks), d),
           f"the model's MLP blocks write {d}")  # fmt: skip
@@ -215,53 +293,86 @@ def clt_replacement(model, clt, *, rule: str = "topk") -> Replacement:
         [f32(module.encoder_bias[i]) for i in range(L)],
         [{s: f32(module.decoder(s, t)) for s in range(t + 1)} for t in range(L)],
         [f32(module.decoder_bias[t]) for t in range(L)],
-        module.k,
+        k,
         [f32(module.threshold[i]) for i in range(L)] if rule == "threshold" else None,
     )
 
 
-def recorded_block(path: str | os.PathLike) -> str:
-    """The MLP block a dictionary file records as its ``hook_point`` (in its metadata or
-    its saved config), refused when it records none."""
+def recorded_block(path: str | os.PathLike, blocks: Sequence[str] | None = None) -> str:
+    """The MLP block a per-layer dictionary file records: its ``hook_point`` (metadata or
+    saved config), or for sparsify's coder directory its name (sparsify names each by its
+    hook point); refused when it records none. With ``blocks`` (``model_blocks``), the
+    one of them it means (``block_of``)."""
     import json
 
     from ..sae.architectures.clt import block_of
     from ..sae.ecosystem import read_sae
 
-    meta = read_sae(path)[1].get("metadata") or {}
-    hook = meta.get("hook_point") or json.loads(meta.get("config", "{}")).get("hook_point")
+    info = read_sae(path)[1]
+    meta = info.get("metadata") or {}
+    config = meta.get("config", "{}")
+    config = json.loads(config) if isinstance(config, str) else config
+    hook = meta.get("hook_point") or (config or {}).get("hook_point")
+    if not hook and info["layout"] == "sparsify":
+        hook = os.path.basename(os.path.normpath(path))
     if not hook:
         raise ReplacementError(
             f"{path}: the file records no hook_point; give the transcoders as "
-            "{block module name: file}"
+            "{block module name: file} (or circuit-tracer's set directory with its config.yaml)"
         )
-    return block_of(hook)
+    if blocks is None:
+        return block_of(hook)
+    return _resolved(os.fspath(path), [hook], blocks)[0]
+
+
+def _transcoder_parts(where: str, tc) -> tuple[dict, int | None, str | None]:
+    """``(full-shape tensors, k, threshold_source)`` of a per-layer transcoder: a module
+    (``TranscoderSAE``, ``SkipTranscoderSAE``) or a file or directory ``read_sae`` reads
+    (ours, sparsify's, circuit-tracer's ``layer_{l}.safetensors``)."""
+    from ..sae.ecosystem import read_sae
+
+    if isinstance(tc, str | os.PathLike):
+        tensors, info = read_sae(tc)
+        arch, k, source = info["architecture"], info["k"], info["threshold_source"]
+    else:
+        arch = getattr(tc, "ARCHITECTURE", type(tc).__name__)
+        tensors = tc.full_state() if hasattr(tc, "full_state") else {}
+        k, source = getattr(tc, "k", None), _threshold_source(tc)
+        if isinstance(getattr(tc, "threshold", None), torch.Tensor) and source is not None:
+            tensors["threshold"] = tc.threshold.detach()
+    if arch not in ("transcoder", "skip_transcoder"):
+        raise ReplacementError(f"{where}: a {arch} SAE, not a transcoder")
+    if source is None:
+        tensors.pop("threshold", None)  # zeros of no rule: never the threshold rule's
+    return tensors, k, source
 
 
 def transcoder_replacement(
-    model, transcoders: Mapping[str, object] | Sequence[str | os.PathLike]
-) -> Replacement:
-    """The replacement a set of per-layer transcoders gives ``model``: ``{block module
-    name: transcoder}`` (a ``TranscoderSAE``/``SkipTranscoderSAE`` or a path), or files
-    that each record their ``hook_point``; each block decoded from its own code alone
-    (the CLT's ``l -> l`` special case). They must share one ``k``."""
-    from ..sae.ecosystem import load_sae_model
-
-    if not isinstance(transcoders, Mapping):
-        transcoders = {recorded_block(p): p for p in transcoders}
+    model, transcoders: Mapping[str, object] | Sequence[str | os.PathLike], *,
+    rule: str = "topk", k: int | None = None,
+) -> Replacement:  # fmt: skip
+    """The replacement a set of per-layer transcoders gives ``model``: ``{block: transcoder}``
+    (the block in any convention ``block_of`` reads; a ``TranscoderSAE``/``SkipTranscoderSAE``
+    or a path: ours, sparsify's, a circuit-tracer ``layer_{l}.safetensors``), or files that
+    each record their block (``recorded_block``); each block decoded from its own code
+    alone (the CLT's ``l -> l`` special case), plus its skip path. ``rule="topk"``: the top
+    ``k`` (the files', which must agree, unless given); ``rule="threshold"``: each one's
+    own JumpReLU thresholds, refused for any that holds none (a top-k transcoder)."""
+    _check_rule(rule)
     blocks, d = model_blocks(model), _hidden(model)
-    unknown = [b for b in transcoders if b not in blocks]
-    if unknown:
-        raise ReplacementError(f"transcoders for {unknown}: not MLP blocks of the model ({blocks})")
-    ordered = [b for b in blocks if b in transcoders]
-    enc_w, enc_b, decs, dec_b, skips, ks = [], [], [], [], [], set()
+    if not isinstance(transcoders, Mapping):
+        transcoders = {recorded_block(p, blocks): p for p in transcoders}
+    names = list(transcoders)
+    resolved = _resolved("the transcoders", names, blocks)
+    if len(set(resolved)) != len(resolved):
+        raise ReplacementError(f"transcoders {names} name blocks {resolved}: one each, please")
+    by_block = dict(zip(resolved, (transcoders[n] for n in names), strict=True))
+    ordered = [b for b in blocks if b in by_block]
+    enc_w, enc_b, decs, dec_b, skips, thresholds, ks, missing = [], [], [], [], [], [], set(), []
     for t, block in enumerate(ordered):
-        tc = transcoders[block]
+        tc = by_block[block]
         where = os.fspath(tc) if isinstance(tc, str | os.PathLike) else f"the transcoder of {block}"
-        tc = load_sae_model(tc) if isinstance(tc, str | os.PathLike) else tc
-        if getattr(tc, "ARCHITECTURE", "") not in ("transcoder", "skip_transcoder"):
-            raise ReplacementError(f"{where}: a {type(tc).__name__}, not a transcoder")
-        state = tc.full_state()
+        state, tc_k, source = _transcoder_parts(where, tc)
         _fits(where, "encoder_weight", state["encoder_weight"].shape, (None, d),
               f"{block} reads {d}")  # fmt: skip
         _fits(where, "decoder_weight", state["decoder_weight"].shape,
@@ -271,12 +382,28 @@ def transcoder_replacement(
         decs.append({t: state["decoder_weight"].float()})
         dec_b.append(state["decoder_bias"].float())
         skips.append(state["skip_weight"].float() if "skip_weight" in state else None)
-        ks.add(tc.k)
-    if len(ks) != 1:
+        thresholds.append(state["threshold"].float() if "threshold" in state else None)
+        ks.add(tc_k)
+        if (rule == "threshold" and source is None) or (rule == "topk" and not (k or tc_k)):
+            missing.append(where)
+    if missing and rule == "threshold":
         raise ReplacementError(
-            f"the transcoders disagree on k ({sorted(ks)}); a replacement has one"
+            f"rule 'threshold': {missing} hold no JumpReLU thresholds (no threshold_source: "
+            f"top-k transcoders); {_NO_THRESHOLDS}"
         )
-    return Replacement(tuple(ordered), enc_w, enc_b, decs, dec_b, ks.pop(), None, skips)
+    if missing:
+        raise ReplacementError(
+            f"rule 'topk': {missing} record no k (they encode with their JumpReLU thresholds: "
+            "rule='threshold'); pass k= for the top-k rule"
+        )
+    if rule == "topk" and not k:
+        if len(ks) != 1:
+            raise ReplacementError(
+                f"the transcoders disagree on k ({sorted(ks)}); a replacement has one (pass k=)"
+            )
+        k = ks.pop()
+    threshold = thresholds if rule == "threshold" else None
+    return Replacement(tuple(ordered), enc_w, enc_b, decs, dec_b, k, threshold, skips)
 
 
 def lut_replacement(model, lut_dir: str | os.PathLike) -> Replacement:
@@ -312,32 +439,93 @@ def lut_replacement(model, lut_dir: str | os.PathLike) -> Replacement:
     return Replacement(tuple(blocks), enc_w, enc_b, decs, dec_b, k, None, skips)
 
 
-def load_replacement(model, dictionary, *, rule: str = "topk") -> Replacement:
+def load_replacement(model, dictionary, *, rule: str = "topk", k: int | None = None) -> Replacement:
     """The replacement ``dictionary`` gives ``model``, whatever it is: a ``Replacement``; a
-    cross-layer transcoder (its file or directory, ours or a layout ``read_sae`` reads, or
-    the module); per-layer transcoders (a sequence of files recording their hook points,
-    or ``{block: transcoder}``); a LUT directory (``lut/metadata.json``). ``rule``:
-    "topk" (every dictionary) or "threshold" (a CLT's JumpReLU thresholds)."""
+    cross-layer transcoder (the module, or its file or directory: ours, circuit-tracer's
+    ``W_enc_{l}``/``W_dec_{l}`` files, sparsify's cross-layer run); per-layer transcoders
+    (``{block: transcoder}``, a sequence of files recording their blocks, one such file,
+    circuit-tracer's transcoder set directory, a sparsify run of per-layer transcoders);
+    a LUT directory (``lut/metadata.json``). ``rule``: "topk" (the top ``k``, the
+    dictionary's unless given) or "threshold" (its JumpReLU thresholds: a calibrated CLT,
+    circuit-tracer's transcoders; refused where none are held, saying what to do)."""
     from ..sae.architectures import CrossLayerTranscoder
 
-    if rule not in RULES:
-        raise InvalidArgumentError(f"rule must be one of {RULES}, got {rule!r}")
+    _check_rule(rule)
     if isinstance(dictionary, Replacement):
         if dictionary.rule != rule:
             raise ReplacementError(f"the replacement encodes by {dictionary.rule}, not {rule}")
         return dictionary
-    if isinstance(dictionary, str | os.PathLike) and _is_lut(dictionary):
-        kind, made = "a LUT", lambda: lut_replacement(model, dictionary)
-    elif isinstance(dictionary, str | os.PathLike | CrossLayerTranscoder):
-        return clt_replacement(model, dictionary, rule=rule)
-    else:
-        kind, made = "per-layer transcoders", lambda: transcoder_replacement(model, dictionary)
-    if rule != "topk":
-        raise ReplacementError(
-            f"rule {rule!r}: {kind} hold no JumpReLU thresholds (only a cross-layer "
-            "transcoder calibrates them); use rule='topk'"
-        )
-    return made()
+    if isinstance(dictionary, str | os.PathLike):
+        if _is_lut(dictionary):
+            if rule != "topk":
+                raise ReplacementError(
+                    f"{dictionary}: rule {rule!r}: a LUT holds no JumpReLU thresholds (its codes "
+                    "are the top k); use rule='topk'"
+                )
+            return lut_replacement(model, dictionary)
+        per_layer = _per_layer_files(model, dictionary)
+        if per_layer is not None:
+            return transcoder_replacement(model, per_layer, rule=rule, k=k)
+        return clt_replacement(model, dictionary, rule=rule, k=k)
+    if isinstance(dictionary, CrossLayerTranscoder):
+        return clt_replacement(model, dictionary, rule=rule, k=k)
+    return transcoder_replacement(model, dictionary, rule=rule, k=k)
+
+
+def _per_layer_files(model, path: str | os.PathLike):
+    """The per-layer transcoders the path ``path`` holds, as ``transcoder_replacement``
+    takes them (``{block or hook point: file}``, or ``[file]``), or None for a CLT:
+    circuit-tracer's transcoder set (its config's hooks, else layer l the model's l-th
+    block), a sparsify run of per-layer transcoders (each directory named by its hook
+    point), or one transcoder file or directory."""
+    from ..sae import clt_interop
+    from ..sae.ecosystem import sparsify_transcoders
+
+    if os.path.isdir(path) and clt_interop.detect(Path(path)) == clt_interop.CIRCUIT_TRACER_SET:
+        files, (hooks, _), _ = clt_interop.transcoder_set_files(Path(path))
+        if not hooks:  # no config: layer l is the model's l-th block, every one of them
+            blocks = model_blocks(model)
+            if len(files) != len(blocks):
+                raise ReplacementError(
+                    f"{path}: {len(files)} transcoders and no config.yaml naming their hooks, so "
+                    f"they must be the model's {len(blocks)} MLP blocks, layer l the l-th"
+                )
+            hooks = blocks
+        return dict(zip(hooks, files, strict=True))
+    found = sparsify_transcoders(path)
+    if found:
+        return found
+    return [path] if _architecture(path) in ("transcoder", "skip_transcoder") else None
+
+
+def _architecture(path: str | os.PathLike) -> str | None:
+    """A dictionary file's or directory's architecture, from its metadata or config alone
+    (no tensor read); None when it says none."""
+    import json
+
+    from ..format import SafetensorsFile
+    from ..sae import clt_interop
+
+    path = Path(path)
+    if path.is_dir():
+        cfg = path / "cfg.json"
+        if cfg.is_file() and (path / "sae.safetensors").is_file():
+            try:
+                doc = json.loads(cfg.read_text())
+            except (OSError, ValueError):
+                return None
+            if isinstance(doc, dict) and doc.get("transcode") and not doc.get("n_targets"):
+                return "skip_transcoder" if doc.get("skip_connection") else "transcoder"
+        path = path / "sae.safetensors"
+    if not path.is_file():
+        return None
+    if clt_interop.is_ct_transcoder(path):
+        return "transcoder"
+    try:
+        with SafetensorsFile(path) as f:
+            return (f.metadata or {}).get("architecture")
+    except OSError:
+        return None
 
 
 def _is_lut(path: str | os.PathLike) -> bool:
@@ -355,12 +543,10 @@ def _is_lut(path: str | os.PathLike) -> bool:
 
 
 def block_layers(model, blocks: Sequence[str]) -> list[int]:
-    """The model's layer index of each MLP block (``model_blocks``' order)."""
+    """The model's layer index of each MLP block (``model_blocks``' order; a block in any
+    convention ``block_of`` reads)."""
     known = model_blocks(model)
-    missing = [b for b in blocks if b not in known]
-    if missing:
-        raise ReplacementError(f"blocks {missing} are not MLP blocks of the model ({known})")
-    return [known.index(b) for b in blocks]
+    return [known.index(b) for b in _resolved("blocks", blocks, known)]
 
 
 # --- running it --------------------------------------------------------------------------
@@ -407,17 +593,17 @@ class ReplacementModel:
 
     @classmethod
     def load(
-        cls, model_dir: str | os.PathLike, dictionary, *, rule: str = "topk"
+        cls, model_dir: str | os.PathLike, dictionary, *, rule: str = "topk", k: int | None = None
     ) -> ReplacementModel:
         """A local Hugging Face causal LM directory (offline, eval mode, weights frozen;
         ``tokenizer`` set) replaced by ``dictionary`` (anything ``load_replacement``
-        takes)."""
+        takes, with its ``rule`` and ``k``)."""
         from ..extract.model import load_model
 
         tokenizer, model = load_model(model_dir)
         for p in model.parameters():
             p.requires_grad_(False)
-        return cls(model, load_replacement(model, dictionary, rule=rule), tokenizer)
+        return cls(model, load_replacement(model, dictionary, rule=rule, k=k), tokenizer)
 
     def capture(self, tokens, first_position: bool = True):
         """The frozen local replacement model of one prompt (``tokens [P]``, token ids as a
