@@ -71,6 +71,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-circuit-tracer"
 PROMPTS, TOKENS, K, N_LATENTS = 8, 24, 4, 64
 MAX_LOGITS, LOGIT_PROB = 10, 0.95
+LIMITS, PARTIAL_BATCH, INTERVAL = (64, 256), 16, 2
+"""Partial attribution: ``max_feature_nodes`` limits, targets per batch, batches between
+re-rankings (both sides)."""
 HOOK_IN, HOOK_OUT = "mlp.hook_in", "mlp.hook_out"
 DICTS = ("clt", "per_layer")
 SIDES = tuple(f"{b}:{k}" for b in ("nnsight", "transformerlens") for k in DICTS)
@@ -213,7 +216,7 @@ def ours(inputs: dict) -> dict:
         for i, ids in enumerate(inputs["prompts"]):
             ids = torch.tensor(ids)
             started = time.perf_counter()
-            local = rm.capture(ids)
+            local = rm.capture(ids, first_position=False)
             graph = attribute_local(local, config)
             times.append(time.perf_counter() - started)
             run = rm.forward({"input_ids": ids[None]}, record=True)
@@ -224,6 +227,9 @@ def ours(inputs: dict) -> dict:
             out[key + "codes"] = torch.stack([local.codes[j] for j in range(len(blocks))])
             out[key + "errors"] = local.errors
             out[key + "graph"] = graph
+            for limit in LIMITS:
+                partial = AttributionConfig(MAX_LOGITS, LOGIT_PROB, PARTIAL_BATCH, limit, INTERVAL)
+                out[f"{key}partial{limit}"] = attribute_local(local, partial)
         seconds[kind] = times
     return {"tensors": out, "seconds": seconds}
 
@@ -358,6 +364,14 @@ def theirs(root: Path) -> None:
             g = attribute(ids, model, max_n_logits=MAX_LOGITS, desired_logit_prob=LOGIT_PROB)
             times.append(time.perf_counter() - started)
             out[key + "graph"] = _their_graph(g)
+            for limit in LIMITS:
+                g = attribute(ids, model, max_n_logits=MAX_LOGITS, desired_logit_prob=LOGIT_PROB,
+                              batch_size=PARTIAL_BATCH, max_feature_nodes=limit,
+                              update_interval=INTERVAL)  # fmt: skip
+                out[f"{key}partial{limit}"] = {
+                    "adjacency": g.adjacency_matrix,
+                    "features": g.active_features[g.selected_features],
+                }
             out[key + "logits"], out[key + "outputs"] = _their_replaced(
                 model, tc, kind, ids, backend
             )
@@ -464,6 +478,29 @@ def compare(mine: dict, their: dict, n: int) -> dict:
     return out
 
 
+def _partial(mine: dict, their: dict, n: int) -> list[list]:
+    """Per backend, dictionary and limit: prompts whose selected features are equal, and
+    the worst edge difference over the graphs (max abs / relative to max |ours|)."""
+    import torch
+
+    rows = []
+    for side in SIDES:
+        kind = side.split(":")[1]
+        for limit in LIMITS:
+            same, diffs = 0, []
+            for i in range(n):
+                g = mine["tensors"][f"{kind}.{i}.partial{limit}"]
+                t = their["tensors"][f"{side}.{i}.partial{limit}"]
+                ours_f = list(zip(g.feature_layer.tolist(), g.feature_pos.tolist(),
+                                  g.feature_latent.tolist(), strict=True))  # fmt: skip
+                if ours_f == [tuple(r) for r in t["features"].tolist()]:
+                    same += 1
+                    diffs.append(_diff(torch.from_numpy(g.adjacency), t["adjacency"]))
+            rows.append([*side.split(":")[::-1], limit, f"{same}/{n}",
+                         _worst(diffs) if diffs else "-"])  # fmt: skip
+    return rows
+
+
 def _worst(pairs) -> str:
     return f"{max(p[0] for p in pairs):.1e} / {max(p[1] for p in pairs):.1e}"
 
@@ -503,10 +540,15 @@ def report(inputs: dict, mine: dict, their: dict, load: str) -> str:
                     "circuit-tracer s/graph"],
                    [_graph_row(side, acc, n, (mine["seconds"][side.split(":")[1]],
                                               their["seconds"][side])) for side, acc in res.items()])  # fmt: skip
+    partial = table(["dictionary", "backend", "max_feature_nodes", "same selected features",
+                     "edges"], _partial(mine, their, n))  # fmt: skip
     v = their["versions"]
     return (
         f"## Against circuit-tracer: {n} prompts of {TOKENS} tokens, {inputs['source']}\n\n"
         + outputs + "\n\n" + graphs
+        + "\n\nPartial attribution (both sides: batch size "
+        f"{PARTIAL_BATCH}, update_interval {INTERVAL}; edges over the whole adjacency):\n\n"
+        + partial
         + "\n\nDifferences: max abs / (max abs over max |ours|), worst prompt; positions >= 1 "
         "where circuit-tracer zeroes BOS. \"ours: replaced vs clean\": how far the replaced "
         "model's logits are from the clean model's (the scale of the comparison). \"BOS "

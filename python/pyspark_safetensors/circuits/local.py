@@ -77,13 +77,12 @@ class LocalReplacement:
 
     def __post_init__(self):
         self.block_of_layer = list(self.replacement_model.layers)
-        rows = [(layer, *nz) for layer, c in self.codes.items() for nz in c.nonzero().tolist()]
-        rows.sort()
-        idx = torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
-        layer, pos, latent = idx.unbind(1)
-        value = (
-            torch.stack([self.codes[int(a)][b, c] for a, b, c in rows]) if rows else torch.zeros(0)
-        )
+        found = [(layer, c.nonzero(), c) for layer, c in sorted(self.codes.items())]
+        # nonzero is row-major: features sorted by (layer, position, latent)
+        layer = torch.cat([torch.full((len(nz),), a, dtype=torch.long) for a, nz, _ in found])
+        pos = torch.cat([nz[:, 0] for _, nz, _ in found])
+        latent = torch.cat([nz[:, 1] for _, nz, _ in found])
+        value = torch.cat([c[nz[:, 0], nz[:, 1]] for _, nz, c in found]).float()
         blocks = torch.tensor(self.block_of_layer, dtype=torch.long)
         self.features = Features(layer, blocks[layer], pos, latent, value)
 
@@ -146,8 +145,11 @@ class LocalReplacement:
         for s in rep.sources(t):
             sel = (feats.layer == s).nonzero()[:, 0]
             if len(sel):
-                rows = rep.decoder(s, t)[feats.latent[sel]]  # [F_s, d]
-                out = out.index_add(1, feats.pos[sel], values[:, sel, None] * rows)
+                decoder = rep.decoder(s, t)  # [n_s, d]: the code of layer s, dense, decoded
+                n = len(decoder)
+                code = torch.zeros(B, P * n, dtype=values.dtype)
+                code = code.index_copy(1, feats.pos[sel] * n + feats.latent[sel], values[:, sel])
+                out = out + code.view(B, P, n) @ decoder
         if rep.skip[t] is not None:
             out = out + x @ rep.skip[t].t()
         return out

@@ -104,20 +104,25 @@ class _Rows:
         self.enc_w = local.encoder_rows()[0]
         self.forward = local.gradients(batch)
         feats, rep = local.features, local.replacement
-        # per replacement layer s: its features padded per position ``[P, m]`` (-1: none),
-        # so that a block's gradient meets their decoder rows in one batched product
-        self.padded = {}
+        # per replacement layer s: its features in slots of m, each slot one position's
+        # (a position with more features has more slots), so that a block's gradient
+        # meets their decoder rows in one batched product with little padding
+        self.slots = {}
         for s in feats.layer.unique().tolist():
             idx = (feats.layer == s).nonzero()[:, 0]
             pos = feats.pos[idx]
             counts = torch.bincount(pos, minlength=local.n_pos)
-            slot = torch.arange(len(idx)) - (torch.cumsum(counts, 0) - counts)[pos]
-            pad = torch.full((local.n_pos, int(counts.max())), -1, dtype=torch.long)
-            pad[pos, slot] = idx
-            self.padded[s] = pad
+            m = -(-len(idx) // int((counts > 0).sum()))  # the mean count per position
+            rank = torch.arange(len(idx)) - (torch.cumsum(counts, 0) - counts)[pos]
+            per_pos = -(-counts // m)
+            first = torch.cumsum(per_pos, 0) - per_pos
+            slot = first[pos] + rank // m
+            pad = torch.full((int(per_pos.sum()), m), -1, dtype=torch.long)
+            pad[slot, rank % m] = idx
+            self.slots[s] = (pad, torch.repeat_interleave(torch.arange(local.n_pos), per_pos))
         self.writes = {s: [(self.local.block_of_layer[t], rep.decoder(s, t))
                            for t in range(rep.n_layers) if s in rep.sources(t)]
-                       for s in self.padded}  # fmt: skip
+                       for s in self.slots}  # fmt: skip
 
     @property
     def width(self) -> int:
@@ -148,12 +153,12 @@ class _Rows:
         out = torch.empty(B, self.width)
         values = out[:, :F]
         values.zero_()
-        for s, pad in self.padded.items():
-            got = torch.zeros(P, B, pad.shape[1])
-            safe = pad.clamp_min(0)
+        for s, (pad, slot_pos) in self.slots.items():
+            got = torch.zeros(len(pad), B, pad.shape[1])
+            latents = feats.latent[pad.clamp_min(0)]
             for block, decoder in self.writes[s]:
-                rows_ = decoder[feats.latent[safe]]  # [P, m, d]
-                got += torch.bmm(grads[block].transpose(0, 1), rows_.transpose(1, 2))
+                at = grads[block].transpose(0, 1)[slot_pos]  # [slots, B, d]
+                got.baddbmm_(at, decoder[latents].transpose(1, 2))  # [slots, B, m]
             keep = pad >= 0
             values[:, pad[keep]] = got.permute(1, 0, 2)[:, keep]
         values *= feats.value
