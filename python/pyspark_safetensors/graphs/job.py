@@ -9,7 +9,8 @@ a row with ``status = "error"`` and the reason; the job goes on. Written into
 ``output``:
 
 - ``graphs.parquet``: one row per prompt: ``prompt_id``, ``prompt``, ``status``,
-  ``error``, ``n_tokens``, ``n_features``, ``n_nodes``, ``replacement_score``,
+  ``error``, ``n_tokens``, ``n_active`` (the prompt's active features), ``n_features``
+  (those attributed: all, or ``max_feature_nodes``), ``n_nodes``, ``replacement_score``,
   ``completeness_score``, ``n_kept_nodes``, ``n_kept_edges`` (one parquet file);
 - ``nodes/prompt_id=N/``: every node of a graph: ``node`` (its index in the adjacency),
   ``node_id``, ``kind``, ``layer``, ``pos``, ``latent``, ``token``, ``activation``,
@@ -80,7 +81,8 @@ NODE = pa.struct([("node", pa.int32()), ("node_id", pa.string()), ("kind", pa.st
                   ("influence", pa.float32()), ("kept", pa.bool_())])  # fmt: skip
 EDGE = pa.struct([("source", pa.int32()), ("target", pa.int32()), ("weight", pa.float32())])
 SCALARS = [("prompt_id", pa.int64()), ("prompt", pa.string()), ("status", pa.string()),
-           ("error", pa.string()), ("n_tokens", pa.int32()), ("n_features", pa.int32()),
+           ("error", pa.string()), ("n_tokens", pa.int32()), ("n_active", pa.int32()),
+           ("n_features", pa.int32()),
            ("n_nodes", pa.int32()), ("replacement_score", pa.float64()),
            ("completeness_score", pa.float64()), ("n_kept_nodes", pa.int32()),
            ("n_kept_edges", pa.int32())]  # fmt: skip
@@ -129,8 +131,12 @@ class GraphsConfig:
     (partial attribution, as circuit-tracer's); 0: every active feature."""
     update_interval: int = 4
     """Batches attributed between two re-rankings of the features by influence."""
+    first_position: bool = False
+    """Position 0's features and errors are nodes (off: circuit-tracer's convention)."""
     rule: str = "topk"
     """The transcoders' inference rule: "topk" or "threshold"."""
+    k: int = 0
+    """Top-k's k for a dictionary that records none (a circuit-tracer file); 0: its own."""
     partitions: int = 0
     """Tasks (0: Spark's default parallelism)."""
     browser: bool = True
@@ -180,11 +186,11 @@ def _loaded(config: GraphsConfig, storage_options: Mapping[str, str] | None = No
         return local_copy(path, cache_dir=_cache_dir(), storage_options=storage_options)
 
     model, transcoders = local(config.model), tuple(local(t) for t in config.transcoders)
-    key = (model, transcoders, config.rule)
+    key = (model, transcoders, config.rule, config.k)
     if key not in _LOADED:
         _LOADED.clear()
         paths = transcoders[0] if len(transcoders) == 1 else list(transcoders)
-        _LOADED[key] = ReplacementModel.load(model, paths, rule=config.rule)
+        _LOADED[key] = ReplacementModel.load(model, paths, rule=config.rule, k=config.k or None)
     return _LOADED[key]
 
 
@@ -204,14 +210,16 @@ def graph_row(config: GraphsConfig, prompt_id: int, prompt: str | None,
             raise AttributionError("an empty prompt")
         ids = replacement_model.tokenizer(prompt)["input_ids"]
         attr = AttributionConfig(config.max_logits, config.logit_probability, config.batch_size,
-                                 config.max_feature_nodes, config.update_interval)  # fmt: skip
+                                 config.max_feature_nodes, config.update_interval,
+                                 config.first_position)  # fmt: skip
         graph = attribute(replacement_model, ids, attr, prompt)
     except ReplacementError as e:  # the prompt's (an AttributionError) or its model's
         return row | {"status": "error", "error": str(e), "nodes": [], "edges": []}
     pruned = prune(graph, config.node_threshold, config.edge_threshold)
     replacement, completeness = scores(graph)
     return row | {
-        "status": "ok", "error": None, "n_tokens": graph.n_pos, "n_features": graph.n_features,
+        "status": "ok", "error": None, "n_tokens": graph.n_pos, "n_active": graph.n_active,
+        "n_features": graph.n_features,
         "n_nodes": graph.n_nodes, "replacement_score": replacement,
         "completeness_score": completeness, "n_kept_nodes": int(pruned.node_mask.sum()),
         "n_kept_edges": int(pruned.edge_mask.sum()), "nodes": _nodes(graph, pruned),
