@@ -5,14 +5,14 @@ tokens; our ``graphs.attribution`` against circuit-tracer 0.5.0's ``attribute`` 
 per prompt and each process's peak resident memory above the loaded model.
 
     python -m benchmarks attribution_scale
-    SCALE_PROMPTS=3 SCALE_LIMITS=256,1024 python -m benchmarks attribution_scale
+    SCALE_PROMPTS=4 SCALE_LIMITS=256,1024 python -m benchmarks attribution_scale
 
 The model and CLT have random weights (a graph's cost depends on the numbers of layers,
 tokens, active features and logits, not on what the features mean); the CLT's JumpReLU
 thresholds keep about ``K`` latents per layer and token (both sides encode by them,
 circuit-tracer's only rule for a CLT). Each (side, limit) runs in a fresh process: load,
-one prompt to warm up, then the prompts timed; the peak is ``ru_maxrss`` minus the
-resident memory after loading. circuit-tracer runs in ``.venv-circuit-tracer``
+then the prompts timed (each takes seconds: nothing to warm up); the peak is
+``ru_maxrss`` minus the resident memory after loading. circuit-tracer runs in ``.venv-circuit-tracer``
 (``bench_circuit_tracer.SETUP``) with its TransformerLens backend, at its default batch
 size (512) and ours at ours (64); both take circuit-tracer's position-0 convention.
 """
@@ -48,7 +48,7 @@ def _peak() -> float:
 
 def prepare(root: Path, n: int) -> dict:
     """The random model (and its transformers-4 copy), the CLT (ours and exported) and
-    ``n`` + 1 prompts of ``TOKENS`` tokens under ``root``; ``inputs.json``."""
+    ``n`` prompts of ``TOKENS`` tokens under ``root``; ``inputs.json``."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -72,7 +72,7 @@ def prepare(root: Path, n: int) -> dict:
     tok.save_pretrained(model_dir)
     texts = " ".join(passages_by_key(0, 1 << 30, 400))
     ids = tok(texts)["input_ids"]
-    prompts = [[tok.bos_token_id, *ids[i * TOKENS : (i + 1) * TOKENS - 1]] for i in range(n + 1)]
+    prompts = [[tok.bos_token_id, *ids[i * TOKENS : (i + 1) * TOKENS - 1]] for i in range(n)]
     # the CLT: random weights, thresholds at each latent's (1 - K/n) quantile over the
     # prompts' tokens (position 0 aside)
     hooks = [f"model.layers.{i}.mlp:input" for i in range(LAYERS)]
@@ -116,12 +116,11 @@ def ours(root: Path, limit: int) -> dict:
     rm = ReplacementModel(model, clt_replacement(model, root / "clt.safetensors", rule="threshold"))
     config = AttributionConfig(MAX_LOGITS, LOGIT_PROB, max_feature_nodes=limit)
     base, times, active = _rss(), [], []
-    for i, ids in enumerate(inputs["prompts"]):
+    for ids in inputs["prompts"]:
         started = time.perf_counter()
         graph = attribute_local(rm.capture(torch.tensor(ids), first_position=False), config)
-        if i:  # the first warms up
-            times.append(time.perf_counter() - started)
-            active.append(graph.n_active)
+        times.append(time.perf_counter() - started)
+        active.append(graph.n_active)
     return {"seconds": times, "active": active, "peak": _peak() - base}
 
 
@@ -135,12 +134,11 @@ def theirs(root: Path, limit: int) -> dict:
     inputs = json.loads((root / "inputs.json").read_text())
     model = _their_model(inputs, _their_transcoders(inputs, "clt"), "transformerlens")
     base, times = _rss(), []
-    for i, ids in enumerate(inputs["prompts"]):
+    for ids in inputs["prompts"]:
         started = time.perf_counter()
         attribute(torch.tensor(ids), model, max_n_logits=MAX_LOGITS,
                   desired_logit_prob=LOGIT_PROB, max_feature_nodes=limit)  # fmt: skip
-        if i:
-            times.append(time.perf_counter() - started)
+        times.append(time.perf_counter() - started)
     return {"seconds": times, "peak": _peak() - base}
 
 
@@ -158,7 +156,7 @@ def run() -> str:
 
     import torch
 
-    n = int(os.environ.get("SCALE_PROMPTS", 3))
+    n = int(os.environ.get("SCALE_PROMPTS", 2))
     limits = [int(x) for x in os.environ.get("SCALE_LIMITS", ",".join(map(str, LIMITS))).split(",")]
     have_theirs = (VENV / "bin" / "python").exists()
     load = f"{os.getloadavg()[0]:.2f}"
@@ -196,7 +194,7 @@ def run() -> str:
             ],
             rows,
         )
-        + f"\n\nMedian over {n} prompts after one to warm up, each (side, limit) in a fresh "
+        + f"\n\nMedian over {n} prompts, each (side, limit) in a fresh "
         "process; peak: the process's maximum resident memory above what it held once the "
         "model and CLT were loaded. Random weights, thresholds keeping about "
         f"{K} latents per layer and token; circuit-tracer 0.5.0 on its TransformerLens "
