@@ -84,3 +84,19 @@ def clt_features(spark, toy, dictionaries, tmp_path_factory):
     run_features(spark, FeaturesConfig(extraction=str(root / "acts"), sae=str(dictionaries["clt"]),
                                        out=str(out), clt_layer=CLT_LAYER, top_n=5))  # fmt: skip
     return root / "acts", out
+
+
+GRAPH_PROMPTS = ["The quick brown fox", "", "def main():", "import os\nimport sys"]
+"""The graph job of the export and global-weight tests: three graphs and a refused prompt."""
+
+
+@pytest.fixture(scope="module")
+def graph_job(spark, toy, dictionaries, tmp_path_factory):
+    """The graph job over ``GRAPH_PROMPTS`` through the random CLT: its output directory."""
+    from pyspark_safetensors.graphs.job import GraphsConfig, run_graphs
+
+    out = tmp_path_factory.mktemp("graph-job") / "graphs"
+    config = GraphsConfig(model=str(toy), transcoders=(str(dictionaries["clt"]),),
+                          output=str(out), partitions=2, browser=False)  # fmt: skip
+    run_graphs(spark, config, spark.createDataFrame([(p,) for p in GRAPH_PROMPTS], "prompt string"))
+    return out

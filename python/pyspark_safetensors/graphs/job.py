@@ -14,7 +14,8 @@ a row with ``status = "error"`` and the reason; the job goes on. Written into
   ``completeness_score``, ``n_kept_nodes``, ``n_kept_edges`` (one parquet file);
 - ``nodes/prompt_id=N/``: every node of a graph: ``node`` (its index in the adjacency),
   ``node_id``, ``kind``, ``layer``, ``pos``, ``latent``, ``token``, ``activation``,
-  ``value``, ``influence`` (cumulative share), ``kept``;
+  ``value``, ``influence`` (cumulative share), ``kept``, ``probability`` (a logit
+  node's; null for the others);
 - ``edges/prompt_id=N/``: the pruned graph's edges ``source``, ``target``, ``weight``
   (nodes, edges and the browser's data written by the tasks as they make each graph);
 - ``adjacency/``: a safetensors KV dataset (our manifest and tensor index), key
@@ -78,7 +79,8 @@ from ..format.errors import InvalidArgumentError
 NODE = pa.struct([("node", pa.int32()), ("node_id", pa.string()), ("kind", pa.string()),
                   ("layer", pa.int32()), ("pos", pa.int32()), ("latent", pa.int32()),
                   ("token", pa.int64()), ("activation", pa.float32()), ("value", pa.float32()),
-                  ("influence", pa.float32()), ("kept", pa.bool_())])  # fmt: skip
+                  ("influence", pa.float32()), ("kept", pa.bool_()),
+                  ("probability", pa.float32())])  # fmt: skip
 EDGE = pa.struct([("source", pa.int32()), ("target", pa.int32()), ("weight", pa.float32())])
 SCALARS = [("prompt_id", pa.int64()), ("prompt", pa.string()), ("status", pa.string()),
            ("error", pa.string()), ("n_tokens", pa.int32()), ("n_active", pa.int32()),
@@ -241,6 +243,7 @@ def _nodes(graph, pruned) -> list[dict]:
         "kind": graph.kinds().tolist(), "node_id": graph.node_ids(),
         "value": graph.values.tolist(), "influence": pruned.cumulative.tolist(),
         "kept": pruned.node_mask.tolist(),
+        "probability": none_f + none_e + none_p + graph.logit_probabilities.tolist(),
     }  # fmt: skip
     names = list(columns)
     return [
