@@ -1,0 +1,44 @@
+"""SAE quality against known features: SynthSAEBench's synthetic activation model
+(``synthetic.py``: a model with Zipfian firing, hierarchies, low-rank correlations, in
+SAELens' file layout), datasets of its samples with their true feature activations written
+by Spark (``job.py``), and the ground-truth metrics (``groundtruth.py``: MCC, uniqueness,
+per-latent precision / recall / F1, explained variance, L0, dead latents, shrinkage,
+absorption). Every name loads its module (and torch) on first use."""
+
+import importlib
+
+_SUBMODULE = {
+    **dict.fromkeys(
+        (
+            "ConstantFiring",
+            "ExponentialMagnitude",
+            "FoldedNormalMagnitude",
+            "HierarchyConfig",
+            "LinearFiring",
+            "LinearMagnitude",
+            "LowRankCorrelationConfig",
+            "OrthogonalizationConfig",
+            "RandomFiring",
+            "SyntheticModel",
+            "SyntheticModelConfig",
+            "ZipfianFiring",
+        ),
+        "synthetic",
+    ),
+    **dict.fromkeys(
+        ("SyntheticDataConfig", "synthetic_datasets", "write_synthetic_dataset"), "job"
+    ),
+    **dict.fromkeys(
+        ("GroundTruthMetrics", "evaluate_ground_truth", "ground_truth_batches", "match_latents"),
+        "groundtruth",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULE:
+        return getattr(importlib.import_module(f".{_SUBMODULE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_SUBMODULE)
