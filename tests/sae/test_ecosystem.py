@@ -309,3 +309,79 @@ def test_transcoders_sparsify_cannot_hold_and_saelens_relu_transcoders_are_refus
     (path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "skip_transcoder"}))
     with pytest.raises(CheckpointError, match="'skip_transcoder', which encodes with a ReLU"):
         read_sae(path)
+
+
+def _batch_topk_file(path, architecture, threshold, seed=7):
+    """A BatchTopK (or Matryoshka) SAE file of ours with random weights and ``threshold``
+    recorded as the trainer records it."""
+    from pyspark_safetensors.sae import BatchTopKSAE, MatryoshkaSAE
+
+    cls = {"batchtopk": BatchTopKSAE, "matryoshka": MatryoshkaSAE}[architecture]
+    sae = cls(D, N, K, seed=seed)
+    with torch.no_grad():
+        sae.encoder_bias.copy_(0.1 * torch.randn(N, generator=torch.Generator().manual_seed(seed)))
+        sae.threshold.fill_(threshold)
+    save_sae(path, sae.full_state(), {"k": str(K), **sae.metadata()})
+    return path
+
+
+@pytest.mark.parametrize("architecture", ["batchtopk", "matryoshka"])
+def test_batch_topk_saes_go_to_saelens_as_jumprelu_at_their_threshold(tmp_path, architecture):
+    """SAELens saves its own BatchTopK and Matryoshka SAEs so: the same code wherever a row
+    has at most BATCH_TOPK_ROW_CAP * k pre-activations over the threshold (here every row:
+    N = 32 latents, the cap 16, the threshold high enough)."""
+    path = _batch_topk_file(tmp_path / "sae.safetensors", architecture, 0.75)
+    tensors, info = read_sae(path)
+    assert info["architecture"] == architecture and info["threshold"] == 0.75
+    ours = load_sae_model(path)
+    assert float(ours.threshold) == 0.75
+    out = export_sae(path, tmp_path / "saelens", "saelens")
+    assert json.loads((out / "cfg.json").read_text())["architecture"] == "jumprelu"
+    back, back_info = read_sae(out)
+    assert back_info["architecture"] == "jumprelu"
+    assert torch.equal(back["threshold"], torch.full((N,), 0.75))
+    for name in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
+        assert torch.equal(back[name], tensors[name]), name
+    x = torch.randn(256, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pre = (x - tensors["decoder_bias"]) @ tensors["encoder_weight"].T + tensors["encoder_bias"]
+        assert int((pre > 0.75).sum(1).max()) <= 4 * K  # the cap binds on no row
+        want = ours.encode_dense(x)
+        assert int((want > 0).sum()) > 256  # latents fire
+        torch.testing.assert_close(load_sae_model(out).encode_dense(x), want)
+        try:
+            from sae_lens import SAE
+        except ImportError:
+            return
+        theirs = SAE.load_from_disk(str(out))
+        torch.testing.assert_close(theirs.encode(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs.decode(theirs.encode(x)), ours(x).x_hat, rtol=1e-4,
+                                   atol=1e-4)  # fmt: skip
+
+
+def test_a_batch_topk_sae_without_threshold_or_for_sparsify_is_refused(tmp_path):
+    untrained = _batch_topk_file(tmp_path / "untrained.safetensors", "batchtopk", 0.0)
+    assert read_sae(untrained)[1]["threshold"] == 0.0
+    with pytest.raises(CheckpointError, match="without a learned threshold"):
+        export_sae(untrained, tmp_path / "a", "saelens")
+    trained = _batch_topk_file(tmp_path / "trained.safetensors", "batchtopk", 0.5)
+    with pytest.raises(CheckpointError, match="sparsify has no SAE"):
+        export_sae(trained, tmp_path / "b", "sparsify")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("architecture", ["topk", "jumprelu", "batchtopk", "matryoshka"])
+def test_a_dense_encode_is_the_sparse_code_scattered(architecture):
+    from pyspark_safetensors.sae import ARCHITECTURES
+
+    sae = ARCHITECTURES[architecture](D, N, K, seed=3).eval()
+    if architecture in ("batchtopk", "matryoshka"):
+        sae.threshold.fill_(0.2)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        dense = sae.encode_dense(x)
+        values, indices = sae.encode(x)
+        assert dense.shape == (64, N)
+        assert torch.equal(dense, torch.zeros(64, N).scatter_add(1, indices, values))
+        assert int((dense != 0).sum()) > 64
+        torch.testing.assert_close(dense @ sae.decoder_weight + sae.decoder_bias, sae(x).x_hat)

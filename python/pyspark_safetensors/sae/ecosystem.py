@@ -26,8 +26,12 @@ Our convention (``checkpoint.py``): ``z = TopK(ReLU(W_enc (x - b_dec) + b_enc))`
 SAELens 6's ``transcoder`` and ``skip_transcoder`` encode with a ReLU (every positive
 pre-activation), not a top-k, and its ``jumprelu_*transcoder`` with thresholds: none
 encodes as our TopK transcoders do, so both directions are refused rather than changing
-which latents fire. BatchTopK and Matryoshka codes (capped per row) and crosscoders
-have no layout in either library.
+which latents fire. A BatchTopK or Matryoshka SAE goes to SAELens as SAELens saves its
+own: a JumpReLU SAE whose every threshold is the learned one (``read_sae``'s
+``info["threshold"]``, from our metadata); it encodes as ours wherever a row has at most
+``BATCH_TOPK_ROW_CAP * k`` pre-activations above the threshold (ours keeps that many per
+row at most, SAELens' JumpReLU has no cap). One never trained (threshold 0) is refused,
+and so is sparsify (no thresholds there). Crosscoders have no layout in either library.
 
 A circuit-tracer per-layer transcoder file (``layer_{l}.safetensors``: ``W_enc``, ``W_dec``,
 ``b_enc``, ``b_dec``, optional ``activation_function.threshold`` and ``W_skip``) reads as a
@@ -104,9 +108,13 @@ def read_sae(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """``(tensors in our convention, float32; info)`` of an SAE in any recognised
     layout; ``info``: ``layout`` ("ours", "saelens", "sparsify"), ``architecture``
     (a key of ``ARCHITECTURES``), ``k`` (or None) and the source's ``metadata`` /
-    ``config``."""
+    ``config``; a BatchTopK or Matryoshka SAE's inference ``threshold`` (0.0 when none was
+    recorded)."""
     tensors, info = _read(Path(path))
     info["threshold_source"] = _threshold_source(path, tensors, info)
+    if info["architecture"] in ("batchtopk", "matryoshka"):
+        # the inference threshold is one scalar, kept in the metadata
+        info["threshold"] = float((info.get("metadata") or {}).get("threshold", 0) or 0)
     return tensors, info
 
 
@@ -329,7 +337,7 @@ def load_sae_model(
               **cls.stored_options(meta))  # fmt: skip
     sae.load_full_state(tensors)
     if isinstance(sae, BatchTopKSAE):
-        sae.threshold.fill_(float(meta.get("threshold", 0)))
+        sae.threshold.fill_(info["threshold"])
     return sae.eval()
 
 
@@ -362,7 +370,8 @@ def export_sae(
 ) -> Path:
     """Write the SAE at ``path`` (any recognised layout) as a directory that SAELens
     (``SAE.load_from_disk``) or sparsify (``SparseCoder.load_from_disk``) loads and that
-    encodes exactly as ours; a cross-layer transcoder in circuit-tracer's layouts or
+    encodes exactly as ours (a BatchTopK or Matryoshka SAE: as SAELens' JumpReLU at its
+    threshold, module docstring); a cross-layer transcoder in circuit-tracer's layouts or
     sparsify's cross-layer one (``clt_interop``); per-layer transcoders (a list of files,
     layer l the l-th) as circuit-tracer's transcoder set (``"circuit-tracer-transcoders"``,
     its ``load_transcoder_set``); written whole or not at all. circuit-tracer encodes with
@@ -406,6 +415,8 @@ def export_sae(
     d_out = tensors["decoder_bias"].shape[0]
     meta = info.get("metadata", {})
     transcoder = arch in ("transcoder", "skip_transcoder")
+    if arch in ("batchtopk", "matryoshka") and layout == "saelens":
+        arch, tensors = _saelens_jumprelu(path, arch, tensors, info["threshold"])
     if arch in ("batchtopk", "matryoshka", "crosscoder") or (
         layout == "sparsify" and arch == "jumprelu"
     ) or (layout == "saelens" and transcoder):  # fmt: skip
@@ -428,6 +439,18 @@ def export_sae(
         write_shard(tmp / weights_file, weights, {"format": "pt"})
         (tmp / FOREIGN_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def _saelens_jumprelu(path, arch: str, tensors: dict[str, torch.Tensor], threshold: float):
+    """``("jumprelu", tensors with a threshold per latent)``: a BatchTopK or Matryoshka SAE
+    as SAELens saves its own (module docstring)."""
+    if threshold <= 0:
+        raise CheckpointError(
+            f"{path}: a {arch} SAE without a learned threshold (never trained); SAELens "
+            "would encode it with every positive pre-activation"
+        )
+    n = tensors["encoder_weight"].shape[0]
+    return "jumprelu", tensors | {"threshold": torch.full((n,), threshold)}
 
 
 def _foreign_files(

@@ -203,6 +203,14 @@ class SparseAutoencoder(nn.Module):
         out = self(x, k=k)
         return out.values, out.indices
 
+    def encode_dense(self, x: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """The code of ``x [B, d]`` as one ``[B, latents_total]`` tensor (0 where a latent is
+        silent), as the tools that grade SAEs take it (SAELens' ``encode``); on a mesh,
+        this rank's latents (the others 0)."""
+        values, indices = self.encode(x, k)
+        dense = values.new_zeros(values.shape[0], self.latents_total)
+        return dense.scatter_add_(1, indices, values)
+
     def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The reconstruction ``sum_j values_j W_dec[indices_j] + b_dec`` of a code (a skip
         transcoder's ``forward`` adds its linear path to it)."""
