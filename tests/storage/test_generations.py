@@ -124,6 +124,21 @@ def test_overwrite_leaves_only_the_new_dataset(tmp_path, index):
     assert sorted(ds[i]["id"].item() for i in range(len(ds))) == list(range(100, 105))
 
 
+def test_write_batch_dataset_overwrites_only_when_asked(tmp_path):
+    from pyspark_safetensors.dataset import write_batch_dataset
+
+    root = tmp_path / "arrays"
+    write_batch_dataset(root, {"id": np.arange(12)}, rows_per_shard=4)
+    old = manifest(root)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        write_batch_dataset(root, {"id": np.arange(3)})
+    write_batch_dataset(root, {"id": np.arange(100, 105)}, rows_per_shard=4, overwrite=True)
+    assert files(root) == named_by(manifest(root))
+    assert not {s["shard_path"] for s in old["shards"]} & set(files(root))
+    ds = open_dataset(root, checksums=True)
+    assert sorted(ds[i]["id"].item() for i in range(len(ds))) == list(range(100, 105))
+
+
 def test_keep_previous_generation_lets_an_open_reader_finish(tmp_path):
     root = tmp_path / "ds"
     write(root, 0, 12, overwrite=True, generate_index="true")

@@ -24,17 +24,22 @@ def write_batch_dataset(
     *,
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
     metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Manifest:
     """Write ``columns`` (arrays sharing their first dim; dtypes stored as given, so cast
     with ``format.to_f16``/``to_bf16`` first) to ``root`` (a path or URI) as shards of
     ``rows_per_shard`` rows, committed like a Spark write (``DatasetBuilder``). Refuses a
-    location that already holds a dataset.
+    location that already holds a dataset unless ``overwrite``: then the new dataset
+    replaces it at the commit point (readers see the old one or the new one, never a mix)
+    and the old one's files are deleted.
 
         write_batch_dataset("acts", {"activation": to_f16(x), "sample_id": ids})
     """
     location = DatasetLocation.of(root)
-    if location.has(MANIFEST):
-        raise FileExistsError(f"{location.uri} already holds a dataset ({MANIFEST})")
+    if location.has(MANIFEST) and not overwrite:
+        raise FileExistsError(
+            f"{location.uri} already holds a dataset ({MANIFEST}); pass overwrite=True to replace it"
+        )
     if not columns:
         raise InvalidArgumentError("no columns to write")
     lengths = {name: len(a) for name, a in columns.items()}
