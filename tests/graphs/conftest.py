@@ -90,10 +90,14 @@ GRAPH_PROMPTS = ["The quick brown fox", "", "def main():", "import os\nimport sy
 """The graph job of the export and global-weight tests: three graphs and a refused prompt."""
 
 
-@pytest.fixture(scope="module")
-def graph_job(spark, toy, dictionaries, tmp_path_factory):
-    """The graph job over ``GRAPH_PROMPTS`` through the random CLT: its output directory."""
+@pytest.fixture(scope="session")
+def graph_job(toy, dictionaries, tmp_path_factory):
+    """The graph job over ``GRAPH_PROMPTS`` through the random CLT: its output directory
+    (made once per run, on the run's shared local session)."""
     from pyspark_safetensors.graphs.job import GraphsConfig, run_graphs
+    from spark_sessions import spark_session
+
+    spark = spark_session("local")
 
     out = tmp_path_factory.mktemp("graph-job") / "graphs"
     config = GraphsConfig(model=str(toy), transcoders=(str(dictionaries["clt"]),),

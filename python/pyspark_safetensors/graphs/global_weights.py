@@ -1,0 +1,256 @@
+"""Global weights: which features drive which, in general rather than on one prompt
+(Ameisen et al. 2025, "Circuit Tracing", section "Global weights").
+
+**Virtual weights** (``virtual_weights``), of a CLT or per-layer transcoders, from their
+weights alone. A source feature ``i`` of layer ``s`` writes ``W_dec^{s->t}[i]`` into the
+residual stream at the output of every block ``t`` it decodes to (a per-layer transcoder:
+its own block only); a target feature ``j`` of layer ``u`` reads the input of block ``u``
+through ``W_enc^u[j]``. Through the residual stream alone the weight from one to the
+other is
+
+    V[(s, i) -> (u, j)] = sum over t with s <= t and block(t) < block(u) of  W_enc^u[j] . W_dec^{s->t}[i]
+
+exact for the dictionary, with the model's **attention and normalisations left out**
+(the path through attention, and the RMSNorm's scale and gain before ``W_enc``, are not
+in it), and no skip path (a skip transcoder's linear path is no feature). Computed on one
+process as one dense ``[n_s, n_u]`` block per (source layer, target layer), with the
+decoders summed first (``sum_t W_dec^{s->t}``, one product per block). The full matrix
+holds every pair of features in different layers: ``n^2 L (L - 1) / 2`` weights (0.4 M
+for the CLT demo's 4 x 256 latents; 10^11 for Gemma-2-2B's 26 x 16k, far too many to
+write). ``top_k > 0`` keeps, per target feature, its ``top_k`` inputs of largest
+``|V|`` over every earlier layer and, per source feature, its ``top_k`` outputs in each
+later layer (the union of both); ``top_k = 0`` keeps them all.
+
+**Expected attributions** (``expected_attributions``), from a graph job's graphs
+(``run_graphs``: each prompt's unpruned adjacency and its nodes), aggregated in Spark over
+every prompt. ``A_p[(u, j, q) <- (s, i, r)]`` is the graph's edge from feature ``(s, i)``
+at position ``r`` to feature ``(u, j)`` at position ``q`` of prompt ``p`` (its direct
+effect, attention paths included; 0 where no edge), ``a_p(u, j, q)`` the target's
+activation there. Summing over the source's positions, ``A_p(q) = sum_r A_p[(u, j, q) <- (s,
+i, r)]``; then, for every pair of features active in one graph (source in an earlier
+layer than the target):
+
+- ``sum = sum_p sum_q A_p(q)``, the total attribution over the job;
+- ``count`` = the prompts in which both are active (attributed features of its graph);
+- ``mean = sum / count``, the mean attribution per such prompt;
+- ``twera = sum_p sum_q a_p(u, j, q) A_p(q) / sum_p sum_q a_p(u, j, q)``: the
+  target-weighted expected attribution, the paper's TWERA (its expectation over
+  contexts weighted by the target's activation), the denominator over every position
+  where the target is active in any graph of the job, with or without the source.
+
+Each task reads its prompts' adjacencies and node tables itself (the bytes do not cross
+the JVM) and emits one row per pair per prompt; Spark sums them: memory flat in prompts.
+Both outputs are parquet partitioned by the target's layer (``target_layer=L/``), read
+in SQL as ``spark.read.parquet(out + "/virtual_weights")``; the expected attributions
+are written by Spark's own parquet writer (a URI needs the cluster's Hadoop connector).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..format.errors import InvalidArgumentError
+
+VIRTUAL = "virtual_weights"
+EXPECTED = "expected_attributions"
+VIRTUAL_SCHEMA = pa.schema([("source_layer", pa.int32()), ("source_latent", pa.int32()),
+                            ("target_latent", pa.int32()), ("weight", pa.float32())])  # fmt: skip
+"""A ``virtual_weights/target_layer=L/`` file's columns (``target_layer`` is the folder's)."""
+PAIR_SCHEMA = pa.schema([("target_layer", pa.int32()), ("target_latent", pa.int32()),
+                         ("source_layer", pa.int32()), ("source_latent", pa.int32()),
+                         ("sum", pa.float64()), ("weighted", pa.float64())])  # fmt: skip
+"""The tasks' rows: one per (prompt, pair); ``weighted`` is ``sum_q a(q) A(q)``."""
+
+
+@dataclass(frozen=True)
+class VirtualWeights:
+    """Virtual weights of a dictionary (module docstring)."""
+
+    target_layers: tuple[int, ...]
+    """The model block of each target layer, in order (the replacement's blocks)."""
+    blocks: dict[int, dict[int, np.ndarray]]
+    """``blocks[u][s]``: ``[n_s, n_u]`` float32, source layer ``s`` into target layer ``u``
+    (replacement layer indices)."""
+
+
+def virtual_weight_blocks(replacement, layers) -> dict[int, dict[int, np.ndarray]]:
+    """``{u: {s: V [n_s, n_u]}}`` for each target layer ``u`` and source layer ``s`` with a
+    path (module docstring); ``layers`` is the model block of each replacement layer."""
+    import torch
+
+    out: dict[int, dict[int, np.ndarray]] = {}
+    with torch.no_grad():
+        for u in range(replacement.n_layers):
+            enc = replacement.encoder_weight[u].float()  # [n_u, d]
+            per_source: dict[int, torch.Tensor] = {}
+            for t in range(replacement.n_layers):
+                if layers[t] >= layers[u]:
+                    continue  # block t writes after block u reads
+                for s, w in replacement.decoders[t].items():
+                    per_source[s] = per_source.get(s, 0) + w.float()  # sum_t W_dec^{s->t}
+            out[u] = {s: (d @ enc.t()).cpu().numpy() for s, d in sorted(per_source.items())}
+    return out
+
+
+def _top_k_mask(v: np.ndarray, k: int, axis: int) -> np.ndarray:
+    """True at each row's (axis 1) or column's (axis 0) ``k`` largest ``|v|``."""
+    if k <= 0 or k >= v.shape[axis]:
+        return np.ones(v.shape, bool)
+    a = np.abs(v)
+    kth = -np.partition(-a, k - 1, axis=axis).take([k - 1], axis=axis)
+    return a >= kth
+
+
+def virtual_weights(model_dir: str, dictionary, out: str, *, top_k: int = 0, rule: str = "topk",
+                    storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
+    """The virtual weights of ``dictionary`` (a CLT, per-layer transcoders: anything
+    ``circuits.load_replacement`` takes) in the model at ``model_dir``, written as
+    ``{out}/virtual_weights/target_layer=L/part-0.parquet`` (``VIRTUAL_SCHEMA``; ``L``
+    the model block), published whole with ``_virtual_weights.json`` last (a name parquet
+    readers skip). ``top_k``: the pairs kept (module docstring; 0: all). Returns that
+    summary."""
+    from ..circuits.replacement import ReplacementModel
+    from ..dataset import DatasetLocation
+    from ..dataset.publish import staged_output
+    from .job import parquet_bytes
+
+    if top_k < 0:
+        raise InvalidArgumentError(f"top_k must be >= 0 (0: every pair), got {top_k}")
+    rm = ReplacementModel.load(model_dir, dictionary, rule=rule)
+    layers = rm.layers
+    blocks = virtual_weight_blocks(rm.replacement, layers)
+    target = DatasetLocation.of(out, storage_options=dict(storage_options or {})).child(VIRTUAL)
+    n_pairs = 0
+    with staged_output(target, "_virtual_weights.json") as staged:
+        for u, by_source in blocks.items():
+            if not by_source:
+                continue
+            # a target's inputs compete across every source layer; a source's outputs per target layer
+            stacked = np.concatenate(list(by_source.values()), axis=0)  # [sum n_s, n_u]
+            keep = _top_k_mask(stacked, top_k, axis=0)
+            parts, row = [], 0
+            for s, v in by_source.items():
+                mask = keep[row : row + len(v)] | _top_k_mask(v, top_k, axis=1)
+                row += len(v)
+                i, j = np.nonzero(mask)
+                parts.append(pa.table({"source_layer": np.full(len(i), layers[s], np.int32),
+                                       "source_latent": i.astype(np.int32),
+                                       "target_latent": j.astype(np.int32),
+                                       "weight": v[i, j].astype(np.float32)}, schema=VIRTUAL_SCHEMA))  # fmt: skip
+            table = pa.concat_tables(parts)
+            n_pairs += table.num_rows
+            staged.staging.put_bytes(
+                f"target_layer={layers[u]}/part-0.parquet", parquet_bytes(table)
+            )
+        summary = {"model": str(model_dir), "dictionary": str(dictionary), "top_k": top_k,
+                   "pairs": n_pairs, "layers": list(layers),
+                   "attention": "left out", "normalisations": "left out"}  # fmt: skip
+        staged.staging.put_json("_virtual_weights.json", summary)
+    return summary
+
+
+# --- expected attributions ------------------------------------------------------------------
+
+
+def prompt_pairs(nodes: pa.Table, adjacency: np.ndarray) -> pa.Table:
+    """One prompt's rows of ``PAIR_SCHEMA``: each pair of its graph's features (source in
+    an earlier layer), the attribution summed over both positions and weighted by the
+    target's activation at each of its positions (module docstring)."""
+    f = nodes.filter(pc.equal(nodes.column("kind"), "feature")).sort_by("node")
+    idx = f.column("node").to_numpy()
+    layer = f.column("layer").to_numpy().astype(np.int64)
+    latent = f.column("latent").to_numpy().astype(np.int64)
+    act = f.column("activation").to_numpy().astype(np.float64)
+    if len(idx) == 0:
+        return PAIR_SCHEMA.empty_table()
+    sub = adjacency[np.ix_(idx, idx)].astype(np.float64)  # [target node, source node]
+    key = layer << 32 | latent
+    feats, which = np.unique(key, return_inverse=True)  # the prompt's distinct features
+    onehot = np.zeros((len(idx), len(feats)))
+    onehot[np.arange(len(idx)), which] = 1.0
+    per_source = sub @ onehot  # [target node, source feature]: summed over source positions
+    plain = onehot.T @ per_source  # [target feature, source feature]
+    weighted = onehot.T @ (act[:, None] * per_source)
+    f_layer = feats >> 32
+    t, s = np.nonzero(f_layer[:, None] > f_layer[None, :])  # every pair both active, s earlier
+    return pa.table({
+        "target_layer": (feats[t] >> 32).astype(np.int32),
+        "target_latent": (feats[t] & 0xFFFFFFFF).astype(np.int32),
+        "source_layer": (feats[s] >> 32).astype(np.int32),
+        "source_latent": (feats[s] & 0xFFFFFFFF).astype(np.int32),
+        "sum": plain[t, s], "weighted": weighted[t, s],
+    }, schema=PAIR_SCHEMA)  # fmt: skip
+
+
+def _pairs_fn(graphs_uri: str, storage_options: Mapping[str, str]):
+    def run(batches):
+        from ..dataset import DatasetLocation
+        from ..torch import open_dataset
+
+        src = DatasetLocation.of(graphs_uri, storage_options=dict(storage_options))
+        adjacency = open_dataset(
+            src.display("adjacency"), storage_options=dict(storage_options) or None
+        )
+        for batch in batches:
+            for pid, n in zip(batch.column("prompt_id").to_pylist(), batch.column("n_nodes").to_pylist(),
+                              strict=True):  # fmt: skip
+                nodes = pq.read_table(
+                    io.BytesIO(src.read_bytes(f"nodes/prompt_id={pid}/part-0.parquet"))
+                )
+                a = np.asarray(adjacency[f"p{pid}"]["adjacency"], np.float32).reshape(n, n)
+                table = prompt_pairs(nodes, a)
+                if table.num_rows:
+                    yield from table.to_batches()
+
+    return run
+
+
+def expected_attributions(spark, graphs: str, out: str, *, partitions: int = 0,
+                          storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
+    """The expected attributions over every graph of the job at ``graphs`` (module
+    docstring), written by Spark as ``{out}/expected_attributions/`` partitioned by
+    ``target_layer``: ``target_latent``, ``source_layer``, ``source_latent``, ``sum``,
+    ``count``, ``mean``, ``twera``. Returns a summary (graphs, pairs)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from ..dataset import DatasetLocation
+    from ..spark.compat import default_parallelism, from_arrow
+    from .job import PROMPTS_TABLE, SUMMARY
+
+    options = dict(storage_options or {})
+    src = DatasetLocation.of(graphs, storage_options=options)
+    if not src.has(SUMMARY):
+        raise InvalidArgumentError(f"{src.display(SUMMARY)}: not a finished graph job's output")
+    if not src.is_local:
+        raise InvalidArgumentError(
+            f"{graphs}: expected_attributions reads a local graph job's output"
+        )
+    prompts = pq.read_table(io.BytesIO(src.read_bytes(PROMPTS_TABLE)))
+    ok = prompts.filter(pc.equal(prompts.column("status"), "ok")).select(["prompt_id", "n_nodes"])
+    n = partitions or default_parallelism(spark)
+    rows = (from_arrow(spark, ok).repartition(n, "prompt_id")
+            .mapInArrow(_pairs_fn(src.root, options),
+                        from_arrow_schema(PAIR_SCHEMA)))  # fmt: skip
+    key = ["target_layer", "target_latent", "source_layer", "source_latent"]
+    pairs = rows.groupBy(*key).agg(F.sum("sum").alias("sum"), F.count("*").alias("count"),
+                                   F.sum("weighted").alias("weighted"))  # fmt: skip
+    nodes = spark.read.parquet(src.display("nodes"))
+    denominators = (nodes.where("kind = 'feature'")
+                    .groupBy(F.col("layer").alias("target_layer"), F.col("latent").alias("target_latent"))
+                    .agg(F.sum(F.col("activation").cast("double")).alias("target_activation")))  # fmt: skip
+    result = (pairs.join(denominators, ["target_layer", "target_latent"])
+              .select(*key, "sum", "count", (F.col("sum") / F.col("count")).alias("mean"),
+                      (F.col("weighted") / F.col("target_activation")).alias("twera")))  # fmt: skip
+    target = DatasetLocation.of(out, storage_options=options)
+    path = target.display(EXPECTED)
+    result.write.mode("overwrite").partitionBy("target_layer").parquet(path)
+    written = spark.read.parquet(path)
+    return {"graphs": ok.num_rows, "pairs": written.count(), "out": path}
