@@ -8,6 +8,9 @@ Commands:
   evaluate  a LUT directory against the exact layers on held-out corpus passages
   features  what each latent of an SAE, transcoder or crosscoder responds to, and a browser
   graphs    attribution graphs of prompts through a CLT or per-layer transcoders, in Spark
+  export-graphs   a graph job's graphs as circuit-tracer's / Neuronpedia's graph JSON
+  export-delphi   an SAE's latents on an extraction as delphi's latent cache
+  global-weights  virtual weights of a dictionary, expected attributions over graphs (Spark)
   inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
   verify    check a dataset against its manifest, or a saev dump / Zarr store
   convert   convert between our datasets, saev dumps and Zarr stores
@@ -256,6 +259,69 @@ def graphs(argv: list[str]) -> int:
     return 0
 
 
+def export_graphs(argv: list[str]) -> int:
+    """A graph job's graphs (--graphs) as circuit-tracer's / Neuronpedia's graph JSON in
+    --out: {slug}.json per graph and graph-metadata.json (see graphs/export.py and
+    docs/exports.md)."""
+    from .graphs.export import GraphExportConfig
+
+    config = _parse(GraphExportConfig, argv, "export-graphs", export_graphs.__doc__)
+    from .graphs.export import export_graphs as run
+
+    print(run(config))
+    return 0
+
+
+def export_delphi(argv: list[str]) -> int:
+    """An SAE's or transcoder's (--sae; a CLT's layer: --clt-layer) latents on an
+    extraction (--extraction) as delphi's latent cache in --out:
+    {module}/{start}_{end}.safetensors and config.json (see features/delphi.py and
+    docs/exports.md)."""
+    from .features.delphi import DelphiConfig
+
+    config = _parse(DelphiConfig, argv, "export-delphi", export_delphi.__doc__)
+    from .features.delphi import export_delphi as run
+
+    print(run(config))
+    return 0
+
+
+@dataclass(frozen=True)
+class GlobalWeightsCommand:
+    master: str = "local[*]"
+    """Spark master (the expected attributions)."""
+
+
+def global_weights(argv: list[str]) -> int:
+    """Global weights into --out: the virtual weights of a CLT or per-layer transcoders
+    (--model, --transcoders; default: the graph job's) and, with --graphs, the expected
+    attributions over that graph job's graphs, aggregated in Spark; parquet partitioned by
+    target layer (see graphs/global_weights.py and docs/exports.md)."""
+    from .graphs.global_weights import GlobalWeightsConfig
+
+    omit = _tyro().conf.OmitArgPrefixes
+    args_type = dataclasses.make_dataclass(
+        "GlobalWeightsArgs",
+        [("job", Annotated[GlobalWeightsCommand, omit]),
+         ("config", Annotated[GlobalWeightsConfig, omit])],
+        frozen=True,
+    )  # fmt: skip
+    args = _parse(args_type, argv, "global-weights", global_weights.__doc__)
+    from .graphs.global_weights import run_global_weights
+
+    spark = None
+    if args.config.graphs:
+        from .spark.session import local_session
+
+        spark = local_session(args.job.master, quick_jit=True)
+    try:
+        print(run_global_weights(spark, args.config))
+    finally:
+        if spark is not None:
+            spark.stop()
+    return 0
+
+
 # -- train ----------------------------------------------------------------------------------
 
 
@@ -474,6 +540,9 @@ COMMANDS = {
     "evaluate": evaluate,
     "features": features,
     "graphs": graphs,
+    "export-graphs": export_graphs,
+    "export-delphi": export_delphi,
+    "global-weights": global_weights,
     "inspect": inspect,
     "verify": verify,
     "convert": convert,

@@ -38,7 +38,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .config import FeaturesConfig, FeaturesError
 
@@ -81,6 +80,8 @@ class DelphiConfig:
 
 def split_bounds(n_latents: int, n_splits: int) -> list[tuple[int, int]]:
     """delphi's ``_generate_split_indices``: ``(start, end)`` with ``end`` inclusive."""
+    import torch  # its float32 linspace, truncated, as delphi computes the bounds
+
     bounds = torch.linspace(0, n_latents, steps=n_splits + 1).long().tolist()
     return [(a, b - 1) for a, b in itertools.pairwise(bounds)]
 
@@ -115,6 +116,56 @@ def sequence_tokens(texts: Mapping[int, str], samples, tokenizer, max_length: in
     return out
 
 
+def sequences_of(plan, samples: dict) -> tuple[np.ndarray, int]:
+    """``(tokens [sequences, ctx_len], pad id)``: ``samples``' windows (sorted by
+    ``sample_id``, ``window``) retokenized from the extraction's texts, padded at the end."""
+    from .job import load_tokenizer, read_texts
+
+    texts = read_texts(plan.extraction_location(), sorted(set(samples["sample_id"])))
+    text_of = dict(zip(texts.column("sample_id").to_pylist(), texts.column("text").to_pylist(),
+                       strict=True))  # fmt: skip
+    tokenizer = load_tokenizer(plan.model_dir)
+    sequences = sequence_tokens(text_of, samples, tokenizer, plan.max_length, plan.long_texts)
+    ctx_len = max((len(s) for s in sequences), default=0)
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    tokens = np.full((len(sequences), ctx_len), pad, np.int64)
+    for i, ids in enumerate(sequences):
+        tokens[i, : len(ids)] = ids
+    return tokens, int(pad)
+
+
+def nonzeros(plan, keys: np.ndarray, config: DelphiConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(locations [n, 3] (sequence, position, latent), activations [n] float16)`` of
+    every entry with ``|a| > NONZERO``, in row-major order; ``keys``: each sequence's
+    ``sample_id << 20 | window``, sorted."""
+    import torch
+
+    from .job import load_encoder
+    from .scan import RowReader, encoded_chunks
+    from .state import split_ids
+
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sae = load_encoder(plan.sae, device, 0, plan.clt_layer)
+    reader = RowReader(plan.open_input(), plan.width)
+    parts: dict[str, list[np.ndarray]] = {"seq": [], "pos": [], "latent": [], "act": []}
+    for chunk in encoded_chunks(reader, 0, len(reader.ds), sae, chunk=config.batch_tokens,
+                                margin=0, device=device):  # fmt: skip
+        values, latents = chunk.values.float().cpu().numpy(), chunk.indices.cpu().numpy()
+        sample_id, window, pos = split_ids(chunk.ids.cpu().numpy())
+        row = np.searchsorted(keys, sample_id << 20 | window)
+        r, j = np.nonzero(np.abs(values) > NONZERO)
+        parts["seq"].append(row[r])
+        parts["pos"].append(pos[r])
+        parts["latent"].append(latents[r, j].astype(np.int64))
+        parts["act"].append(values[r, j])
+    seq, pos, latent, act = (np.concatenate(parts[k]) if parts[k] else np.zeros(0, np.int64)
+                             for k in ("seq", "pos", "latent", "act"))  # fmt: skip
+    order = np.lexsort((latent, pos, seq))  # delphi's nonzero order: row-major
+    return np.stack([seq, pos, latent], axis=1).astype(np.int64)[order], act[order].astype(
+        np.float16
+    )
+
+
 def export_delphi(
     config: DelphiConfig, *, storage_options: Mapping[str, str] | None = None
 ) -> dict:
@@ -125,16 +176,7 @@ def export_delphi(
 
     from ..dataset import DatasetLocation
     from ..dataset.publish import staged_output
-    from .job import (
-        SAMPLES_TABLE,
-        TEXTS_TABLE,
-        load_encoder,
-        load_tokenizer,
-        plan_features,
-        read_texts,
-    )
-    from .scan import RowReader, encoded_chunks
-    from .state import split_ids
+    from .job import SAMPLES_TABLE, TEXTS_TABLE, plan_features
 
     options = dict(storage_options or {})
     features = FeaturesConfig(extraction=config.extraction, sae=config.sae, hook=config.hook,
@@ -148,38 +190,8 @@ def export_delphi(
     keys = np.asarray(samples["sample_id"], np.int64) << 20 | np.asarray(
         samples["window"], np.int64
     )
-    texts = read_texts(src, sorted(set(samples["sample_id"])))
-    text_of = dict(zip(texts.column("sample_id").to_pylist(), texts.column("text").to_pylist(),
-                       strict=True))  # fmt: skip
-    tokenizer = load_tokenizer(plan.model_dir)
-    sequences = sequence_tokens(text_of, samples, tokenizer, plan.max_length, plan.long_texts)
-    ctx_len = max((len(s) for s in sequences), default=0)
-    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    tokens = np.full((len(sequences), ctx_len), pad, np.int64)
-    for i, ids in enumerate(sequences):
-        tokens[i, : len(ids)] = ids
-
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    sae = load_encoder(plan.sae, device, 0, plan.clt_layer)
-    reader = RowReader(plan.open_input(), plan.width)
-    parts: dict[str, list[np.ndarray]] = {"seq": [], "pos": [], "latent": [], "act": []}
-    total = len(reader.ds)
-    for chunk in encoded_chunks(reader, 0, total, sae, chunk=config.batch_tokens, margin=0,
-                                device=device):  # fmt: skip
-        values, latents = chunk.values.float().cpu().numpy(), chunk.indices.cpu().numpy()
-        sample_id, window, pos = split_ids(chunk.ids.cpu().numpy())
-        row = np.searchsorted(keys, sample_id << 20 | window)
-        keep = np.abs(values) > NONZERO
-        r, j = np.nonzero(keep)
-        parts["seq"].append(row[r])
-        parts["pos"].append(pos[r])
-        parts["latent"].append(latents[r, j].astype(np.int64))
-        parts["act"].append(values[r, j])
-    seq, pos, latent, act = (np.concatenate(parts[k]) if parts[k] else np.zeros(0)
-                             for k in ("seq", "pos", "latent", "act"))  # fmt: skip
-    order = np.lexsort((latent, pos, seq))  # delphi's nonzero order: row-major
-    locations = np.stack([seq, pos, latent], axis=1).astype(np.int64)[order]
-    act = act[order].astype(np.float16)
+    tokens, pad = sequences_of(plan, samples)
+    locations, act = nonzeros(plan, keys, config)
     module = config.module or plan.hook.split(":", 1)[0]
     target = DatasetLocation.of(config.out, storage_options=options)
     files = []
@@ -195,12 +207,11 @@ def export_delphi(
             out.staging.put_bytes(files[-1], save(data))
         cache_config = {
             "dataset_repo": str(config.extraction), "dataset_split": "", "dataset_name": "",
-            "dataset_column": "text", "batch_size": len(sequences), "cache_ctx_len": ctx_len,
+            "dataset_column": "text", "batch_size": len(tokens), "cache_ctx_len": tokens.shape[1],
             "n_tokens": int(tokens.size), "n_splits": config.n_splits,
-            "model_name": plan.model_dir,
-            "hook_point": plan.hook, "sae": str(config.sae), "pad_token_id": int(pad),
-            "texts": src.display(TEXTS_TABLE),
+            "model_name": plan.model_dir, "hook_point": plan.hook, "sae": str(config.sae),
+            "pad_token_id": pad, "texts": src.display(TEXTS_TABLE),
         }  # fmt: skip
         out.staging.put_json(f"{module}/config.json", cache_config)
-    return {"module": module, "latents": plan.n_latents, "sequences": len(sequences),
-            "ctx_len": ctx_len, "activations": len(act), "files": files}  # fmt: skip
+    return {"module": module, "latents": plan.n_latents, "sequences": len(tokens),
+            "ctx_len": tokens.shape[1], "activations": len(act), "files": files}  # fmt: skip

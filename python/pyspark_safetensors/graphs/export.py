@@ -87,7 +87,8 @@ class GraphExportConfig:
     ``latent``, ``label``: a feature node's ``clerp``; empty: none."""
     feature_json_base_url: str = ""
     """``metadata.feature_details.feature_json_base_url``: where Neuronpedia's viewer
-    fetches ``{feature}.json`` (the feature JSON, ``features/export.py``); empty: none."""
+    fetches ``{feature}.json``, feature JSON files in Anthropic's format that you host
+    (``feature`` a node's Cantor index); empty: none."""
     neuronpedia_source_set: str = ""
     """``metadata.feature_details.neuronpedia_source_set``: the source set on Neuronpedia
     the features are; empty: none."""

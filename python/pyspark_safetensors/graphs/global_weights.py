@@ -254,3 +254,57 @@ def expected_attributions(spark, graphs: str, out: str, *, partitions: int = 0,
     result.write.mode("overwrite").partitionBy("target_layer").parquet(path)
     written = spark.read.parquet(path)
     return {"graphs": ok.num_rows, "pairs": written.count(), "out": path}
+
+
+@dataclass(frozen=True)
+class GlobalWeightsConfig:
+    """Global weights of a dictionary and/or over a graph job's graphs."""
+
+    out: str
+    """The output directory: ``virtual_weights/`` and ``expected_attributions/``."""
+    graphs: str = ""
+    """A graph job's output (local): its expected attributions are computed, and its model
+    and dictionary are the default ones; empty: virtual weights only."""
+    model: str = ""
+    """The model directory (default: the graph job's)."""
+    transcoders: tuple[str, ...] = ()
+    """A CLT file, or one transcoder file per block (default: the graph job's)."""
+    top_k: int = 0
+    """Virtual weights kept per feature (module docstring); 0: every pair."""
+    rule: str = "topk"
+    """The dictionary's rule ("topk" or "threshold"; the weights do not depend on it)."""
+    partitions: int = 0
+    """Tasks of the expected attributions (0: Spark's default parallelism)."""
+
+    def __post_init__(self):
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0 (0: every pair), got {self.top_k}")
+
+
+def run_global_weights(spark, config: GlobalWeightsConfig) -> dict:
+    """Virtual weights (when a model and dictionary are known) and expected attributions
+    (when ``graphs`` is given) into ``config.out``; returns both summaries."""
+    import json
+    from pathlib import Path
+
+    from .job import SUMMARY
+
+    model, transcoders = config.model, tuple(config.transcoders)
+    if config.graphs:
+        doc = Path(config.graphs, SUMMARY)
+        if not doc.is_file():
+            raise InvalidArgumentError(f"{doc}: not a finished graph job's output")
+        job = json.loads(doc.read_text())["config"]
+        model = model or job["model"]
+        transcoders = transcoders or tuple(job["transcoders"])
+    if not (model and transcoders) and not config.graphs:
+        raise InvalidArgumentError("give a graph job (--graphs), or a model and its transcoders")
+    out = {}
+    if model and transcoders:
+        dictionary = transcoders[0] if len(transcoders) == 1 else list(transcoders)
+        out["virtual_weights"] = virtual_weights(model, dictionary, config.out, top_k=config.top_k,
+                                                 rule=config.rule)  # fmt: skip
+    if config.graphs:
+        out["expected_attributions"] = expected_attributions(spark, config.graphs, config.out,
+                                                             partitions=config.partitions)  # fmt: skip
+    return out
