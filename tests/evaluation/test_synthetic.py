@@ -40,7 +40,7 @@ def rich_config(**changes) -> SyntheticModelConfig:
                 mutually_exclusive_portion=0.5,
                 compensate_probabilities=True,
             ),
-            orthogonalization=OrthogonalizationConfig(num_steps=10),
+            orthogonalization=OrthogonalizationConfig(num_steps=3),
             correlation=LowRankCorrelationConfig(rank=4),
             std_firing_magnitudes=FoldedNormalMagnitude(mean=0.1, std=0.05),
             mean_firing_magnitudes=LinearMagnitude(1.0, 2.0),
@@ -82,7 +82,7 @@ def test_the_model_is_one_per_configuration_and_its_files_load_back(tmp_path):
 
 def test_samples_keep_the_hierarchy_and_the_firing_rates():
     model = SyntheticModel.build(rich_config(correlation=None))
-    acts = model.sample_features(20_000, torch.Generator().manual_seed(0))
+    acts = model.sample_features(10_000, torch.Generator().manual_seed(0))
     fires = acts > 0
     children = np.flatnonzero(model.parent_of >= 0)
     # a child fires only with its parent
@@ -96,7 +96,7 @@ def test_samples_keep_the_hierarchy_and_the_firing_rates():
     # the roots (no hierarchy above them) fire at their probabilities
     roots = torch.tensor([r.feature for r in model.roots])
     rate = fires[:, roots].float().mean(0)
-    assert torch.allclose(rate, model.firing_probabilities[roots], atol=0.012)
+    assert torch.allclose(rate, model.firing_probabilities[roots], atol=0.016)
     # magnitudes: mean_i + std_i * N(0, 1), relu'd, and nothing negative anywhere
     assert float(acts.min()) >= 0
     assert float(acts[:, 0][fires[:, 0]].mean()) == pytest.approx(float(model.mean[0]), abs=0.01)
@@ -137,3 +137,49 @@ def test_saelens_builds_the_same_model_and_loads_our_files(tmp_path):
     back = SyntheticModel.load(tmp_path / "theirs")
     assert torch.equal(back.feature_vectors, ours.feature_vectors)
     assert np.array_equal(back.parent_of, ours.parent_of)
+
+
+def _gated_model(exclusive: float, rescale: bool) -> SyntheticModel:
+    return SyntheticModel.build(SyntheticModelConfig(
+        num_features=60, hidden_dim=8, mean_firing_magnitudes=LinearMagnitude(0.5, 2.0),
+        hierarchy=HierarchyConfig(total_root_nodes=3, branching_factor=3, max_depth=2,
+                                  mutually_exclusive_portion=exclusive,
+                                  scale_children_by_parent=rescale)))  # fmt: skip
+
+
+def test_children_scaled_by_their_parent():
+    """With scale_children_by_parent a child is multiplied by parent / mean_parent (the
+    parent's value after its own level), and 0 where the parent is silent."""
+    model = _gated_model(0.0, True)
+    acts = torch.rand(500, 60, generator=torch.Generator().manual_seed(4))
+    acts[acts < 0.5] = 0
+    out = model._apply_hierarchy(acts.clone(), torch.Generator())
+    for lv in model.levels:
+        for f, p in zip(lv.features.tolist(), lv.parents.tolist(), strict=True):
+            want = acts[:, f] * out[:, p] / model.mean[p]
+            assert torch.allclose(out[:, f], want), (f, p)
+
+
+@pytest.mark.skipif(not HAS_SAELENS, reason="sae-lens is not installed (.venv-baselines)")
+@pytest.mark.parametrize("rescale", [False, True])
+def test_the_hierarchy_applies_as_saelens_applies_it(rescale):
+    """The same activations through SAELens' modifier and ours: equal without exclusive
+    groups (whose winner is a random draw); with them, the roots' groups keep one child in
+    the same rows (deeper groups hang on which child won above)."""
+    import sae_lens.synthetic as sl
+
+    acts = torch.rand(500, 60, generator=torch.Generator().manual_seed(4))
+    acts[acts < 0.6] = 0
+    for exclusive in (0.0, 1.0):
+        model = _gated_model(exclusive, rescale)
+        theirs = sl.SyntheticModel(sl.SyntheticModelConfig.from_dict(model.config.to_dict()))
+        got = model._apply_hierarchy(acts.clone(), torch.Generator().manual_seed(0)).relu()
+        gen = theirs.activation_generator
+        want = gen.modify_activations(acts.clone(), gen).relu()
+        if exclusive == 0.0:
+            assert torch.equal(got, want)
+            continue
+        # the roots' groups (whose parents no draw silences): the same rows keep one child
+        for _, kids in model.levels[0].groups:
+            assert torch.equal((got[:, kids] > 0).sum(1), (want[:, kids] > 0).sum(1))
+            assert int((got[:, kids] > 0).sum(1).max()) == 1
