@@ -92,6 +92,11 @@ def logit_directions(local: LocalReplacement, ids: torch.Tensor) -> torch.Tensor
     return w[ids] - w.mean(0)
 
 
+CACHED_WORDS = 1 << 26
+"""Float32 words of decoder rows a prompt's attribution gathers once and keeps (256 MiB);
+beyond them a source layer's rows are gathered per batch."""
+
+
 class _Rows:
     """The adjacency rows of a prompt's targets: a backward pass per batch of targets
     through the frozen model's linear part (run forward once), each target's gradient at
@@ -120,9 +125,19 @@ class _Rows:
             pad = torch.full((int(per_pos.sum()), m), -1, dtype=torch.long)
             pad[slot, rank % m] = idx
             self.slots[s] = (pad, torch.repeat_interleave(torch.arange(local.n_pos), per_pos))
-        self.writes = {s: [(self.local.block_of_layer[t], rep.decoder(s, t))
-                           for t in range(rep.n_layers) if s in rep.sources(t)]
-                       for s in self.slots}  # fmt: skip
+        # each source layer's decoder rows into each block it writes, per slot ``[slots,
+        # d, m]``, gathered once while they fit in CACHED_WORDS, else per batch
+        self.writes, left = {}, CACHED_WORDS
+        for s, (pad, _) in self.slots.items():
+            latents = feats.latent[pad.clamp_min(0)]
+            self.writes[s] = []
+            for t in range(rep.n_layers):
+                if s in rep.sources(t):
+                    decoder = rep.decoder(s, t)
+                    if pad.numel() * decoder.shape[1] <= left:
+                        left -= pad.numel() * decoder.shape[1]
+                        decoder = decoder[latents].transpose(1, 2).contiguous()
+                    self.writes[s].append((self.local.block_of_layer[t], decoder))
 
     @property
     def width(self) -> int:
@@ -156,9 +171,11 @@ class _Rows:
         for s, (pad, slot_pos) in self.slots.items():
             got = torch.zeros(len(pad), B, pad.shape[1])
             latents = feats.latent[pad.clamp_min(0)]
-            for block, decoder in self.writes[s]:
+            for block, rows_ in self.writes[s]:
+                if rows_.ndim == 2:  # not kept: gathered now
+                    rows_ = rows_[latents].transpose(1, 2)
                 at = grads[block].transpose(0, 1)[slot_pos]  # [slots, B, d]
-                got.baddbmm_(at, decoder[latents].transpose(1, 2))  # [slots, B, m]
+                got.baddbmm_(at, rows_)  # [slots, B, m]
             keep = pad >= 0
             values[:, pad[keep]] = got.permute(1, 0, 2)[:, keep]
         values *= feats.value
