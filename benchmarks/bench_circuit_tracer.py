@@ -42,13 +42,18 @@ What is compared (ours minus theirs, max abs; rel = max abs / max |ours|):
   replaced output on that run;
 - on the clean run: feature activations (theirs ``get_activations``) and error vectors
   (theirs ``setup_attribution``) at positions >= 1 -- circuit-tracer zeroes both at
-  position 0 (BOS), we keep them;
+  position 0 (BOS); our graphs take the same convention (``first_position=False``, the
+  default), the replacement model's clean run keeps them;
 - graphs (ours ``graphs.attribution.attribute``; theirs ``attribute(ids, model,
   max_n_logits=10, desired_logit_prob=0.95)``, unpruned): the feature nodes (layer, pos,
   latent) at positions >= 1, the logit nodes, and the adjacency over the shared nodes
   (targets: features and logits; sources: features, errors at positions >= 1, tokens),
-  node order mapped. Our BOS features and errors have no counterpart; the table gives
-  their share of the absolute edge weight into the shared targets;
+  node order mapped. Any BOS features and errors of ours would have no counterpart; the
+  table gives their share of the absolute edge weight into the shared targets (0 under
+  the shared convention);
+- partial graphs (``max_feature_nodes`` at ``LIMITS``, both sides at ``PARTIAL_BATCH``
+  targets per batch and ``INTERVAL`` batches between re-rankings): the selected features
+  and the whole adjacency;
 - pruning and scores: our ``graphs.graph.prune`` and ``scores`` run on circuit-tracer's
   own graph against its ``prune_graph`` and ``compute_graph_scores``.
 """
@@ -553,7 +558,8 @@ def report(inputs: dict, mine: dict, their: dict, load: str) -> str:
         "where circuit-tracer zeroes BOS. \"ours: replaced vs clean\": how far the replaced "
         "model's logits are from the clean model's (the scale of the comparison). \"BOS "
         "share\": the share of the absolute edge weight into the shared targets that comes "
-        "from our BOS features and errors (circuit-tracer has neither). \"prune on its "
+        "from our BOS features and errors (none: both sides leave position 0 without nodes, "
+        "circuit-tracer's convention). \"prune on its "
         "graph\" and \"scores on its graph\": our graphs.prune and graphs.scores run on "
         "circuit-tracer's own graph against its prune_graph and compute_graph_scores; \"own "
         "graphs' scores\": each side's (replacement, completeness) on its own graph. "
