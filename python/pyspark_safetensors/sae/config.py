@@ -95,6 +95,28 @@ class SAEConfig:
     layers' FVUs, each layer alike (sparsify's cross_layer loss), which on a toy Llama
     whose first MLP writes 24x the variance of the others let the first layer's latents
     serve the small layers and lost CE to per-layer transcoders (``docs/sae.md``)."""
+    clt_thresholds: Literal["trained", "calibrated"] = "trained"
+    """Cross-layer transcoders: how the file's JumpReLU thresholds (what circuit-tracer runs
+    from an export, and ``rule="threshold"``) are set once the top-k training ends.
+    "calibrated": fitted to the top-k code's rows (``calibrate_thresholds``: frequency
+    matching, then the least-error cut); "trained": from the frequency-matched ones, a
+    straight-through fine-tune of the thresholds and the dictionary under the threshold
+    code, its L0 held at k per layer (``architectures/clt.py``, trained thresholds;
+    metadata ``threshold_source``). Per-layer transcoders keep no thresholds (a top-k
+    code only, exported as such), so they have no such step."""
+    clt_threshold_fraction: float = 0.5
+    """Cross-layer transcoders, trained thresholds: the fine-tune's tokens, as a fraction
+    of the training tokens (batches of ``batch_size``, at least one; more than 1 is more
+    than a pass). A step costs about 2.5 top-k steps (a CPU, 4 x 1,024 latents)."""
+    clt_threshold_lr: float = 0.05
+    """Cross-layer transcoders, trained thresholds: Adam's learning rate of the log
+    thresholds (a step moves a threshold by about this fraction of itself)."""
+    clt_threshold_dictionary_lr: float = 0.25
+    """Cross-layer transcoders, trained thresholds: the dictionary's learning rate in the
+    fine-tune, as a fraction of ``learning_rate`` (0: the thresholds alone)."""
+    clt_threshold_bandwidth: float = 0.1
+    """Cross-layer transcoders, trained thresholds: the width of the rectangle kernel of
+    the thresholds' pseudo-derivative, as a fraction of each layer's median threshold."""
     hook_point: str = ""
     """Recorded in the checkpoint; taken from the dataset's ``hook_point`` metadata if empty."""
     # model
@@ -124,7 +146,8 @@ class SAEConfig:
     """Matryoshka: the nested prefixes' latent counts, ascending, the last the whole
     dictionary; empty = n/16, n/8, n/4, n/2, n."""
     l0_coef: float = 1.0
-    """JumpReLU: weight of the penalty ``(L0 / k - 1)^2`` that pulls the mean L0 to k."""
+    """JumpReLU: weight of the penalty ``(L0 / k - 1)^2`` that pulls the mean L0 to k (a
+    cross-layer transcoder's trained thresholds: per layer, summed)."""
     jumprelu_bandwidth: float = 0.05
     """JumpReLU: width of the rectangle kernel of the threshold's straight-through
     gradient, in units of the pre-activations."""
@@ -248,6 +271,16 @@ class SAEConfig:
                 )
         if self.d_out < 0:
             raise InvalidArgumentError(f"d_out must be >= 0, got {self.d_out}")
+        if self.clt_thresholds not in ("trained", "calibrated"):
+            raise InvalidArgumentError(
+                f"clt_thresholds must be 'trained' or 'calibrated', got {self.clt_thresholds!r}"
+            )
+        if (self.clt_threshold_fraction <= 0 or self.clt_threshold_lr <= 0
+                or self.clt_threshold_dictionary_lr < 0 or self.clt_threshold_bandwidth <= 0):  # fmt: skip
+            raise InvalidArgumentError(
+                "clt_threshold_fraction, clt_threshold_lr and clt_threshold_bandwidth must be "
+                "> 0, clt_threshold_dictionary_lr >= 0"
+            )
         if self.follow and not self.tokens:
             raise InvalidArgumentError("follow needs tokens: the budget the schedule is planned on")
         if self.follow_poll_s <= 0 or self.follow_timeout_s < 0:
@@ -283,10 +316,12 @@ class SAEConfig:
         if self.architecture == "clt":
             self._check_clt_data()
         elif any((self.target_datasets, self.val_target_datasets, self.clt_tied_decoders,
-                  self.clt_activation != "topk", self.clt_loss != "pooled")):  # fmt: skip
+                  self.clt_activation != "topk", self.clt_loss != "pooled",
+                  self._clt_threshold_options() != CLT_THRESHOLD_DEFAULTS)):  # fmt: skip
             raise InvalidArgumentError(
-                "target_datasets, val_target_datasets, clt_tied_decoders, clt_activation and "
-                "clt_loss are for architecture = 'clt' (a cross-layer transcoder)"
+                "target_datasets, val_target_datasets, clt_tied_decoders, clt_activation, "
+                "clt_loss and the clt_threshold* options are for architecture = 'clt' (a "
+                "cross-layer transcoder)"
             )
         crosscoder = self.architecture == "crosscoder"
         if crosscoder:
@@ -312,6 +347,9 @@ class SAEConfig:
             )
         if self.matryoshka_prefixes and self.architecture != "matryoshka":
             raise InvalidArgumentError("matryoshka_prefixes is for architecture = 'matryoshka'")
+
+    def _clt_threshold_options(self) -> dict:
+        return {name: getattr(self, name) for name in CLT_THRESHOLD_DEFAULTS}
 
     def _check_clt_data(self) -> None:
         """A cross-layer transcoder reads one input and one target dataset per layer."""
@@ -409,7 +447,11 @@ class SAEConfig:
         }
         body = {k: v for k, v in self.to_dict().items() if k not in skip}
         if self.architecture != "clt":  # the runs from before these fields keep their hash
-            for name in ("target_datasets", "clt_tied_decoders", "clt_activation", "clt_loss"):
+            for name in ("target_datasets", "clt_tied_decoders", "clt_activation", "clt_loss",
+                         *CLT_THRESHOLD_DEFAULTS):  # fmt: skip
+                del body[name]
+        elif self.clt_thresholds == "calibrated":  # what every CLT run did before the field
+            for name in CLT_THRESHOLD_DEFAULTS:
                 del body[name]
         if not self.follow:  # the runs from before the field keep their hash
             del body["follow"]
@@ -457,6 +499,13 @@ class SAEConfig:
             raise InvalidArgumentError(f"unknown config key(s) {unknown}; known: {sorted(fields)}")
         hints = typing.get_type_hints(cls)
         return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+#: A cross-layer transcoder's trained-threshold options and their defaults (the other
+#: architectures leave them so).
+CLT_THRESHOLD_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(SAEConfig) if f.name.startswith("clt_threshold")
+}
 
 
 def _parse(key: str, raw: str):

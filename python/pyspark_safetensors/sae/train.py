@@ -67,6 +67,8 @@ from .sources import TrainingSource, open_source, open_training_source
 
 SUMMARY_KEYS = ("step", "tokens", "fvu", "l0", "dead_fraction", "val_fvu", "val_l0",
                 "val_dead_fraction", "val_dense_fraction")  # fmt: skip
+#: The thresholds' fine-tune's log (``Trainer.train_thresholds``), beside ``metrics.jsonl``.
+THRESHOLD_LOG = "thresholds.jsonl"
 #: Rows of the initialisation sample that fit the encoder's starting scale (a scalar: a
 #: few thousand tokens pin it; the forward pass costs a training step's half).
 ENCODER_SCALE_SAMPLES = 4096
@@ -357,7 +359,7 @@ class Trainer:
         if centers and inputs is not None:
             x = all_gather_cat(inputs.to(self.device, torch.float32), self.mesh, DATA)
             if fine_tune:
-                self.sae.input_mean.copy_(x.mean(0))
+                self.sae.input_mean.copy_(x.mean(0).view_as(self.sae.input_mean))  # a CLT's [L, d]
             else:
                 self.sae.center_encoder(x.mean(0))
         if fine_tune:
@@ -510,16 +512,18 @@ class Trainer:
                            y.shape[1], aux_err is not None, sparsity is not None,
                            per_block, pooled)  # fmt: skip
 
-    def _update(self, loss: torch.Tensor) -> float:
-        """Back-propagate ``loss`` and take the optimizer step: gradients averaged over
-        "data", the architecture's hooks around the update, global-norm clipping; returns
-        the gradient norm before clipping."""
-        self.optimizer.zero_grad(set_to_none=True)
+    def _update(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> float:
+        """Back-propagate ``loss`` and take the optimizer's step (``optimizer``: the
+        training's by default): gradients averaged over "data", the architecture's hooks
+        around the update, global-norm clipping; returns the gradient norm before
+        clipping."""
+        optimizer = optimizer or self.optimizer
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._sync_gradients()
         self.sae.before_update()
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        optimizer.step()
         self.sae.after_update()
         return grad_norm
 
@@ -623,16 +627,139 @@ class Trainer:
         self.fire_count += fired
         self.since_fired = torch.where(fired > 0, 0, self.since_fired + n_tokens)
 
-    def evaluate_held_out(self) -> dict[str, float]:
+    def evaluate_held_out(self, rule: str = "") -> dict[str, float]:
         """``val_*`` metrics on the held-out pairs ({} without any); keeps the per-latent
-        frequencies for the plots (collective on every rank)."""
+        frequencies for the plots (collective on every rank). ``rule`` "threshold": a
+        cross-layer transcoder's code by its JumpReLU thresholds (``val_threshold_*``; the
+        plots keep the top-k code's frequencies)."""
         c = self.config
         if self.val_source is None:
             return {}
         batches = self.val_source.batches(tokens=c.val_tokens, batch=c.batch_size)
+        if rule:
+            inference, self.sae.inference = self.sae.inference, rule
+            try:
+                result = evaluate_sae(self.sae, batches, self.mesh)
+            finally:
+                self.sae.inference = inference
+            result.pop("frequency")
+            return {f"val_{rule}_{k}": v for k, v in result.items()}
         result = evaluate_sae(self.sae, batches, self.mesh)
         self.val_frequency = result.pop("frequency")
         return {f"val_{k}": v for k, v in result.items()}
+
+    # --- the thresholds' fine-tune (a cross-layer transcoder's) --------------------------
+
+    def threshold_steps(self) -> int:
+        """Steps of the thresholds' fine-tune after the top-k training: a cross-layer
+        transcoder's ``clt_threshold_fraction`` of ``total_steps`` (at least one) when
+        ``clt_thresholds = "trained"``; 0 otherwise."""
+        c = self.config
+        if not hasattr(self.sae, "begin_threshold_training") or c.clt_thresholds != "trained":
+            return 0
+        return max(1, round(self.total_steps * c.clt_threshold_fraction))
+
+    def train_thresholds(self, sinks=None) -> dict[str, float]:
+        """The thresholds' fine-tune (``architectures/clt.py``, trained thresholds):
+        from the frequency-matched thresholds, ``threshold_steps`` steps on training batches (a
+        pass of the loader of its own, seeded ``seed + 1``) of the reconstruction loss of
+        the threshold code, straight through, plus the L0 penalty holding each layer at
+        ``k``; the log thresholds at ``clt_threshold_lr``, the dictionary at
+        ``clt_threshold_dictionary_lr`` of the learning rate, both warmed up and decayed as
+        the training's rate. Logged to ``thresholds.jsonl`` (``THRESHOLD_LOG``; its last
+        line the held-out metrics after it), ``metrics.jsonl`` staying the training's.
+        Returns the held-out metrics after it, the top-k code's (``val_*``) and the
+        threshold code's (``val_threshold_*``); {} when there is nothing to do (not a CLT,
+        ``clt_thresholds = "calibrated"``, or its thresholds trained already, a run
+        resumed from its last checkpoint). Collective on every rank."""
+        c, sae = self.config, self.sae
+        steps = self.threshold_steps()
+        if not steps or sae.threshold_source == "trained":
+            return {}
+        # the start: each latent firing as often as the top-k fired it (L0 = k); the
+        # least-error cut fires fewer, and the first steps went to climbing back
+        self.calibrate(least_error=False)
+        sae.begin_threshold_training(c.clt_threshold_bandwidth, c.l0_coef)
+        optimizer, frozen = self._threshold_optimizer()
+        source = open_training_source(c) if c.follow else self.source  # every row by now
+        loader = ActivationLoader(
+            source.dataset, c.batch_size // self.dp, columns=source.columns, seed=c.seed + 1,
+            drop_last=True, dp_rank=mesh_rank(self.mesh, DATA), dp_size=self.dp,
+            num_workers=c.num_workers, pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
+        main = is_main_process()
+        log_path = self.out_dir / THRESHOLD_LOG
+        if main:
+            log_path.write_text("")  # a resumed run's fine-tune starts over
+        bar = _progress(steps, 0, enabled=main and c.progress, desc="thresholds")
+        try:
+            for step, batch in zip(range(steps), _endless(loader), strict=False):
+                metrics = self._threshold_step(*source.pair(batch), optimizer, step, steps)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(fvu=f"{metrics['fvu']:.3f}", l0=f"{metrics['l0']:.1f}")
+                if main and ((step + 1) % c.log_every == 0 or step + 1 == steps):
+                    with open(log_path, "a") as log:
+                        log.write(json.dumps(metrics) + "\n")
+                    if sinks is not None:  # after the training's steps
+                        sinks.log({f"thresholds/{k}": v for k, v in metrics.items()},
+                                  self.step + step + 1)  # fmt: skip
+        finally:
+            if bar is not None:
+                bar.close()
+            sae.end_threshold_training()
+            for p in frozen:
+                p.requires_grad_(True)
+        held_out = self.evaluate_held_out() | self.evaluate_held_out(rule="threshold")
+        if main and held_out:
+            with open(log_path, "a") as log:
+                log.write(json.dumps({"threshold_step": steps} | held_out) + "\n")
+        return held_out
+
+    def _threshold_optimizer(self) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        """The fine-tune's Adam: the log thresholds at ``clt_threshold_lr``; the encoder
+        and the rest of the dictionary at ``clt_threshold_dictionary_lr`` of the learning
+        rate (the encoder's scaled as in training), or, at 0, frozen (returned, to thaw)."""
+        c, sae = self.config, self.sae
+        groups = [{"params": [sae.log_threshold], "lr": c.clt_threshold_lr}]
+        dictionary = [p for n, p in sae.named_parameters() if n != "log_threshold"]
+        lr = c.clt_threshold_dictionary_lr * c.learning_rate
+        if lr:
+            rest = [p for p in dictionary if p is not sae.encoder_weight]
+            groups += [{"params": [sae.encoder_weight], "lr": lr * self.encoder_lr_scale},
+                       {"params": rest, "lr": lr}]  # fmt: skip
+            frozen = []
+        else:
+            frozen = [p for p in dictionary if p.requires_grad]
+            for p in frozen:
+                p.requires_grad_(False)
+        for group in groups:
+            group["base_lr"] = group["lr"]
+        optimizer = torch.optim.Adam(groups, betas=c.adam_betas, eps=c.adam_eps,
+                                     fused=self.device.type in ("cpu", "cuda"))  # fmt: skip
+        return optimizer, frozen
+
+    def _threshold_step(self, x, y, optimizer, step: int, steps: int) -> dict[str, float]:
+        """One step of the fine-tune on this rank's pairs; its metrics (``threshold_step``
+        and the training step's; ``l0`` the threshold code's, every layer's)."""
+        c = self.config
+        warm = round(c.warmup_fraction * steps)
+        decay = int(c.decay_fraction * steps)
+        scale = min(1.0, (step + 1) / warm) if warm else 1.0
+        if decay and step >= steps - decay:
+            scale *= max(0.0, (steps - step) / decay)
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * scale
+        x = x.to(self.device, torch.float32)
+        y = y.to(self.device, torch.float32)
+        out, err, residual, _ = self._forward(x, y, c.k, None, 0)
+        losses = self._losses(out, y, err, residual, None)
+        fvu = float(losses.totals[0] / losses.var_x)
+        if not math.isfinite(fvu):
+            raise NonFiniteLoss(f"non-finite loss at step {step} of the thresholds' fine-tune")
+        grad_norm = self._update(losses.loss, optimizer)
+        metrics = self._step_metrics(losses, fvu, grad_norm, optimizer.param_groups[0]["lr"], c.k)
+        return {"threshold_step": step + 1} | metrics
 
     # --- state -----------------------------------------------------------------------------
 
@@ -659,6 +786,8 @@ class Trainer:
             "encoder_lr_scale": self.encoder_lr_scale,
             "buffers": {n: b.detach().cpu().clone() for n, b in self.sae.named_buffers()},
             "config_hash": self.config.config_hash(),
+            # a CLT's thresholds: trained ones are not calibrated again on resume
+            "threshold_source": getattr(self.sae, "threshold_source", None),
         }
 
     @torch.no_grad()
@@ -698,6 +827,10 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.encoder_lr_scale = state.get("encoder_lr_scale", 1.0)  # older runs: unscaled
+        if hasattr(self.sae, "threshold_source"):  # trained: the file's as they are, unless
+            # the run goes on (a resume given more tokens), to be calibrated and trained again
+            done = self.step >= self.total_steps
+            self.sae.threshold_source = state.get("threshold_source") if done else None
         torch.set_rng_state(state["rng"])
         self._truncate_metrics()
 
@@ -760,19 +893,20 @@ class Trainer:
         return path
 
     @torch.no_grad()
-    def calibrate(self) -> None:
+    def calibrate(self, *, least_error: bool = True) -> None:
         """A cross-layer transcoder's inference thresholds, from its training selection and
         reconstruction error on the first ``THRESHOLD_SAMPLES`` training rows and their
-        targets (every rank reads the same; the rule is ``architectures/clt.py``'s);
-        nothing for the other architectures."""
+        targets (every rank reads the same; the rule is ``architectures/clt.py``'s;
+        without ``least_error``, frequency matching alone: the inputs only); nothing for
+        the other architectures, nor for thresholds trained already."""
         calibrate = getattr(self.sae, "calibrate_thresholds", None)
-        if calibrate is None:
-            return
+        if calibrate is None or self.sae.threshold_source == "trained":
+            return  # trained thresholds (train_thresholds) are the file's as they are
         rows = min(len(self.source), THRESHOLD_SAMPLES)
         batches = self.source.batches(tokens=rows, batch=self.config.batch_size)
         pairs = [(x.to(self.device, torch.float32), y.to(self.device, torch.float32))
                  for x, y in batches]  # fmt: skip
-        calibrate(pairs, k=self.k_at(self.step))
+        calibrate(pairs if least_error else [x for x, _ in pairs], k=self.k_at(self.step))
 
     def checkpoint_steps(self) -> set[int]:
         n = self.config.checkpoints
@@ -795,7 +929,7 @@ class Trainer:
         main = is_main_process()
         if main:
             if c.overwrite and not c.resume and self.step == 0:
-                for name in ("metrics.jsonl", "sae.safetensors"):
+                for name in ("metrics.jsonl", THRESHOLD_LOG, "sae.safetensors"):
                     (self.out_dir / name).unlink(missing_ok=True)
                 shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -836,6 +970,10 @@ class Trainer:
                         self.save(metrics)
                     if last:
                         break
+            if bar is not None:  # the fine-tune shows a bar of its own
+                bar.close()
+                bar = None
+            metrics.update(self.train_thresholds(sinks))
         finally:
             if bar is not None:
                 bar.close()
@@ -861,12 +999,18 @@ class Trainer:
         return metrics
 
 
-def _progress(total: int, initial: int, *, enabled: bool):
+def _progress(total: int, initial: int, *, enabled: bool, desc: str = "SAE"):
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="SAE", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+
+def _endless(loader):
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
 
 
 def run(*configs: SAEConfig) -> int:
