@@ -2,7 +2,8 @@
 trained thresholds; ``SAEConfig.clt_thresholds``): the straight-through code equals the
 threshold rule export readers run, its pseudo-derivatives are those of the rectangle
 kernel, the fine-tune lowers the threshold code's held-out error at the top-k's L0, and
-the file records where its thresholds came from."""
+the file records where its thresholds came from (and so which rule the pipeline's graphs
+use)."""
 
 import json
 
@@ -11,6 +12,7 @@ import torch
 from test_clt import D_IN, D_OUT, K, L, N, _config, _inputs, _perturbed_state, make_clt_data
 
 from pyspark_safetensors.sae import CrossLayerTranscoder, load_sae, load_sae_model
+from pyspark_safetensors.sae.architectures.clt import dictionary_rule
 from pyspark_safetensors.sae.train import Trainer
 
 
@@ -135,6 +137,7 @@ def test_trained_thresholds_lower_the_threshold_codes_error_at_the_top_ks_l0(
         assert 0.9 * K <= metrics[l0] <= 1.1 * K, metrics
     tensors, meta = load_sae(tmp_path / "sae.safetensors")
     assert meta["threshold_source"] == "trained"
+    assert dictionary_rule([tmp_path / "sae.safetensors"]) == "threshold"  # the graphs' rule
     torch.testing.assert_close(tensors["threshold"], trainer.sae.threshold)
     phase = [json.loads(x) for x in (tmp_path / "thresholds.jsonl").read_text().splitlines()]
     assert phase[-1]["val_threshold_fvu"] == metrics["val_threshold_fvu"]
@@ -156,6 +159,7 @@ def test_calibrated_thresholds_skip_the_fine_tune_and_say_so(tmp_path, clt_data)
     trainer.fit()
     _, meta = load_sae(tmp_path / "sae.safetensors")
     assert meta["threshold_source"] == "calibrated"
+    assert dictionary_rule([tmp_path / "sae.safetensors"]) == "topk"  # the code it copies
     assert not (tmp_path / "thresholds.jsonl").exists()
 
 

@@ -127,9 +127,12 @@ def graph_figures(spark, stage: GraphsStage, *, model_dir: str | os.PathLike,
                   out_dir: Path) -> dict:  # fmt: skip
     """Writes ``out_dir/{dictionary}/`` (``job.run_graphs``' output, and a screenshot of
     its browser, ``graph-browser.png``, when Chromium is here) for each dictionary of
-    ``files`` (``GraphsStage.dictionary_files``) and returns ``{dictionary: its summary}``."""
+    ``files`` (``GraphsStage.dictionary_files``) and returns ``{dictionary: its summary}``,
+    which names its ``rule``: "threshold" for a CLT whose thresholds were trained (what its
+    export runs), else "topk" (``sae.architectures.clt.dictionary_rule``)."""
     from transformers import AutoTokenizer
 
+    from ..sae.architectures.clt import dictionary_rule
     from .job import GraphsConfig, run_graphs
     from .page import screenshot_graph
 
@@ -139,11 +142,12 @@ def graph_figures(spark, stage: GraphsStage, *, model_dir: str | os.PathLike,
     threads = max(1, (os.cpu_count() or 1) // cores)  # the tasks share the machine's cores
     figures = {}
     for name, paths in files.items():
+        rule = dictionary_rule(paths)  # the rule its export runs: trained thresholds' or top-k
         config = GraphsConfig(model=str(model_dir), transcoders=tuple(paths),
-                              output=str(out_dir / name), threads=threads,
+                              output=str(out_dir / name), threads=threads, rule=rule,
                               **dict(stage.pruning))  # fmt: skip
         summary = run_graphs(spark, config, frame)
         shot = screenshot_graph(out_dir / name, out_dir / name / "graph-browser.png")
-        figures[name] = {**{k: v for k, v in summary.items() if k != "config"},
+        figures[name] = {**{k: v for k, v in summary.items() if k != "config"}, "rule": rule,
                          "prompts": len(prompts), "screenshot": shot is not None}  # fmt: skip
     return figures

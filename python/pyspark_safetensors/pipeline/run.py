@@ -116,11 +116,14 @@ class PipelineConfig:
     """Name -> hook points (of one width): one crosscoder reading and reconstructing them
     all, with each hook point's FVU set against its own SAE's where ``hooks`` has one."""
     clts: dict[str, dict] = field(default_factory=dict)
-    """Name -> ``{layers = "all" | "0-3,5", per_layer = true}``: a cross-layer transcoder
-    over those layers' MLP blocks (``model.layers.N.mlp``; ``[sae]``'s latents and k per
-    layer), with ``per_layer`` a transcoder per block on the same tokens (the same total
-    latents) as its baseline, its whole-model LUT, and both replacement models evaluated
-    (``circuits``)."""
+    """Name -> ``{layers = "all" | "0-3,5", per_layer = true, thresholds = "trained"}``: a
+    cross-layer transcoder over those layers' MLP blocks (``model.layers.N.mlp``;
+    ``[sae]``'s latents and k per layer), with ``per_layer`` a transcoder per block on the
+    same tokens (the same total latents) as its baseline, its whole-model LUT, and both
+    replacement models evaluated (``circuits``). ``thresholds``: how its JumpReLU
+    thresholds (what an export runs) are set, the trainer's ``clt_thresholds``: "trained"
+    (the default: a straight-through fine-tune after the top-k training; the graphs then
+    use them) or "calibrated"."""
     graphs: dict = field(default_factory=dict)
     """``[pipeline.graphs]``: attribution graphs of prompts (a file, or held-out passages
     cut to ``tokens``) through a CLT of ``clts`` and/or its per-layer transcoders, after
@@ -215,8 +218,16 @@ class PipelineConfig:
             if not isinstance(spec.get("skip", False), bool):
                 raise PipelineError(f"transcoder {block!r}: skip must be true or false")
         for name, spec in self.clts.items():
-            if set(spec) - {"layers", "per_layer"}:
-                raise PipelineError(f"clt {name!r}: only layers and per_layer, got {sorted(spec)}")
+            if set(spec) - {"layers", "per_layer", "thresholds"}:
+                raise PipelineError(
+                    f"clt {name!r}: only layers and per_layer, or thresholds (trained or "
+                    f"calibrated), got {sorted(spec)}"
+                )
+            if spec.get("thresholds", "trained") not in ("trained", "calibrated"):
+                raise PipelineError(
+                    f"clt {name!r}: thresholds must be 'trained' or 'calibrated', got "
+                    f"{spec['thresholds']!r}"
+                )
         if self.graphs:
             self.graphs_stage()  # a bad table fails here, before any stage
         for name, hooks in self.crosscoders.items():
@@ -648,6 +659,9 @@ class Pipeline:
             half = len(run.hooks) // 2
             datasets = {"datasets": [data[h] for h in run.hooks[:half]],
                         "target_datasets": [data[h] for h in run.hooks[half:]]}  # fmt: skip
+            spec = c.clts.get(run.name, {})
+            if "thresholds" in spec:  # the trainer's default otherwise: "trained"
+                datasets["clt_thresholds"] = spec["thresholds"]
         else:
             datasets = {"datasets": [data[hook] for hook in run.hooks]}
         return {
@@ -668,7 +682,7 @@ class Pipeline:
         once), and a failure keeps the runs finished before it. Returns each run's
         ``sae.safetensors``."""
         from ..sae import SAEConfig
-        from ..sae.train import launch
+        from ..sae.train import THRESHOLD_LOG, launch
 
         c = self.config
         runs = {run.stage: run for run in c.runs}
@@ -705,8 +719,11 @@ class Pipeline:
         for name, run in runs.items():
             self.summary["stages"][name]["hook"] = run.name
             lines = (paths[name] / "metrics.jsonl").read_text().splitlines()
+            tuned = paths[name] / THRESHOLD_LOG  # a CLT's thresholds' fine-tune, after training
+            after = tuned.read_text().splitlines()[-1:] if tuned.is_file() else []
             self.summary.setdefault("training", {})[run.name] = {
                 **json.loads(lines[-1]),
+                **(json.loads(after[0]) if after else {}),  # the file's held-out figures
                 "kind": run.kind,
                 "hooks": list(run.hooks),
             }
@@ -816,6 +833,7 @@ class Pipeline:
         prompts through the CLT and/or its per-layer transcoders, datasets and browsers."""
         from ..extract import passages_by_key
         from ..graphs.stage import graph_figures
+        from ..sae.architectures.clt import dictionary_rule
         from ..spark.session import local_session
 
         c = self.config
@@ -828,9 +846,13 @@ class Pipeline:
         stages = [
             self.summary["stages"][r.stage]["hash"] for r, p in trained.items() if str(p) in used
         ]
-        key = digest(stages, self.model_hash, stage.key_parts(texts))
+        # the rule each dictionary's graphs use (graph_figures): a CLT's trained thresholds'
+        rules = {name: dictionary_rule(paths) for name, paths in files.items()}
+        tuned = {name: rule for name, rule in rules.items() if rule != "topk"}
+        key = digest(stages, self.model_hash, stage.key_parts(texts), *([tuned] if tuned else []))
         self.announce(f"graphs: attribution graphs through CLT {run.name!r} "
-                      f"({', '.join(stage.dictionaries)}), in Spark ({c.master})")  # fmt: skip
+                      f"({', '.join(f'{n}, {rules[n]} rule' for n in stage.dictionaries)}), "
+                      f"in Spark ({c.master})")  # fmt: skip
 
         def build(tmp: Path) -> None:
             spark = local_session(c.master, quick_jit=True)  # the model runs in Python

@@ -96,6 +96,7 @@ all-gather for all layers, the decoders' partial sums one all-reduce.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import ClassVar
@@ -272,6 +273,22 @@ def block_of(hook_point: str, blocks: Sequence[str] | None = None) -> str:
         "a block relative to the base model, e.g. layers.0.mlp; TransformerLens / "
         "circuit-tracer's blocks.{i}.mlp.hook_in, blocks.{i}.hook_mlp_out)"
     )
+
+
+def dictionary_rule(paths: Sequence[str | os.PathLike]) -> str:
+    """The inference rule a dictionary's files were made for (one CLT file, or per-layer
+    transcoder files): "threshold" when every file's JumpReLU thresholds were trained
+    under that code (metadata ``threshold_source = "trained"``) -- the rule an export to
+    circuit-tracer runs, so the pipeline's graphs use it too --, else "topk" (calibrated
+    thresholds only copy the top-k code; per-layer transcoders hold none)."""
+    from ...format import SafetensorsFile
+
+    def source(path) -> str | None:
+        with SafetensorsFile(path) as f:
+            return (f.metadata or {}).get(THRESHOLD_SOURCE)
+
+    trained = bool(paths) and all(source(p) == "trained" for p in paths)
+    return "threshold" if trained else "topk"
 
 
 def clt_file_shapes(metadata: dict) -> dict[str, tuple[int, ...]]:
