@@ -425,7 +425,7 @@ def open_dataset_ids(path):
 def test_batch_topk_training_records_its_threshold(tmp_path, activations, seed, figure):
     """Spread over seeds 0-4 on the pinned CPU path, identical at 1 and 2 threads
     (tests/margins.py): FVU 0.363-0.376 (< 0.5, margin +25 %)."""
-    from pyspark_safetensors.sae import export_sae, load_sae_model
+    from pyspark_safetensors.sae import export_sae, load_sae_model, read_sae
 
     trainer = Trainer(_config(activations, tmp_path / "run", architecture="batchtopk",
                               tokens=256 * 40, lr=5e-3, seed=seed))  # fmt: skip
@@ -440,8 +440,12 @@ def test_batch_topk_training_records_its_threshold(tmp_path, activations, seed, 
     with torch.no_grad():
         l0 = float((sae(x).values > 0).sum(1).float().mean())
     assert 3 < l0 < 12  # the threshold keeps about k per row on average
-    with pytest.raises(CheckpointError, match="batchtopk SAE"):
-        export_sae(tmp_path / "run", tmp_path / "x", "saelens")
+    # SAELens takes it as it saves its own: a JumpReLU at the learned threshold
+    export_sae(tmp_path / "run", tmp_path / "x", "saelens")
+    exported, info = read_sae(tmp_path / "x")
+    assert info["architecture"] == "jumprelu"
+    torch.testing.assert_close(exported["threshold"], torch.full_like(exported["threshold"],
+                                                                      float(sae.threshold)))  # fmt: skip
 
 
 def test_optional_metric_sinks(tmp_path, activations):
