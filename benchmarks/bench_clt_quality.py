@@ -30,11 +30,14 @@ schedule, ``encoder.bias = -W mean(x)`` and ``b_decs.0 = mean(y)`` from the firs
 trained ``post_encs``, no AuxK; the loss the sum of the layers' FVUs (its per-layer
 backward passes accumulate the same gradients). Its encoder's ``torch.compile`` and
 Triton decoder are off (a CPU: the eager twins, the same maths). Train tokens/s is the
-whole training call's (initialisation and, for ours, the threshold calibration included).
-Every model is scored by one function on the held-out rows: per layer ``sum (y -
-y_hat)^2 / sum (y - mean y)^2``, each predicting with its own code (ours: top k per
-layer per row, and also its JumpReLU thresholds -- what circuit-tracer runs; sparsify's:
-its runner, ``post_encs`` included).
+whole training call's (initialisation and, for ours, the threshold calibration included;
+the top-k training's rows stop where the thresholds' fine-tune starts, the fine-tuned
+rows include it). Every model is scored by one function on the held-out rows: per layer
+``sum (y - y_hat)^2 / sum (y - mean y)^2``, each predicting with its own code (ours: top
+k per layer per row, and also its JumpReLU thresholds -- what circuit-tracer runs --, of
+the top-k training's CLT with its calibrated thresholds and of the file after the
+thresholds' fine-tune, ``architectures/clt.py``; sparsify's: its runner, ``post_encs``
+included), and the held-out L0 per layer of each code.
 """
 
 from __future__ import annotations
@@ -83,13 +86,33 @@ def _config(paths, tokens: int, seed: int, out: Path):
 
 
 def train_ours(paths, tokens: int, seed: int, out: Path, **overrides):
+    """Our trainer's run: its file's CLT; and, when the thresholds are trained (the
+    default), ``before``: the CLT as the top-k training left it, with the least-error
+    calibrated thresholds ``clt_thresholds = "calibrated"`` would store (a copy taken as
+    the fine-tune starts), and the seconds of each part."""
+    import copy
     import dataclasses
 
     from pyspark_safetensors.sae import load_sae_model
     from pyspark_safetensors.sae.train import Trainer
 
-    Trainer(dataclasses.replace(_config(paths, tokens, seed, out), **overrides)).fit()
-    return load_sae_model(out / "sae.safetensors")
+    trainer = Trainer(dataclasses.replace(_config(paths, tokens, seed, out), **overrides))
+    begin, before = trainer.sae.begin_threshold_training, {}
+    started = time.perf_counter()
+
+    def snapshot(*args, **kwargs):  # the fine-tune's start: keep the top-k training's CLT
+        before["seconds"] = time.perf_counter() - started
+        trainer.calibrate()  # the least-error cut (the fine-tune starts from frequency matching)
+        before["model"] = copy.deepcopy(trainer.sae).eval()
+        trainer.calibrate(least_error=False)
+        begin(*args, **kwargs)
+
+    trainer.sae.begin_threshold_training = snapshot
+    trainer.fit()
+    model = load_sae_model(out / "sae.safetensors")
+    model.before = before.get("model")
+    model.seconds = (before.get("seconds"), time.perf_counter() - started)
+    return model
 
 
 def train_ours_batchtopk(paths, tokens: int, seed: int, out: Path):
@@ -185,6 +208,22 @@ def _column_means(config) -> torch.Tensor:
     return sums / rows
 
 
+def held_out_l0(model, paths, rule: str) -> float:
+    """The mean over layers of ``rule``'s held-out L0 per layer."""
+    import dataclasses
+
+    config = dataclasses.replace(_config(paths, VAL_TOKENS, 0, Path(".")),
+                                 datasets=tuple(paths["val_x"]),
+                                 target_datasets=tuple(paths["val_y"]))  # fmt: skip
+    fired = rows = 0
+    with torch.no_grad():
+        for xs, _ in _batches(config, VAL_TOKENS // BATCH):
+            fired += sum(int((model.encode_layer(t, x, rule=rule) > 0).sum())
+                         for t, x in enumerate(xs))  # fmt: skip
+            rows += len(xs[0])
+    return fired / rows / LAYERS
+
+
 def measure(name: str, paths, tokens: int, seed: int = 0) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
@@ -192,14 +231,26 @@ def measure(name: str, paths, tokens: int, seed: int = 0) -> list[dict]:
         seconds = time.perf_counter() - started
     speed = tokens / seconds
     if name == "sparsify":
-        return [{"trainer": "sparsify (cross_layer)", "tokens_per_s": speed,
+        return [{"trainer": "sparsify (cross_layer)", "tokens_per_s": speed, "l0": K,
                  "fvu": held_out_fvus(lambda xs, ys: _predict_sparsify(model, xs, ys), paths)}]  # fmt: skip
     label = "clt, batchtopk" if name == "ours-batchtopk" else "clt"
-    return [
-        {"trainer": f"ours ({label}, {rule} rule)", "tokens_per_s": speed,
-         "fvu": held_out_fvus(lambda xs, ys, r=rule: model.forward_layers(xs, rule=r), paths)}
-        for rule in ("topk", "threshold")
-    ]  # fmt: skip
+    before, (topk_s, total_s) = model.before, model.seconds
+    # the top-k training's CLT and its calibrated thresholds; the file's after the fine-tune
+    models = [("", model)] if before is None else [("", before), (", fine-tuned", model)]
+    rows = []
+    for suffix, m in models:
+        for rule in ("topk", "threshold"):
+            what = "top-k rule" if rule == "topk" else (
+                "trained thresholds" if suffix else "calibrated thresholds")  # fmt: skip
+            rows.append({
+                "trainer": f"ours ({label}{suffix}, {what})",
+                "tokens_per_s": tokens / topk_s if before is not None and not suffix else speed,
+                "fvu": held_out_fvus(lambda xs, ys, m=m, r=rule: m.forward_layers(xs, rule=r), paths),
+                "l0": held_out_l0(m, paths, rule),
+            })  # fmt: skip
+    if before is not None:
+        print(f"seconds: top-k training {topk_s:.1f}, with the fine-tune {total_s:.1f}", flush=True)
+    return rows
 
 
 TRAINERS = {"ours": train_ours, "ours-batchtopk": train_ours_batchtopk, "sparsify": train_sparsify}
@@ -224,10 +275,11 @@ def run() -> str:
             for m in measure(name, paths, tokens):
                 fvu = m["fvu"]
                 rows.append([m["trainer"], *(f"{v:.4f}" for v in fvu), f"{np.mean(fvu):.4f}",
-                             f"{m['tokens_per_s']:,.0f}"])  # fmt: skip
+                             f"{m['l0']:.2f}", f"{m['tokens_per_s']:,.0f}"])  # fmt: skip
                 print(rows[-1], flush=True)
     note = " sparsify's cross-layer code is not installed: not measured." if missing else ""
-    header = ["trainer", *(f"FVU layer {t}" for t in range(LAYERS)), "mean FVU", "train tokens/s"]
+    header = ["trainer", *(f"FVU layer {t}" for t in range(LAYERS)), "mean FVU",
+              "L0 per layer", "train tokens/s"]  # fmt: skip
     return (
         f"## Cross-layer transcoders against sparsify's cross_layer\n\n"
         f"Synthetic MLP-like layers (`bench_clt_quality.clt_layers`): {LAYERS} layers of width "
@@ -235,6 +287,11 @@ def run() -> str:
         f"written by the codes of every layer at or below it. {N_LATENTS} latents per layer, "
         f"k = {K} per layer, batch {BATCH:,}, {tokens:,} training tokens, both trainers on the "
         f"same batches; held-out FVU per layer on {VAL_TOKENS:,} other tokens, one scoring "
-        f"function for both; train tokens/s of the whole training call.{note} The venv of "
-        f"baselines:\n\n```\n{SETUP}\n```\n\n" + table(header, rows)
+        f"function for both, and the held-out L0 per layer (the mean over the layers); "
+        f"train tokens/s of the whole training call (ours: the top-k training's rows up to "
+        f"the thresholds' fine-tune, the fine-tuned rows with it). Ours: the top-k "
+        f"training's CLT under the top k per row and under its calibrated thresholds "
+        f'(`clt_thresholds = "calibrated"`), then the file after the thresholds\' '
+        f"fine-tune (the default, `clt_threshold_fraction` of the tokens again) under both "
+        f"rules.{note} The venv of baselines:\n\n```\n{SETUP}\n```\n\n" + table(header, rows)
     )
