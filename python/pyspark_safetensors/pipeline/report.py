@@ -336,8 +336,8 @@ def _graphs(summary: dict) -> list[str]:
         index = f"{g['dir']}/{name}/index.html"
         s = f["scores"]
         rows.append([
-            f"{_DICTIONARIES.get(name, name)}", f"[{index}]({index})", f"{f['graphs']} / {f['prompts']}",
-            f"{_num(s['replacement']['mean'], '.3f')} / {_num(s['replacement']['min'], '.3f')}",
+            f"{_DICTIONARIES.get(name, name)}", f.get("rule", "topk"), f"[{index}]({index})",
+            f"{f['graphs']} / {f['prompts']}", f"{_num(s['replacement']['mean'], '.3f')} / {_num(s['replacement']['min'], '.3f')}",
             f"{_num(s['completeness']['mean'], '.3f')} / {_num(s['completeness']['min'], '.3f')}",
         ])  # fmt: skip
         refused += [f"- {_DICTIONARIES.get(name, name)}, prompt {e['prompt_id']} "
@@ -353,11 +353,14 @@ def _graphs(summary: dict) -> list[str]:
         "that comes from the input tokens rather than error nodes (1: every path from the input "
         "to the output goes through features); the completeness "
         "score the influence-weighted share of the nodes' inputs that is not error (1: the "
-        "dictionary explains everything). Open the browser from disk; it needs no server.",
+        "dictionary explains everything). The rule is the one the dictionary's export runs: "
+        "its trained JumpReLU thresholds (the threshold rule, circuit-tracer's), else top-k. Open "
+        "the browser from disk; it needs no server.",
         "",
         *_table(
             [
                 "dictionary",
+                "rule",
                 "graph browser",
                 "graphs / prompts",
                 "replacement score (mean / min)",
