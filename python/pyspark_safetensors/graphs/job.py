@@ -96,6 +96,9 @@ TASK_SCHEMA = pa.schema([*SCALARS, ("files", pa.list_(pa.string())), ("adjacency
 SCALARS_SCHEMA = pa.schema(SCALARS)
 PROMPTS_TABLE = "graphs.parquet"
 """The table of ``SCALARS``, one row per prompt."""
+ADJACENCY_SHARD_MB = 64
+"""The adjacency dataset's shards: a task's writer holds one in memory (the default 300 MB
+shard, its buffer doubling, ran a 1 GB local driver out of heap at 10,000 prompts)."""
 SUMMARY = "graphs.json"
 """The summary, published last: its presence marks a finished output."""
 
@@ -438,6 +441,7 @@ def run_graphs(spark, config: GraphsConfig, prompts=None, *,
             (graphs.where("status = 'ok'")
              .select(F.format_string("p%d", "prompt_id").alias("key"), tensor.alias("adjacency"))
              .write.format("safetensors").options(**options).option("name_col", "key")
+             .option("target_shard_size_mb", ADJACENCY_SHARD_MB)
              .mode("overwrite").save(staging.display("adjacency")))  # fmt: skip
         finally:
             graphs.unpersist()
