@@ -98,6 +98,15 @@ class GraphExportConfig:
     model: str = ""
     """The model directory (its tokenizer decodes the tokens, and its config gives the
     layers); empty: the one the graph job recorded in ``graphs.json``."""
+    features: tuple[str, ...] = ()
+    """Feature job outputs (``pyspark-safetensors features``) of the graphs' dictionary, one
+    per layer in order (a CLT's: each run with its ``clt_layer``), or one path holding
+    ``{layer}`` (``out/features/layer{layer}``): each feature node's feature JSON is
+    written as ``features/{feature}.json`` (``features.neuronpedia.feature_json``); a layer
+    without one (an empty entry, a missing directory) is listed in the summary's
+    ``features_missing``. Empty: none."""
+    feature_logits: bool = True
+    """The feature JSONs' ``top_logits`` / ``bottom_logits`` from the model's unembedding."""
 
     def __post_init__(self):
         if not self.slug_prefix or "/" in self.slug_prefix:
@@ -218,8 +227,9 @@ def logit_probabilities(model, tokens: list[int], logit_tokens: list[int]) -> di
 def export_graphs(config: GraphExportConfig, *,
                   storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """Every attributed prompt of ``config.graphs`` as ``{slug}.json`` in ``config.out``,
-    ``graph-metadata.json`` last; the directory is published whole. Returns
-    ``{"graphs": n, "out": ..., "slugs": [...]}``."""
+    ``graph-metadata.json`` last, with ``features`` each feature node's feature JSON in
+    ``features/``; the directory is published whole. Returns ``{"graphs": n, "out": ...,
+    "slugs": [...]}`` (and ``features``, ``features_missing`` with ``features``)."""
     from transformers import AutoTokenizer
 
     from ..dataset import DatasetLocation
@@ -256,7 +266,7 @@ def export_graphs(config: GraphExportConfig, *,
         **({"feature_details": details} if details else {}),
     }  # fmt: skip
     prompts = _read_parquet(src, PROMPTS_TABLE).to_pylist()
-    model, slugs, metas = None, [], []
+    model, slugs, metas, docs = None, [], [], []
     target = DatasetLocation.of(config.out, storage_options=options)
     with staged_output(target, METADATA) as out:
         for row in prompts:
@@ -291,5 +301,58 @@ def export_graphs(config: GraphExportConfig, *,
             out.staging.put_bytes(f"{slug}.json", json.dumps(doc).encode())
             slugs.append(slug)
             metas.append(doc["metadata"])
+            docs.append(doc)
+        written, missing = _feature_files(config, docs, out.staging, model_dir, n_layers,
+                                          options)  # fmt: skip
         out.staging.put_json(METADATA, {"graphs": metas})
-    return {"graphs": len(slugs), "out": config.out, "slugs": slugs}
+    summary = {"graphs": len(slugs), "out": config.out, "slugs": slugs}
+    if config.features:
+        summary |= {"features": written, "features_missing": missing}
+    return summary
+
+
+def feature_nodes(doc: dict) -> set[tuple[int, int]]:
+    """The ``(layer, latent)`` of a graph JSON's feature nodes."""
+    return {(int(n["layer"]), int(n["node_id"].split("_")[1]))
+            for n in doc["nodes"] if n["feature_type"] == FEATURE_TYPE}  # fmt: skip
+
+
+def _browser_paths(features: tuple[str, ...], n_layers: int) -> list[str]:
+    if len(features) == 1 and "{layer}" in features[0]:
+        return [features[0].format(layer=layer) for layer in range(n_layers)]
+    return list(features)
+
+
+def _feature_files(config: GraphExportConfig, docs: list[dict], staging, model_dir: str,
+                   n_layers: int, options: dict) -> tuple[int, list[int]]:  # fmt: skip
+    """``features/{feature}.json`` of every feature node of ``docs``, from the browsers of
+    ``config.features``; returns ``(files written, layers with features but no browser)``."""
+    if not config.features:
+        return 0, []
+    from ..dataset import DatasetLocation
+    from ..features.job import FEATURES_DOC
+    from ..features.neuronpedia import feature_jsons, read_browser
+
+    wanted: dict[int, set[int]] = {}
+    for doc in docs:
+        for layer, latent in feature_nodes(doc):
+            wanted.setdefault(layer, set()).add(latent)
+    paths = _browser_paths(config.features, n_layers)
+    written, missing = 0, []
+    for layer in sorted(wanted):
+        path = paths[layer] if layer < len(paths) else ""
+        if not path or not DatasetLocation.of(path, storage_options=options).has(FEATURES_DOC):
+            missing.append(layer)
+            continue
+        browser = read_browser(path, options)
+        if browser.clt_layer not in (-1, layer):
+            raise InvalidArgumentError(
+                f"features: {path} is layer {browser.clt_layer}'s browser, given for layer {layer}"
+            )
+        files = feature_jsons(browser, wanted[layer], index_of=lambda f, layer=layer: cantor(layer, f),
+                              transcoder_id=Path(browser.doc["sae"]).name,
+                              model_dir=model_dir if config.feature_logits else "")  # fmt: skip
+        for doc in files.values():
+            staging.put_bytes(f"features/{doc['index']}.json", json.dumps(doc).encode())
+        written += len(files)
+    return written, missing
