@@ -10,6 +10,7 @@ Commands:
   graphs    attribution graphs of prompts through a CLT or per-layer transcoders, in Spark
   export-graphs   a graph job's graphs as circuit-tracer's / Neuronpedia's graph JSON
   export-delphi   an SAE's latents on an extraction as delphi's latent cache
+  export-neuronpedia  a feature browser's latents as Neuronpedia's export
   global-weights  virtual weights of a dictionary, expected attributions over graphs (Spark)
   inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
   verify    check a dataset against its manifest, or a saev dump / Zarr store
@@ -286,6 +287,20 @@ def export_delphi(argv: list[str]) -> int:
     return 0
 
 
+def export_neuronpedia(argv: list[str]) -> int:
+    """A feature job's output (--features) as Neuronpedia's export of one source in --out:
+    {model}/{layer}-{source set}/features/, activations/ and explanations/ as
+    batch-{n}.jsonl.gz, and its model, release, source set and source rows (see
+    features/neuronpedia.py and docs/exports.md)."""
+    from .features.neuronpedia import NeuronpediaConfig
+
+    config = _parse(NeuronpediaConfig, argv, "export-neuronpedia", export_neuronpedia.__doc__)
+    from .features.neuronpedia import export_neuronpedia as run
+
+    print(run(config))
+    return 0
+
+
 @dataclass(frozen=True)
 class GlobalWeightsCommand:
     master: str = "local[*]"
@@ -542,6 +557,7 @@ COMMANDS = {
     "graphs": graphs,
     "export-graphs": export_graphs,
     "export-delphi": export_delphi,
+    "export-neuronpedia": export_neuronpedia,
     "global-weights": global_weights,
     "inspect": inspect,
     "verify": verify,
