@@ -113,6 +113,10 @@ _SPLIT_BY_TEST = {"tests/test_docs.py"}
 _SHARED_SCOPES = {  # one Spark Connect server (`connect_server_url`)
     "tests/spark/test_connect.py": "spark-connect",
     "tests/extract/test_extract_connect.py": "spark-connect",
+    # one graph job (tests/graphs/conftest.py `graph_job`, half a minute) for all three
+    "tests/graphs/test_export.py": "graph-job",
+    "tests/graphs/test_global_weights.py": "graph-job",
+    "tests/graphs/test_neuronpedia.py": "graph-job",
 }
 _LONGEST_FIRST = {"tests/test_docs.py", "tests/test_pipeline.py"}
 
