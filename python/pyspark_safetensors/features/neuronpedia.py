@@ -11,7 +11,7 @@ Layout: circuit-tracer's ``frontend/feature_models.py`` (``Model``: ``transcoder
 ``activation_frequency``), read by its ``assets/feature_examples/*.js`` and
 ``attribution_graph/render-act-histogram.js``; Neuronpedia publishes the part it requires
 (``apps/webapp/app/api/graph/feature-details-schema.json``, vendored in
-``tests/features/data/``) and fetches ``{feature_json_base_url}/{feature}.json``.
+``tests/graphs/data/``) and fetches ``{feature_json_base_url}/{feature}.json``.
 
 - ``examples_quantiles``: "Top activations" (the browser's top-N, largest first), then
   one group per quantile band of its random examples (``Quantile 25-50%``); an example is
