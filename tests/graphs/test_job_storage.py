@@ -1,7 +1,8 @@
 """The graph job on executors in separate processes (``local-cluster[2,1,1024]``, the
 shared session that retries a failed task once) through the storage layer: the model,
 the CLT, the prompts and the output in an S3 bucket (moto on loopback), every output file
-in the bucket and nothing on a local disk, the output replaced whole by a second run (the
+in the bucket and nothing on a local disk, the expected attributions over its graphs
+written there too, the output replaced whole by a second run (the
 CLI's); a task attempt killed after it has written a graph: none of its files published,
 nothing stray left beside the output (a local one and one in the bucket). Without Spark:
 ``StagedOutput`` leaving the old output as it was when the job fails, and ``local_copy``
@@ -24,6 +25,7 @@ pytest.importorskip("moto")
 
 from pyspark_safetensors.dataset import MANIFEST, SUCCESS, DatasetLocation, verify_dataset
 from pyspark_safetensors.graphs import job
+from pyspark_safetensors.graphs.global_weights import expected_attributions
 from pyspark_safetensors.graphs.job import GraphsConfig, run_graphs
 from pyspark_safetensors.torch import open_dataset
 
@@ -120,12 +122,23 @@ def test_graphs_from_and_to_s3_on_separate_executors(cluster, toy, dictionaries,
     assert graph.shape[0] == graph.shape[1] > 10 and np.isfinite(graph.numpy()).all()
     nodes = pq.read_table(out.path("nodes"), filesystem=out.fs).to_pandas()
     assert sorted(nodes.prompt_id.unique()) == [0, 2, 3, 4]
-    # nothing beside it in the bucket (no staging prefix left), nothing on a local disk
+    # the expected attributions over them, from the bucket into it, through the tasks
+    global_ = expected_attributions(cluster, config.output, f"{s3_bucket}/global", partitions=2,
+                                    storage_options=options)  # fmt: skip
+    expected = bucket.child("global/expected_attributions")
+    table = pq.read_table(expected.root, filesystem=expected.fs, partitioning="hive")
+    assert table.num_rows == global_["pairs"] > 0 and global_["graphs"] == 4
+    assert set(table.column("target_layer").to_pylist()) == {1}
+    assert "_expected_attributions.json" in files(expected)
+    assert all(re.fullmatch(r"target_layer=1/part-\d{5}\.parquet", n)
+               for n in files(expected) if n != "_expected_attributions.json")  # fmt: skip
+    # nothing beside them in the bucket (no staging prefix left), nothing on a local disk
     assert {n.split("/")[0] for n in files(bucket)} == {
         "models",
         "clt.safetensors",
         "prompts.txt",
         "graphs",
+        "global",
     }
     after = snapshot(cluster)
     caches = [cwd for cwd, names in after.items() if "pyspark-safetensors-remote" in names]

@@ -39,10 +39,20 @@ layer than the target):
   where the target is active in any graph of the job, with or without the source.
 
 Each task reads its prompts' adjacencies and node tables itself (the bytes do not cross
-the JVM) and emits one row per pair per prompt; Spark sums them: memory flat in prompts.
+the JVM) and emits one row per pair per prompt, and one per feature with its activation
+summed (the TWERA's denominator); Spark sums them: memory flat in prompts.
+
 Both outputs are parquet partitioned by the target's layer (``target_layer=L/``), read
-in SQL as ``spark.read.parquet(out + "/virtual_weights")``; the expected attributions
-are written by Spark's own parquet writer (a URI needs the cluster's Hadoop connector).
+in SQL as ``spark.read.parquet(out + "/virtual_weights")``, and go through the storage
+layer to a local path or any URI ``DatasetLocation`` takes (``s3://``, ...; the graph job
+may be on one too): each published whole (``dataset.publish.StagedOutput``), its summary
+last (``_virtual_weights.json``, ``_expected_attributions.json``: names parquet readers
+skip). The expected attributions' tasks write their parquet files themselves, streamed
+into a spool file and uploaded, each attempt in a folder of its own; the driver publishes
+the attempts whose results it collected (no Hadoop committer, no driver-local rename).
+
+``feature_links`` turns both into each feature's strongest inputs and outputs, the data
+a feature browser's page shows (``features/page.py``'s ``links_script``).
 """
 
 from __future__ import annotations
@@ -190,6 +200,10 @@ def prompt_pairs(nodes: pa.Table, adjacency: np.ndarray) -> pa.Table:
 
 
 def _pairs_fn(graphs_uri: str, storage_options: Mapping[str, str]):
+    """The tasks' function: each prompt's ``prompt_pairs`` rows and, with ``source_layer``
+    -1, one row per feature of its graph whose ``weighted`` is its activation summed over
+    its positions (the TWERA's denominator)."""
+
     def run(batches):
         from ..dataset import DatasetLocation
         from ..torch import open_dataset
@@ -208,20 +222,101 @@ def _pairs_fn(graphs_uri: str, storage_options: Mapping[str, str]):
                 table = prompt_pairs(nodes, a)
                 if table.num_rows:
                     yield from table.to_batches()
+                totals = activation_totals(nodes)
+                if totals.num_rows:
+                    yield from totals.to_batches()
 
     return run
+
+
+def activation_totals(nodes: pa.Table) -> pa.Table:
+    """One prompt's features, each a ``PAIR_SCHEMA`` row of ``source_layer`` -1 whose
+    ``weighted`` is its activation summed over its positions."""
+    f = nodes.filter(pc.equal(nodes.column("kind"), "feature"))
+    if not f.num_rows:
+        return PAIR_SCHEMA.empty_table()
+    g = f.group_by(["layer", "latent"]).aggregate([("activation", "sum")])
+    n = g.num_rows
+    return pa.table({
+        "target_layer": g.column("layer").cast(pa.int32()),
+        "target_latent": g.column("latent").cast(pa.int32()),
+        "source_layer": np.full(n, -1, np.int32), "source_latent": np.full(n, -1, np.int32),
+        "sum": np.zeros(n), "weighted": g.column("activation_sum").cast(pa.float64()),
+    }, schema=PAIR_SCHEMA)  # fmt: skip
+
+
+EXPECTED_SCHEMA = pa.schema([("target_latent", pa.int32()), ("source_layer", pa.int32()),
+                             ("source_latent", pa.int32()), ("sum", pa.float64()),
+                             ("count", pa.int64()), ("mean", pa.float64()),
+                             ("twera", pa.float64())])  # fmt: skip
+"""An ``expected_attributions/target_layer=L/`` file's columns."""
+WRITTEN_SCHEMA = pa.schema([("staged", pa.string()), ("name", pa.string()), ("rows", pa.int64())])
+"""The writing tasks' rows: each file an attempt wrote (``staged``, under its folder), its
+name in the output and its rows."""
+
+
+def _write_fn(staging):
+    """The writing tasks' function: the rows of its partition (sorted by target layer),
+    a file per layer under this attempt's folder of ``staging``, written batch by batch
+    (``write_shard``: into a spool file uploaded in one stream on an object store); yields
+    each file's staged name, its name in the output (``target_layer=L/part-P.parquet``)
+    and its rows."""
+    from ..dataset.publish import attempt_folder
+    from .job import _attempt_tag
+
+    def run(batches):
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        part = context.partitionId() if context is not None else 0
+        folder = attempt_folder(_attempt_tag())
+        mine = staging.child(folder)
+        pieces = _layer_pieces(batches)
+        piece = next(pieces, None)
+        while piece is not None:
+            layer = piece[0]
+            name = f"target_layer={layer}-part-{part:05d}.parquet"  # a flat name: a shard's
+            rows = 0
+
+            def write(path: str, layer: int = layer) -> None:
+                nonlocal piece, rows
+                with pq.ParquetWriter(path, EXPECTED_SCHEMA) as writer:
+                    while piece is not None and piece[0] == layer:
+                        writer.write_table(piece[1].cast(EXPECTED_SCHEMA))  # nullability
+                        rows += piece[1].num_rows
+                        piece = next(pieces, None)
+
+            mine.write_shard(name, write)
+            final = f"target_layer={layer}/part-{part:05d}.parquet"
+            yield pa.RecordBatch.from_pylist([{"staged": f"{folder}/{name}", "name": final,
+                                               "rows": rows}], WRITTEN_SCHEMA)  # fmt: skip
+
+    return run
+
+
+def _layer_pieces(batches):
+    """``(target_layer, rows)`` of batches sorted by ``target_layer``: a batch cut where its
+    layer changes."""
+    for batch in batches:
+        table = pa.Table.from_batches([batch])
+        layers = table.column("target_layer").to_numpy()
+        cuts = np.flatnonzero(np.diff(layers)) + 1
+        for lo, hi in zip([0, *cuts], [*cuts, len(layers)], strict=True):
+            yield int(layers[lo]), table.slice(lo, hi - lo).drop_columns(["target_layer"])
 
 
 def expected_attributions(spark, graphs: str, out: str, *, partitions: int = 0,
                           storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """The expected attributions over every graph of the job at ``graphs`` (module
-    docstring), written by Spark as ``{out}/expected_attributions/`` partitioned by
-    ``target_layer``: ``target_latent``, ``source_layer``, ``source_latent``, ``sum``,
-    ``count``, ``mean``, ``twera``. Returns a summary (graphs, pairs)."""
+    docstring; a local path or a URI), written as ``{out}/expected_attributions/``
+    partitioned by ``target_layer``: ``EXPECTED_SCHEMA``, published whole with
+    ``_expected_attributions.json`` last. Returns that summary (graphs, pairs)."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from ..dataset import DatasetLocation
+    from ..dataset.publish import staged_output
     from ..spark.compat import default_parallelism, from_arrow
     from .job import PROMPTS_TABLE, SUMMARY
 
@@ -229,31 +324,104 @@ def expected_attributions(spark, graphs: str, out: str, *, partitions: int = 0,
     src = DatasetLocation.of(graphs, storage_options=options)
     if not src.has(SUMMARY):
         raise InvalidArgumentError(f"{src.display(SUMMARY)}: not a finished graph job's output")
-    if not src.is_local:
-        raise InvalidArgumentError(
-            f"{graphs}: expected_attributions reads a local graph job's output"
-        )
     prompts = pq.read_table(io.BytesIO(src.read_bytes(PROMPTS_TABLE)))
     ok = prompts.filter(pc.equal(prompts.column("status"), "ok")).select(["prompt_id", "n_nodes"])
     n = partitions or default_parallelism(spark)
     rows = (from_arrow(spark, ok).repartition(n, "prompt_id")
-            .mapInArrow(_pairs_fn(src.root, options),
-                        from_arrow_schema(PAIR_SCHEMA)))  # fmt: skip
+            .mapInArrow(_pairs_fn(src.uri, options), from_arrow_schema(PAIR_SCHEMA)))  # fmt: skip
     key = ["target_layer", "target_latent", "source_layer", "source_latent"]
     pairs = rows.groupBy(*key).agg(F.sum("sum").alias("sum"), F.count("*").alias("count"),
                                    F.sum("weighted").alias("weighted"))  # fmt: skip
-    nodes = spark.read.parquet(src.display("nodes"))
-    denominators = (nodes.where("kind = 'feature'")
-                    .groupBy(F.col("layer").alias("target_layer"), F.col("latent").alias("target_latent"))
-                    .agg(F.sum(F.col("activation").cast("double")).alias("target_activation")))  # fmt: skip
-    result = (pairs.join(denominators, ["target_layer", "target_latent"])
+    # each target's activation total (its source_layer -1 row) beside each of its pairs
+    target = Window.partitionBy("target_layer", "target_latent")
+    total = F.max(F.when(F.col("source_layer") < 0, F.col("weighted"))).over(target)
+    result = (pairs.withColumn("target_activation", total).where("source_layer >= 0")
               .select(*key, "sum", "count", (F.col("sum") / F.col("count")).alias("mean"),
-                      (F.col("weighted") / F.col("target_activation")).alias("twera")))  # fmt: skip
-    target = DatasetLocation.of(out, storage_options=options)
-    path = target.display(EXPECTED)
-    result.write.mode("overwrite").partitionBy("target_layer").parquet(path)
-    written = spark.read.parquet(path)
-    return {"graphs": ok.num_rows, "pairs": written.count(), "out": path}
+                      (F.col("weighted") / F.col("target_activation")).alias("twera"))
+              .repartition(n, "target_layer").sortWithinPartitions("target_layer"))  # fmt: skip
+    final = DatasetLocation.of(out, storage_options=options).child(EXPECTED)
+    marker = f"_{EXPECTED}.json"
+    with staged_output(final, marker) as staged:
+        written = (result.mapInArrow(_write_fn(staged.staging), from_arrow_schema(WRITTEN_SCHEMA))
+                   .collect())  # fmt: skip
+        n_pairs = 0
+        for row in written:
+            staged.adopt(row["staged"], row["name"])
+            n_pairs += row["rows"]
+        summary = {"graphs": ok.num_rows, "pairs": n_pairs, "out": final.uri,
+                   "files": len(written)}  # fmt: skip
+        staged.staging.put_json(marker, {**summary, "graphs_job": src.uri})
+    return summary
+
+
+def strongest_pairs(out: str, n: int = 8, *,
+                    storage_options: Mapping[str, str] | None = None) -> dict[str, list[dict]]:  # fmt: skip
+    """The ``n`` pairs of largest ``|weight|`` of ``{out}/virtual_weights`` and of largest
+    ``|sum|`` of ``{out}/expected_attributions`` (the total over the graphs: a TWERA
+    ranks one target's inputs, but across targets it favours those that rarely fire)
+    (each that is there), for a report:
+    ``{"virtual_weights": [row, ...], "expected_attributions": [...]}``."""
+    found = {}
+    for name, column in ((VIRTUAL, "weight"), (EXPECTED, "sum")):
+        table = _read(out, name, storage_options)
+        if table is None or not table.num_rows:
+            continue
+        order = np.argsort(-np.abs(np.nan_to_num(table.column(column).to_numpy())), kind="stable")
+        found[name] = table.take(order[:n]).to_pylist()
+    return found
+
+
+def _read(out: str, name: str, storage_options) -> pa.Table | None:
+    """``{out}/{name}`` (a finished output: its marker there) as one table with its
+    ``target_layer`` column, else None."""
+    import pyarrow.dataset as pads
+
+    from ..dataset import DatasetLocation
+
+    where = DatasetLocation.of(out, storage_options=dict(storage_options or {})).child(name)
+    if not where.has(f"_{name}.json"):
+        return None
+    data = pads.dataset(where.root, filesystem=where.fs, format="parquet",
+                        partitioning=pads.partitioning(pa.schema([("target_layer", pa.int32())]),
+                                                       flavor="hive"))  # fmt: skip
+    return data.to_table()
+
+
+def feature_links(
+    out: str, top: int = 5, *, storage_options: Mapping[str, str] | None = None
+) -> dict[int, dict]:
+    """Each feature's strongest inputs and outputs, by layer (the model block), for the
+    feature browsers' pages: ``{layer: {latent: {"inputs": {...}, "outputs": {...}}}}``,
+    each ``{"virtual": [[layer, latent, weight], ...], "expected": [[layer, latent, twera,
+    count], ...]}``: the ``top`` of largest ``|weight|`` (``|twera|``) among the virtual
+    weights and the expected attributions at ``out`` (those that are there); a feature
+    with none is left out."""
+    links: dict[int, dict] = {}
+
+    def add(table: pa.Table, kind: str, value: str, extra: tuple[str, ...]) -> None:
+        cols = {c: table.column(c).to_numpy() for c in
+                ("source_layer", "source_latent", "target_layer", "target_latent", value, *extra)}  # fmt: skip
+        strength = np.abs(np.nan_to_num(cols[value].astype(np.float64)))
+        for side, me, other in (("inputs", "target", "source"), ("outputs", "source", "target")):
+            layer, latent = cols[f"{me}_layer"], cols[f"{me}_latent"]
+            # by feature, strongest first: one sort, then each feature's first ``top``
+            order = np.lexsort((-strength, latent, layer))
+            key = (layer[order].astype(np.int64) << 32) | latent[order].astype(np.int64)
+            starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+            rank = np.arange(len(key)) - np.repeat(starts, np.diff(np.r_[starts, len(key)]))
+            for i in order[rank < top]:
+                entry = links.setdefault(int(layer[i]), {}).setdefault(int(latent[i]), {})
+                row = [int(cols[f"{other}_layer"][i]), int(cols[f"{other}_latent"][i]),
+                       float(f"{float(cols[value][i]):.4g}")]  # fmt: skip
+                row += [int(cols[c][i]) for c in extra]
+                entry.setdefault(side, {}).setdefault(kind, []).append(row)
+
+    for name, kind, value, extra in ((VIRTUAL, "virtual", "weight", ()),
+                                     (EXPECTED, "expected", "twera", ("count",))):  # fmt: skip
+        table = _read(out, name, storage_options)
+        if table is not None and table.num_rows:
+            add(table, kind, value, extra)
+    return links
 
 
 @dataclass(frozen=True)
@@ -263,8 +431,9 @@ class GlobalWeightsConfig:
     out: str
     """The output directory: ``virtual_weights/`` and ``expected_attributions/``."""
     graphs: str = ""
-    """A graph job's output (local): its expected attributions are computed, and its model
-    and dictionary are the default ones; empty: virtual weights only."""
+    """A graph job's output (a local path or a URI): its expected attributions are
+    computed, and its model and dictionary are the default ones; empty: virtual weights
+    only."""
     model: str = ""
     """The model directory (default: the graph job's)."""
     transcoders: tuple[str, ...] = ()
@@ -285,16 +454,16 @@ def run_global_weights(spark, config: GlobalWeightsConfig) -> dict:
     """Virtual weights (when a model and dictionary are known) and expected attributions
     (when ``graphs`` is given) into ``config.out``; returns both summaries."""
     import json
-    from pathlib import Path
 
+    from ..dataset import DatasetLocation
     from .job import SUMMARY
 
     model, transcoders = config.model, tuple(config.transcoders)
     if config.graphs:
-        doc = Path(config.graphs, SUMMARY)
-        if not doc.is_file():
-            raise InvalidArgumentError(f"{doc}: not a finished graph job's output")
-        job = json.loads(doc.read_text())["config"]
+        src = DatasetLocation.of(config.graphs)
+        if not src.has(SUMMARY):
+            raise InvalidArgumentError(f"{src.display(SUMMARY)}: not a finished graph job's output")
+        job = json.loads(src.read_bytes(SUMMARY))["config"]
         model = model or job["model"]
         transcoders = transcoders or tuple(job["transcoders"])
     if not (model and transcoders) and not config.graphs:
