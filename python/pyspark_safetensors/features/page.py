@@ -2,7 +2,10 @@
 disk (no server, no network). The data are scripts assigning globals, since browsers
 refuse ``fetch()`` of ``file://`` URLs: ``data/latents.js`` (every latent's statistics,
 histogram and top tokens, for the list and the search) and ``data/contexts-NNNN.js``
-(the examples of ``CHUNK`` latents each, loaded when a latent of theirs is opened)."""
+(the examples of ``CHUNK`` latents each, loaded when a latent of theirs is opened).
+``data/links.js``, when there (``links_script``: written by whatever computed the global
+weights, the pipeline's ``global-weights`` stage, not by the feature job), adds each
+latent's strongest inputs and outputs, each a link to that feature's page."""
 
 from __future__ import annotations
 
@@ -165,3 +168,13 @@ def image_browser_files(
                 files[f"data/img/{image_id}.png"] = bytes(png)
     files["index.html"] = resources.files(__package__).joinpath("browser.html").read_bytes()
     return files
+
+
+def links_script(latents: dict, *, layer: int, pages: str) -> bytes:
+    """``data/links.js`` of one layer's browser: ``latents`` maps a latent to its
+    ``{"inputs": ..., "outputs": ...}`` (``graphs.global_weights.feature_links``' entries);
+    ``pages`` is the pattern of a feature's page, relative to the browser's ``index.html``
+    (``{layer}`` and ``{latent}`` stand for the feature's), e.g.
+    ``"../../features-clt-layer{layer}/features/index.html#{latent}"``."""
+    doc = {"pages": pages, "layer": layer, "latents": {str(k): v for k, v in latents.items()}}
+    return _js("FEATURE_LINKS", doc).encode()
