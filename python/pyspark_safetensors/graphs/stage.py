@@ -124,12 +124,14 @@ def cut_prompts(tokenizer, texts: Sequence[str], tokens: int) -> list[str]:
 
 def graph_figures(spark, stage: GraphsStage, *, model_dir: str | os.PathLike,
                   files: Mapping[str, Sequence[str]], held_out: Sequence[str],
-                  out_dir: Path) -> dict:  # fmt: skip
+                  out_dir: Path, feature_pages: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """Writes ``out_dir/{dictionary}/`` (``job.run_graphs``' output, and a screenshot of
     its browser, ``graph-browser.png``, when Chromium is here) for each dictionary of
     ``files`` (``GraphsStage.dictionary_files``) and returns ``{dictionary: its summary}``,
     which names its ``rule``: "threshold" for a CLT whose thresholds were trained (what its
-    export runs), else "topk" (``sae.architectures.clt.dictionary_rule``)."""
+    export runs), else "topk" (``sae.architectures.clt.dictionary_rule``).
+    ``feature_pages``: each dictionary's pattern of a feature's page in its browser
+    (``GraphsConfig.feature_pages``; none: no link)."""
     from transformers import AutoTokenizer
 
     from ..sae.architectures.clt import dictionary_rule
@@ -145,9 +147,52 @@ def graph_figures(spark, stage: GraphsStage, *, model_dir: str | os.PathLike,
         rule = dictionary_rule(paths)  # the rule its export runs: trained thresholds' or top-k
         config = GraphsConfig(model=str(model_dir), transcoders=tuple(paths),
                               output=str(out_dir / name), threads=threads, rule=rule,
+                              feature_pages=(feature_pages or {}).get(name, ""),
                               **dict(stage.pruning))  # fmt: skip
         summary = run_graphs(spark, config, frame)
         shot = screenshot_graph(out_dir / name, out_dir / name / "graph-browser.png")
         figures[name] = {**{k: v for k, v in summary.items() if k != "config"}, "rule": rule,
                          "prompts": len(prompts), "screenshot": shot is not None}  # fmt: skip
+    return figures
+
+
+def global_weight_figures(spark, graphs_dir: str | os.PathLike, dictionaries: Sequence[str],
+                          out_dir: Path, *, top_k: int, links_top: int = 5,
+                          feature_pages: Mapping[str, str] | None = None, pairs: int = 8) -> dict:  # fmt: skip
+    """The global weights of each dictionary the graphs stage at ``graphs_dir`` graphed
+    (``graph_figures``' folders), into ``out_dir/{dictionary}/``: its virtual weights
+    (``top_k`` per feature; the model and files its graph job ran), the expected
+    attributions over its graphs (Spark), and ``links/layer{block}.js`` per layer, each
+    feature's ``links_top`` strongest inputs and outputs of each kind for its feature page
+    (``features.page.links_script``, ``feature_pages[dictionary]`` the pattern of the pages
+    they link). Returns ``{dictionary: {"virtual_weights": ..., "expected_attributions":
+    ..., "strongest": the ``pairs`` strongest of each, "links": {block: features}}}``."""
+    import json
+
+    from ..features.page import links_script
+    from .global_weights import (
+        expected_attributions,
+        feature_links,
+        strongest_pairs,
+        virtual_weights,
+    )
+    from .job import SUMMARY
+
+    figures = {}
+    for name in dictionaries:
+        job = json.loads(Path(graphs_dir, name, SUMMARY).read_text())["config"]
+        files = job["transcoders"]
+        out = out_dir / name
+        virtual = virtual_weights(job["model"], files[0] if len(files) == 1 else list(files),
+                                  str(out), top_k=top_k, rule=job["rule"])  # fmt: skip
+        expected = expected_attributions(spark, str(Path(graphs_dir, name)), str(out))
+        links = feature_links(str(out), links_top)
+        for block, latents in links.items():
+            (out / "links").mkdir(parents=True, exist_ok=True)
+            script = links_script(latents, layer=block, pages=(feature_pages or {}).get(name, ""))
+            (out / "links" / f"layer{block}.js").write_bytes(script)
+        figures[name] = {"virtual_weights": {k: v for k, v in virtual.items() if k not in ("model", "dictionary")},
+                         "expected_attributions": {k: v for k, v in expected.items() if k != "out"},
+                         "strongest": strongest_pairs(str(out), pairs),
+                         "links": {str(b): len(v) for b, v in sorted(links.items())}}  # fmt: skip
     return figures

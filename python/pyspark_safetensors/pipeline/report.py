@@ -15,7 +15,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
     sections = (_overview, _stages, _extraction, _saes, _transcoders, _crosscoders, _lm_loss,
-                _mlp_replacement, _whole_network, _graphs, _classifier, _lut_errors, _lut_latency, _mlp_latency,
+                _mlp_replacement, _whole_network, _graphs, _global_weights, _classifier, _lut_errors, _lut_latency, _mlp_latency,
                 _embeddings, _features, _configuration)  # fmt: skip
     return "\n".join(line for section in sections for line in section(summary))
 
@@ -374,6 +374,63 @@ def _graphs(summary: dict) -> list[str]:
     ]
 
 
+def _global_weights(summary: dict) -> list[str]:
+    """The global weights stage: each graphed dictionary's datasets and its strongest
+    pairs, each feature a link to its page when the feature browsers are built."""
+    g = summary.get("global_weights")
+    if not g:
+        return []
+    pages = g.get("feature_pages") or {}
+    lines = [
+        "## Global weights",
+        "",
+        "Which features drive which in general, not on one prompt (docs/graphs.md). Virtual "
+        "weights: from the dictionary's weights alone, through the residual stream (attention "
+        "and normalisations left out), the strongest inputs and outputs of every feature. "
+        "Expected attributions: each pair's direct effects summed over the graphs of the "
+        "graphs stage, in Spark; TWERA weights them by the target's activation. Both are "
+        "parquet partitioned by target layer; every feature page lists its strongest inputs "
+        "and outputs of each.",
+        "",
+    ]
+    for name, f in g["dictionaries"].items():
+        where = f"{g['dir']}/{name}"
+        v, e = f["virtual_weights"], f["expected_attributions"]
+        lines += [
+            f"- {_DICTIONARIES.get(name, name)}: [{where}/virtual_weights]({where}/virtual_weights)"
+            f" ({v['pairs']:,} pairs, top {v['top_k']} per feature), "
+            f"[{where}/expected_attributions]({where}/expected_attributions) "
+            f"({e['pairs']:,} pairs over {e['graphs']} graphs)",
+        ]
+    lines += [""]
+
+    def feature(layer: int, latent: int, pattern: str) -> str:
+        text = f"L{layer} #{latent}"
+        if not pattern:
+            return text
+        href = pattern.removeprefix("../../").replace("{layer}", str(layer))
+        return f"[{text}]({href.replace('{latent}', str(latent))})"
+
+    for name, f in g["dictionaries"].items():
+        pattern = pages.get(name, "")
+        strongest = f.get("strongest", {})
+        rows = [[feature(r["source_layer"], r["source_latent"], pattern),
+                 feature(r["target_layer"], r["target_latent"], pattern),
+                 f"{r['sum']:.4g}", f"{r['twera']:.4g}", f"{r['mean']:.4g}", r["count"]]
+                for r in strongest.get("expected_attributions", [])]  # fmt: skip
+        if rows:
+            lines += [f"Strongest expected attributions ({_DICTIONARIES.get(name, name)}), by "
+                      "their total over the graphs:", ""]  # fmt: skip
+            lines += [*_table(["source", "target", "total", "TWERA", "mean", "prompts"], rows), ""]
+        rows = [[feature(r["source_layer"], r["source_latent"], pattern),
+                 feature(r["target_layer"], r["target_latent"], pattern), f"{r['weight']:.4g}"]
+                for r in strongest.get("virtual_weights", [])]  # fmt: skip
+        if rows:
+            lines += [f"Strongest virtual weights ({_DICTIONARIES.get(name, name)}):", ""]
+            lines += [*_table(["source", "target", "virtual weight"], rows), ""]
+    return lines
+
+
 def _clip(text: str | None, length: int = 60) -> str:
     text = text or ""
     return text if len(text) <= length else text[: length - 1] + "…"
@@ -603,6 +660,8 @@ def _features(summary: dict) -> list[str]:
         over = ""
         if f.get("kind") == "crosscoder":  # one code over its hook points' rows, concatenated
             over = " (crosscoder over " + ", ".join(f"`{h}`" for h in f.get("hooks", ())) + ")"
+        if f.get("kind") == "clt":  # one layer's latents of a cross-layer transcoder
+            over = f" (CLT `{f['clt']}`'s layer {f['layer']}, on `{f['hooks'][0]}`)"
         lines += [
             f"- `{hook}`{over}: [{f['dir']}/features/index.html]({f['dir']}/features/index.html)"
             f" — {f['latents']:,} latents over {f['tokens']:,} tokens, {f['dead']} dead, "

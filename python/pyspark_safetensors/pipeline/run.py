@@ -13,10 +13,13 @@
    dense layer); for a causal LM the loss with each SAE spliced in, its hook point
    ablated, and every LUT layer patched in (CE loss recovered, KL), for an encoder the
    sentence embeddings of the patched model;
-5. features (``features = true``): per SAE, transcoder and crosscoder, every latent's
-   statistics and contexts over all extracted tokens, in Spark, and a static feature
-   browser (``docs/features.md``);
-6. report: ``report.md`` and ``summary.json`` in the output directory.
+5. features (``features = true``): per SAE, transcoder and crosscoder, and per layer of
+   each cross-layer transcoder, every latent's statistics and contexts over all
+   extracted tokens, in Spark, and a static feature browser (``docs/features.md``);
+6. global weights (with ``[pipeline.graphs]``): each graphed dictionary's virtual weights
+   and its expected attributions over the graphs, and each feature's strongest inputs
+   and outputs on its feature page;
+7. report: ``report.md`` and ``summary.json`` in the output directory.
 
 Every stage's output is content-addressed (``{stage}-{hash}``, the hash of its config
 and of its inputs' hashes), published whole, and reused on a rerun unless ``force``.
@@ -49,6 +52,12 @@ TOY_LLAMA = "toy-llama"
 """``PipelineConfig.model`` value: train the toy Llama (``extract.toy_lm``) as a stage."""
 SAEV_ROWS_PER_SHARD = 1 << 16
 """The image run's saev dump: token rows (images x layers x tokens) per shard file."""
+GLOBAL_WEIGHTS = "global-weights"
+"""The global weights' stage (and its stable link in the output directory)."""
+GLOBAL_TOP_K = 16
+"""Virtual weights kept per feature by the global weights' stage (``virtual_weights``' top_k)."""
+LINKS_TOP = 5
+"""Inputs and outputs of each kind a feature page lists."""
 TOY_VIT = "toy-vit"
 """``PipelineConfig.model`` value: the image pipeline, on the toy ViT (``extract.toy_vit``)
 trained as a stage and its synthetic image set."""
@@ -520,8 +529,12 @@ class Pipeline:
                 self.circuits(run, trained, lut_dir)
             if c.graphs:
                 self.graphs(trained)
-        if c.features:  # no CLT browsers here yet (features.FeaturesConfig.clt_layer makes one)
+        if c.features:
             self.features({r: p for r, p in trained.items() if r.kind != "clt"}, extract_dir)
+            for run in (r for r in trained if r.kind == "clt"):
+                self.clt_features(run, trained[run], extract_dir)
+        if c.graphs and not c.vision:
+            self.global_weights()
         self.summary["seconds"] = time.perf_counter() - started
         self.write_report()
         return self.summary
@@ -849,7 +862,10 @@ class Pipeline:
         # the rule each dictionary's graphs use (graph_figures): a CLT's trained thresholds'
         rules = {name: dictionary_rule(paths) for name, paths in files.items()}
         tuned = {name: rule for name, rule in rules.items() if rule != "topk"}
-        key = digest(stages, self.model_hash, stage.key_parts(texts), *([tuned] if tuned else []))
+        # each feature node's page: its layer's browser, by its stable name (built after)
+        pages = self.feature_pages(stage) if c.features else {}
+        key = digest(stages, self.model_hash, stage.key_parts(texts), *([tuned] if tuned else []),
+                     *([pages] if pages else []))  # fmt: skip
         self.announce(f"graphs: attribution graphs through CLT {run.name!r} "
                       f"({', '.join(f'{n}, {rules[n]} rule' for n in stage.dictionaries)}), "
                       f"in Spark ({c.master})")  # fmt: skip
@@ -858,14 +874,45 @@ class Pipeline:
             spark = local_session(c.master, quick_jit=True)  # the model runs in Python
             try:
                 figures = graph_figures(spark, stage, model_dir=self.model_dir, files=files,
-                                        held_out=texts, out_dir=tmp)  # fmt: skip
+                                        held_out=texts, out_dir=tmp, feature_pages=pages)  # fmt: skip
             finally:
                 spark.stop()
             (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
         path = self.stage("graphs", key, build)
         figures = json.loads((path / "figures.json").read_text())
-        self.summary["graphs"] = {"clt": run.name, "dir": path.name, "dictionaries": figures}
+        self.summary["graphs"] = {"clt": run.name, "dir": path.name, "dictionaries": figures,
+                                  "feature_pages": pages}  # fmt: skip
+
+    def feature_pages(self, stage) -> dict[str, str]:
+        """Each graphed dictionary's pattern of a feature's page (``{layer}``: its model
+        block, ``{latent}``), relative to a page two folders below the output directory (a
+        graph browser's, a feature browser's): the feature browsers' stable links, those of
+        the CLT's layers (``clt_features``) and of its per-layer transcoders (``features``)."""
+        clt = next(r for r in self.config.runs if r.kind == "clt" and r.name == stage.clt)
+        browsers = {"clt": f"features-{clt.stage}-layer{{layer}}",
+                    "per_layer": "features-transcoder-model_layers_{layer}_mlp"}  # fmt: skip
+        return {name: f"../../{browsers[name]}/features/index.html#{{latent}}"
+                for name in stage.dictionaries}  # fmt: skip
+
+    def links_target(self, run: TrainingRun, block: int) -> str:
+        """The ``data/links.js`` a feature browser of ``run`` (its layer ``block``) shows:
+        a link, relative to that file, to the global weights stage's file of that layer
+        (``global_weights``: its stable name, so a browser stays whole when only the
+        graphs change); "" when no graphed dictionary is ``run``."""
+        c = self.config
+        if not c.graphs:
+            return ""
+        stage = c.graphs_stage()
+        clt = next(r for r in c.runs if r.kind == "clt" and r.name == stage.clt)
+        blocks = [h.rpartition(":")[0] for h in clt.hooks[: len(clt.hooks) // 2]]
+        if run == clt and "clt" in stage.dictionaries:
+            name = "clt"
+        elif run.kind == "transcoder" and run.name in blocks and "per_layer" in stage.dictionaries:
+            name = "per_layer"
+        else:
+            return ""
+        return f"../../../{GLOBAL_WEIGHTS}/{name}/links/layer{block}.js"
 
     def evaluate_images(self, trained: dict[TrainingRun, Path]) -> None:
         """Stage ``evaluation`` of an image run (``vision.evaluate_vision``): each SAE on the
@@ -896,7 +943,8 @@ class Pipeline:
         c = self.config
         if c.vision:  # model, images, extract, train, evaluate, (features), report
             return 6 + c.features
-        return 3 + c.features + (c.model == TOY_LLAMA) + 1 + len(c.clts) + bool(c.graphs)
+        features = c.features * (1 + len(c.clts))  # the others' browsers, each CLT's layers'
+        return 3 + features + (c.model == TOY_LLAMA) + 1 + len(c.clts) + 2 * bool(c.graphs)
 
     def features(self, trained: dict[TrainingRun, Path], extract_dir: Path) -> None:
         """One feature browser per SAE, transcoder and crosscoder (``features-{hook}``,
@@ -931,8 +979,15 @@ class Pipeline:
                                         hook=hook, top_n=c.features_top_n,
                                         token_kinds=kinds, factors=str(labels))  # fmt: skip
 
-                def build(tmp: Path, config=config) -> None:
+                links = ""
+                if run.kind == "transcoder" and run.name.startswith("model.layers."):
+                    links = self.links_target(run, int(run.name.split(".")[2]))
+                key = digest(key, "links", links) if links else key
+
+                def build(tmp: Path, config=config, links=links) -> None:
                     summary = run_features(spark(), replace(config, out=str(tmp / "features")))
+                    if links:  # the page's inputs and outputs, once the global weights are
+                        os.symlink(links, tmp / "features" / "data" / "links.js")
                     shot = screenshot(tmp / "features" / "index.html", tmp / "feature-browser.png")
                     figures = {"tokens": summary.tokens, "latents": summary.latents,
                                "dead": summary.dead, "dense": summary.dense,
@@ -952,6 +1007,89 @@ class Pipeline:
         finally:
             for session in sessions:
                 session.stop()
+
+    def clt_features(self, run: TrainingRun, clt_file: Path, extract_dir: Path) -> None:
+        """One feature browser per layer of a cross-layer transcoder (stage
+        ``features-clt-{name}-layer{block}``, ``{block}`` the model block of its MLP): that
+        layer's latents over every extracted token of its MLP's input, encoded by its
+        layer's encoder (``FeaturesConfig.clt_layer``), with a screenshot when Chromium is
+        here; the page lists each latent's inputs and outputs when the global weights are
+        built (``links_target``)."""
+        from ..features import FeaturesConfig, run_features
+        from ..features.screenshot import screenshot
+        from ..spark.session import local_session
+
+        c = self.config
+        blocks = [h.rpartition(":")[0] for h in run.hooks[: len(run.hooks) // 2]]
+        self.announce(f"features: every latent of CLT {run.name!r}'s {len(blocks)} layers, "
+                      f"a browser each, in Spark ({c.master})")  # fmt: skip
+        sessions: list = []
+
+        def spark():
+            sessions[:] = sessions or [local_session(c.master)]
+            return sessions[0]
+
+        try:
+            for position, block in enumerate(blocks):
+                layer = int(block.split(".")[2])  # model.layers.N.mlp
+                links = self.links_target(run, layer)
+                key = digest(self.summary["stages"]["extract"]["hash"],
+                             self.summary["stages"][run.stage]["hash"], c.features_top_n,
+                             "clt_layer", position, *(["links", links] if links else []))  # fmt: skip
+                config = FeaturesConfig(extraction=str(extract_dir), sae=str(clt_file),
+                                        clt_layer=position, top_n=c.features_top_n)  # fmt: skip
+
+                def build(tmp: Path, config=config, links=links) -> None:
+                    summary = run_features(spark(), replace(config, out=str(tmp / "features")))
+                    if links:
+                        os.symlink(links, tmp / "features" / "data" / "links.js")
+                    shot = screenshot(tmp / "features" / "index.html", tmp / "feature-browser.png")
+                    figures = {"tokens": summary.tokens, "latents": summary.latents,
+                               "dead": summary.dead, "dense": summary.dense,
+                               "screenshot": shot is not None, "modality": summary.modality}  # fmt: skip
+                    (tmp / "features.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+                path = self.stage(f"features-{run.stage}-layer{layer}", key, build)
+                figures = json.loads((path / "features.json").read_text())
+                self.summary.setdefault("features", {})[f"{run.name} layer {layer}"] = {
+                    **figures, "dir": path.name, "kind": "clt", "clt": run.name, "layer": layer,
+                    "hooks": [f"{block}:input"],
+                }  # fmt: skip
+        finally:
+            for session in sessions:
+                session.stop()
+
+    def global_weights(self) -> None:
+        """Stage ``global-weights`` (``graphs.stage.global_weight_figures``): each graphed
+        dictionary's virtual weights (``GLOBAL_TOP_K`` per feature) and its expected
+        attributions over the graphs stage's graphs (in Spark), their strongest pairs for
+        the report, and each layer's ``links/layer{block}.js``, the feature pages'
+        inputs and outputs (``LINKS_TOP`` of each kind)."""
+        from ..graphs.stage import global_weight_figures
+        from ..spark.session import local_session
+
+        c = self.config
+        graphs = self.summary["graphs"]
+        key = digest(self.summary["stages"]["graphs"]["hash"], GLOBAL_TOP_K, LINKS_TOP)
+        names = list(graphs["dictionaries"])
+        self.announce(f"global weights: virtual weights and expected attributions of "
+                      f"{', '.join(names)}, in Spark ({c.master})")  # fmt: skip
+        pages = self.feature_pages(c.graphs_stage())
+
+        def build(tmp: Path) -> None:
+            spark = local_session(c.master, quick_jit=True)
+            try:
+                figures = global_weight_figures(spark, self.out / graphs["dir"], names, tmp,
+                                                top_k=GLOBAL_TOP_K, links_top=LINKS_TOP,
+                                                feature_pages=pages)  # fmt: skip
+            finally:
+                spark.stop()
+            (tmp / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+        path = self.stage(GLOBAL_WEIGHTS, key, build)
+        figures = json.loads((path / "figures.json").read_text())
+        self.summary["global_weights"] = {"dir": path.name, "dictionaries": figures,
+                                          "feature_pages": pages if c.features else {}}  # fmt: skip
 
     # -- the report ---------------------------------------------------------------------
 
