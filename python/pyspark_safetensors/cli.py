@@ -12,6 +12,7 @@ Commands:
   export-delphi   an SAE's latents on an extraction as delphi's latent cache
   export-neuronpedia  a feature browser's latents as Neuronpedia's export
   global-weights  virtual weights of a dictionary, expected attributions over graphs (Spark)
+  sweep     SAEs of a grid on a synthetic dataset, evaluated in one Spark job; a leaderboard
   inspect   summarise a dataset, a saev dump, a Zarr store or a .safetensors file
   verify    check a dataset against its manifest, or a saev dump / Zarr store
   convert   convert between our datasets, saev dumps and Zarr stores
@@ -366,6 +367,42 @@ def train(argv: list[str]) -> int:
     return launch(config, nproc)
 
 
+# -- sweep ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepCommand:
+    config: str = "conf/sweep-synth.toml"
+    """TOML file of the sweep (see conf/sweep-synth.toml and docs/evaluation.md)."""
+    out: str = ""
+    """Output directory (default: the config's `out`)."""
+    master: str = "local[*]"
+    """Spark master."""
+    force: bool = False
+    """Recompute every stage (data, SAEs, evaluation) instead of reusing it."""
+
+
+def sweep(argv: list[str]) -> int:
+    """A grid of SAEs (families x widths x k x seeds) trained on a synthetic dataset with
+    known features, evaluated in one Spark job (a task per SAE: ground-truth figures and
+    SAEBench's sparse probing), written as results.parquet, results.json, report.md (a
+    leaderboard, mean +- sd over seeds) and Pareto plots. Data and SAEs are reused on a
+    rerun."""
+    args = _parse(SweepCommand, argv, "sweep", sweep.__doc__)
+    from .evaluation.sweep import SweepConfig, run_sweep  # torch: after --help
+
+    config = SweepConfig.load(args.config, **({"out": args.out} if args.out else {}))
+    from .spark.session import local_session
+
+    spark = local_session(args.master)
+    try:
+        summary = run_sweep(spark, config, force=args.force)
+    finally:
+        spark.stop()
+    print(summary["report"])
+    return 0
+
+
 # -- lut ------------------------------------------------------------------------------------
 
 
@@ -559,6 +596,7 @@ COMMANDS = {
     "export-delphi": export_delphi,
     "export-neuronpedia": export_neuronpedia,
     "global-weights": global_weights,
+    "sweep": sweep,
     "inspect": inspect,
     "verify": verify,
     "convert": convert,

@@ -3,7 +3,9 @@
 SAELens' file layout), datasets of its samples with their true feature activations written
 by Spark (``job.py``), and the ground-truth metrics (``groundtruth.py``: MCC, uniqueness,
 per-latent precision / recall / F1, explained variance, L0, dead latents, shrinkage,
-absorption). Every name loads its module (and torch) on first use."""
+absorption), SAEBench's sparse probing (``probing.py``) and sweeps of many SAEs trained
+on a synthetic dataset and evaluated in one Spark job (``sweep.py``). Every name loads its
+module (and torch) on first use."""
 
 import importlib
 
@@ -31,6 +33,13 @@ _SUBMODULE = {
     **dict.fromkeys(
         ("GroundTruthMetrics", "evaluate_ground_truth", "ground_truth_batches", "match_latents"),
         "groundtruth",
+    ),
+    **dict.fromkeys(
+        ("ProbeTask", "probe_tasks", "sparse_probing", "synthetic_probe_tasks"), "probing"
+    ),
+    **dict.fromkeys(
+        ("EvalSpec", "SweepConfig", "evaluate_in_loop", "evaluate_in_spark", "run_sweep"),
+        "sweep",
     ),
 }
 
