@@ -202,23 +202,31 @@ def prompt_pairs(nodes: pa.Table, adjacency: np.ndarray) -> pa.Table:
 def _pairs_fn(graphs_uri: str, storage_options: Mapping[str, str]):
     """The tasks' function: each prompt's ``prompt_pairs`` rows and, with ``source_layer``
     -1, one row per feature of its graph whose ``weighted`` is its activation summed over
-    its positions (the TWERA's denominator)."""
+    its positions (the TWERA's denominator). Each adjacency is one ranged read at the
+    place the dataset's tensor index names (not a memory map, whose pages a task would
+    keep resident as it reads on: memory flat in prompts)."""
 
     def run(batches):
         from ..dataset import DatasetLocation
-        from ..torch import open_dataset
+        from ..dataset.index import read_index
+        from ..dataset.manifest import load_manifest
 
         src = DatasetLocation.of(graphs_uri, storage_options=dict(storage_options))
-        adjacency = open_dataset(
-            src.display("adjacency"), storage_options=dict(storage_options) or None
-        )
+        adjacency = src.child("adjacency")
+        manifest = load_manifest(adjacency)
+        index = read_index(adjacency, manifest).to_pydict()
+        column = f"{manifest.kv_separator or '__'}adjacency"  # p{prompt_id}__adjacency
+        places = dict(zip(index["tensor_key"],
+                          zip(index["file_name"], index["begin"], index["end"], strict=True),
+                          strict=True))  # fmt: skip
         for batch in batches:
             for pid, n in zip(batch.column("prompt_id").to_pylist(), batch.column("n_nodes").to_pylist(),
                               strict=True):  # fmt: skip
                 nodes = pq.read_table(
                     io.BytesIO(src.read_bytes(f"nodes/prompt_id={pid}/part-0.parquet"))
                 )
-                a = np.asarray(adjacency[f"p{pid}"]["adjacency"], np.float32).reshape(n, n)
+                name, begin, end = places[f"p{pid}{column}"]
+                a = np.frombuffer(adjacency.read_range(name, begin, end), "<f4").reshape(n, n)
                 table = prompt_pairs(nodes, a)
                 if table.num_rows:
                     yield from table.to_batches()
