@@ -6,9 +6,13 @@ held-out FVU per layer and training tokens/s of each.
 
     python -m benchmarks clt_quality
     CLT_QUALITY_TOKENS=524288 CLT_QUALITY_TRAINERS=ours,ours-batchtopk python -m benchmarks clt_quality
+    CLT_QUALITY_SIGMAS=0,0.5,1 CLT_QUALITY_TRAINERS=ours python -m benchmarks clt_quality
 
 ``CLT_QUALITY_TRAINERS`` picks among ``ours``, ``ours-batchtopk`` (``clt_activation =
-"batchtopk"``) and ``sparsify`` (default: ``ours,sparsify``).
+"batchtopk"``) and ``sparsify`` (default: ``ours,sparsify``). ``CLT_QUALITY_SIGMAS``: the
+log-sd of the atoms' log-normal magnitudes, one data set each (default 1): how far apart
+a row's atoms are in size, which is what separates a per-row top-k from per-latent
+thresholds (``docs/BENCHMARKS.md``).
 
 sparsify's cross-layer code is not on PyPI (its releases, 1.3.0 included, have no
 ``cross_layer``): it runs when a checkout of its ``clt`` branch is importable, otherwise
@@ -70,10 +74,12 @@ echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \
 .venv-baselines/bin/python -m benchmarks clt_quality"""
 
 
-def clt_layers(root: Path, *, tokens: int, seed: int = 0) -> dict[str, list[str]]:
+def clt_layers(
+    root: Path, *, tokens: int, sigma: float = 1.0, seed: int = 0
+) -> dict[str, list[str]]:
     """The layers' inputs and outputs (``common.clt_layers`` at this module's sizes)."""
     return synthetic_layers(root, layers=LAYERS, width=D, atoms=4 * D, active=ACTIVE,
-                            tokens=tokens, val_tokens=VAL_TOKENS, seed=seed)  # fmt: skip
+                            tokens=tokens, val_tokens=VAL_TOKENS, sigma=sigma, seed=seed)  # fmt: skip
 
 
 def _config(paths, tokens: int, seed: int, out: Path):
@@ -265,25 +271,29 @@ def _has_sparsify_clt() -> bool:
 def run() -> str:
     tokens = int(os.environ.get("CLT_QUALITY_TOKENS", TOKENS))
     names = [n.strip() for n in os.environ.get("CLT_QUALITY_TRAINERS", "ours,sparsify").split(",")]
+    sigmas = [float(s) for s in os.environ.get("CLT_QUALITY_SIGMAS", "1").split(",")]
     missing = [n for n in names if n == "sparsify" and not _has_sparsify_clt()]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = clt_layers(Path(tmp) / "data", tokens=tokens)
-        for name in names:
-            if not name or name in missing:
-                continue
-            for m in measure(name, paths, tokens):
-                fvu = m["fvu"]
-                rows.append([m["trainer"], *(f"{v:.4f}" for v in fvu), f"{np.mean(fvu):.4f}",
-                             f"{m['l0']:.2f}", f"{m['tokens_per_s']:,.0f}"])  # fmt: skip
-                print(rows[-1], flush=True)
+    for sigma in sigmas:
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = clt_layers(Path(tmp) / "data", tokens=tokens, sigma=sigma)
+            for name in names:
+                if not name or name in missing:
+                    continue
+                for m in measure(name, paths, tokens):
+                    fvu = m["fvu"]
+                    rows.append([f"{sigma:g}", m["trainer"], *(f"{v:.4f}" for v in fvu),
+                                 f"{np.mean(fvu):.4f}", f"{m['l0']:.2f}",
+                                 f"{m['tokens_per_s']:,.0f}"])  # fmt: skip
+                    print(rows[-1], flush=True)
     note = " sparsify's cross-layer code is not installed: not measured." if missing else ""
-    header = ["trainer", *(f"FVU layer {t}" for t in range(LAYERS)), "mean FVU",
+    header = ["magnitude log-sd", "trainer", *(f"FVU layer {t}" for t in range(LAYERS)), "mean FVU",
               "L0 per layer", "train tokens/s"]  # fmt: skip
     return (
         f"## Cross-layer transcoders against sparsify's cross_layer\n\n"
         f"Synthetic MLP-like layers (`bench_clt_quality.clt_layers`): {LAYERS} layers of width "
-        f"{D}, {4 * D} atoms per layer, {ACTIVE} active per token, each layer's output "
+        f"{D}, {4 * D} atoms per layer, {ACTIVE} active per token (log-normal magnitudes of "
+        f"log-sd {', '.join(f'{s:g}' for s in sigmas)}), each layer's output "
         f"written by the codes of every layer at or below it. {N_LATENTS} latents per layer, "
         f"k = {K} per layer, batch {BATCH:,}, {tokens:,} training tokens, both trainers on the "
         f"same batches; held-out FVU per layer on {VAL_TOKENS:,} other tokens, one scoring "

@@ -70,12 +70,11 @@ and decayed as the training's rate. A forward lists each layer's entries above `
 backward touches only those (``_EntryEncode``) and the decoders sum them by row
 (``embedding_bag`` with offsets). Measured (``docs/BENCHMARKS.md``): on the
 ``clt_quality`` layers the threshold code's held-out FVU falls from 0.337 to 0.229 at
-L0 15.9 (0.5 of the tokens; 0.253 at 0.25, 0.207 at 1, and 0.173 after 3 with the
-dictionary at half the rate), the top-k rule of the same file 0.153 against 0.149 (the
-target, within 2 % of the top-k's FVU, is not met there): a
-data set whose rows' scales vary widely (log-normal magnitudes) is where a per-row top-k
-beats any per-latent threshold (BatchTopK, a per-layer threshold in effect, reaches
-0.209 under its own rule there). On the CLT demo's toy Llama (``conf/pipeline-clt.toml``,
+L0 15.9 (0.5 of the tokens; 0.253 at 0.25, 0.207 at 1, 0.166 after 4 with the
+dictionary at half the rate), the top-k rule of the same file 0.153 against 0.149: with
+log-normal atom magnitudes of log-sd 1 a row's interference grows with its largest atom,
+which a per-row top-k follows and one cut per latent cannot (with every atom alike, log-sd
+0, the trained thresholds beat the top k: 0.188 against 0.202). On the CLT demo's toy Llama (``conf/pipeline-clt.toml``,
 k = 16) the trained thresholds replace every MLP at CE loss recovered 0.9885 against the
 top-k training's top k 0.9837 (its calibrated thresholds 0.9812), every block's FVU lower,
 at an L0 1-2.5 % over k on held-out text.
