@@ -230,3 +230,20 @@ def test_metrics_are_json_ready():
     d = m.to_dict()
     assert d["absorption"] is None and d["absorption_parents"] == 0  # no hierarchy given
     assert np.isfinite(d["mcc"])
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_an_sae_seeded_as_the_synthetic_model_does_not_start_at_its_features(seed):
+    """The model draws its true directions as ``torch.randn`` on its seed; an SAE's initial
+    weights come from a salted generator (``init_generator``), so an SAE given the same
+    seed starts away from them (drawn from the bare seed, its decoder rows were the true
+    directions: MCC 1.0 before any training)."""
+    from pyspark_safetensors.evaluation.groundtruth import cosine_similarities
+    from pyspark_safetensors.sae import TopKSAE
+
+    model = SyntheticModel.build(SyntheticModelConfig(num_features=F, hidden_dim=H, seed=seed))
+    torch.manual_seed(seed)  # what the model drew its directions from
+    assert cosine_similarities(torch.randn(F, H), model.feature_vectors).diagonal().min() > 0.9
+    sae = TopKSAE(H, F, 4, seed=seed)
+    for weights in (sae.decoder_weight, sae.encoder_weight):
+        assert cosine_similarities(weights.detach(), model.feature_vectors).abs().max() < 0.8

@@ -137,14 +137,13 @@ class SweepConfig:
                 for s in self.seeds]  # fmt: skip
 
     def sae_config(self, family: str, width: int, k: int, seed: int, dataset: str = ""):
-        """The ``SAEConfig`` of one point of the grid (``out_dir`` set by the sweep); its
-        trainer seed is ``trainer_seed(seed, model seed)``."""
+        """The ``SAEConfig`` of one point of the grid (``out_dir`` set by the sweep)."""
         from ..sae.config import SAEConfig
 
         values = {"batch_size": self.batch_size, "tokens": self.tokens, "progress": self.progress,
                   "plots": False, "val_dataset": "", **self.sae, "dataset": dataset,
                   "n_latents": width, "k": k, "architecture": family,
-                  "seed": trainer_seed(seed, self.model.seed)}  # fmt: skip
+                  "seed": seed}  # fmt: skip
         return SAEConfig.from_dict(values)
 
     def to_dict(self) -> dict:
@@ -217,16 +216,6 @@ def _check(c: SweepConfig) -> None:
         raise InvalidArgumentError("sweep config: " + "; ".join(problems))
     for point in c.grid():  # the trainer's own checks of every point, with the [sae] table
         c.sae_config(*point)
-
-
-def trainer_seed(seed: int, model_seed: int) -> int:
-    """The trainer's seed of the grid's ``seed``, drawn from ``(seed, model_seed)`` and never
-    ``model_seed`` itself: the model draws its true directions as ``torch.randn(F, H)``
-    after ``manual_seed(model_seed)``, and the trainer its decoder the same way after
-    ``manual_seed(seed)``, so an SAE trained with the model's seed starts from the true
-    dictionary (its MCC at step 0 is 1.0)."""
-    drawn = int(np.random.SeedSequence([seed, model_seed, 0x5AE]).generate_state(1)[0]) >> 1
-    return drawn if drawn != model_seed else drawn + 1
 
 
 def digest(*parts) -> str:

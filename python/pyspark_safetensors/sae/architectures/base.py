@@ -33,6 +33,18 @@ from ..mesh import MODEL, DimMap, mesh_dim_size, mesh_rank, reduce_from_model
 #: Floor of a variance or norm we divide by (an all-constant batch, a zero row).
 TINY = 1e-12
 
+#: Mixed into ``seed`` for the initial weights' generator, so that they are not the draws
+#: of anything else seeded alike: SynthSAEBench's model (``evaluation.synthetic``,
+#: sae-lens's) draws its true feature directions as ``torch.randn`` after seeding with its
+#: seed, and an SAE drawn from the same seed started at the answer (MCC 1.0 at step 0).
+INIT_SALT = 0x5AE_1417_D1C7_10A5
+
+
+def init_generator(seed: int) -> torch.Generator:
+    """The generator of an SAE's initial weights for ``seed`` (``INIT_SALT``)."""
+    return torch.Generator().manual_seed((seed ^ INIT_SALT) & (2**63 - 1))
+
+
 #: Where each shared parameter lives on a mesh: latents split along "model", replicated
 #: on "data".
 PLACEMENT = {
@@ -105,7 +117,7 @@ class SparseAutoencoder(nn.Module):
         self.d_out = d_out or d
         self.n_local = n_latents // tp
         self.offset = mesh_rank(mesh, MODEL) * self.n_local
-        gen = torch.Generator().manual_seed(seed)
+        gen = init_generator(seed)
         full = self._initial_state(gen) | self._extra_parameters()
         for name, tensor in full.items():
             local = self.placement(name).distribute(tensor, mesh)
