@@ -70,6 +70,25 @@ def _parse(
     )
 
 
+@dataclass(frozen=True)
+class StorageCommand:
+    storage_option: tuple[str, ...] = ()
+    """KEY=VALUE ... for URI inputs and outputs: endpoint_url, region, path_style,
+    anonymous (default: the AWS_* environment variables)."""
+
+
+def _parse_with_storage(cls, argv: list[str], command: str, description: str):
+    """``_parse`` of ``cls`` and ``--storage-option``: ``(config, storage options)``."""
+    omit = _tyro().conf.OmitArgPrefixes
+    args_type = dataclasses.make_dataclass(
+        f"{cls.__name__}Args",
+        [("job", Annotated[StorageCommand, omit]), ("config", Annotated[cls, omit])],
+        frozen=True,
+    )
+    args = _parse(args_type, argv, command, description)
+    return args.config, _storage_options(args.job.storage_option)
+
+
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     """Take ``--config PATH`` (or ``--config=PATH``) out of ``argv``."""
     rest, path, it = [], None, iter(argv)
@@ -267,10 +286,11 @@ def export_graphs(argv: list[str]) -> int:
     docs/exports.md)."""
     from .graphs.export import GraphExportConfig
 
-    config = _parse(GraphExportConfig, argv, "export-graphs", export_graphs.__doc__)
+    config, options = _parse_with_storage(GraphExportConfig, argv, "export-graphs",
+                                          export_graphs.__doc__)  # fmt: skip
     from .graphs.export import export_graphs as run
 
-    print(run(config))
+    print(run(config, storage_options=options))
     return 0
 
 
@@ -281,10 +301,11 @@ def export_delphi(argv: list[str]) -> int:
     docs/exports.md)."""
     from .features.delphi import DelphiConfig
 
-    config = _parse(DelphiConfig, argv, "export-delphi", export_delphi.__doc__)
+    config, options = _parse_with_storage(DelphiConfig, argv, "export-delphi",
+                                          export_delphi.__doc__)  # fmt: skip
     from .features.delphi import export_delphi as run
 
-    print(run(config))
+    print(run(config, storage_options=options))
     return 0
 
 
@@ -295,10 +316,11 @@ def export_neuronpedia(argv: list[str]) -> int:
     features/neuronpedia.py and docs/exports.md)."""
     from .features.neuronpedia import NeuronpediaConfig
 
-    config = _parse(NeuronpediaConfig, argv, "export-neuronpedia", export_neuronpedia.__doc__)
+    config, options = _parse_with_storage(NeuronpediaConfig, argv, "export-neuronpedia",
+                                          export_neuronpedia.__doc__)  # fmt: skip
     from .features.neuronpedia import export_neuronpedia as run
 
-    print(run(config))
+    print(run(config, storage_options=options))
     return 0
 
 
@@ -306,6 +328,9 @@ def export_neuronpedia(argv: list[str]) -> int:
 class GlobalWeightsCommand:
     master: str = "local[*]"
     """Spark master (the expected attributions)."""
+    storage_option: tuple[str, ...] = ()
+    """KEY=VALUE ... for URI inputs and outputs: endpoint_url, region, path_style,
+    anonymous (default: the AWS_* environment variables)."""
 
 
 def global_weights(argv: list[str]) -> int:
@@ -331,7 +356,8 @@ def global_weights(argv: list[str]) -> int:
 
         spark = local_session(args.job.master, quick_jit=True)
     try:
-        print(run_global_weights(spark, args.config))
+        print(run_global_weights(spark, args.config,
+                                 storage_options=_storage_options(args.job.storage_option)))  # fmt: skip
     finally:
         if spark is not None:
             spark.stop()

@@ -512,13 +512,28 @@ def neuronpedia_rows(browser: Browser, config: NeuronpediaConfig, *, model_id: s
     return {"features": features, "activations": activations, "explanations": explanations}
 
 
+def read_labels(path: str) -> dict[tuple[int, int], str]:
+    """``{(layer, latent): label}`` from a parquet table or JSON lines (``layer``,
+    ``latent``, ``label``)."""
+    if not path:
+        return {}
+    p = Path(path)
+    if p.suffix in (".jsonl", ".json"):
+        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    else:
+        rows = pq.read_table(p).to_pylist()
+    missing = {"layer", "latent", "label"} - set(rows[0] if rows else {"layer", "latent", "label"})
+    if missing:
+        raise FeaturesError(f"{path}: a labels table needs columns {sorted(missing)}")
+    return {(int(r["layer"]), int(r["latent"])): str(r["label"]) for r in rows}
+
+
 def export_neuronpedia(config: NeuronpediaConfig, *,
                        storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """The export (module docstring), published whole; returns ``{"out", "model_id",
     "source", "features", "activations", "explanations", "files"}``."""
     from ..dataset import DatasetLocation
     from ..dataset.publish import staged_output
-    from ..graphs.export import read_labels
 
     options = dict(storage_options or {})
     browser = read_browser(config.features, options)

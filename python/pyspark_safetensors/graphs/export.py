@@ -119,22 +119,6 @@ def _read_parquet(where, name: str) -> pa.Table:
     return pq.read_table(io.BytesIO(where.read_bytes(name)))
 
 
-def read_labels(path: str) -> dict[tuple[int, int], str]:
-    """``{(layer, latent): label}`` from a parquet table or JSON lines (``layer``,
-    ``latent``, ``label``)."""
-    if not path:
-        return {}
-    p = Path(path)
-    if p.suffix in (".jsonl", ".json"):
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    else:
-        rows = pq.read_table(p).to_pylist()
-    missing = {"layer", "latent", "label"} - set(rows[0] if rows else {"layer", "latent", "label"})
-    if missing:
-        raise InvalidArgumentError(f"{path}: a labels table needs columns {sorted(missing)}")
-    return {(int(r["layer"]), int(r["latent"])): str(r["label"]) for r in rows}
-
-
 def graph_json(nodes: pa.Table, edges: pa.Table, *, prompt: str, slug: str, scan: str,
                n_layers: int, token_text, labels: Mapping[tuple[int, int], str] | None = None,
                probabilities: Mapping[int, float] | None = None,
@@ -224,16 +208,47 @@ def logit_probabilities(model, tokens: list[int], logit_tokens: list[int]) -> di
     return {t: float(probs[t]) for t in logit_tokens}
 
 
+def _metadata(config: GraphExportConfig, job: dict) -> dict:
+    """The graph JSON's ``metadata`` beyond the prompt's: the job's settings, the generator."""
+    details = {k: v for k, v in (("feature_json_base_url", config.feature_json_base_url),
+                                 ("neuronpedia_source_set", config.neuronpedia_source_set)) if v}  # fmt: skip
+    return {
+        "node_threshold": job["node_threshold"],
+        "info": {"generator": {"name": "pyspark-safetensors", "version": __version__},
+                 "source_urls": list(job.get("transcoders", [])),
+                 "create_time_ms": int(time.time() * 1000)},
+        "generation_settings": {"max_n_logits": job["max_logits"],
+                                "desired_logit_prob": job["logit_probability"],
+                                "batch_size": job["batch_size"],
+                                "max_feature_nodes": job.get("max_feature_nodes", 0)},
+        "pruning_settings": {"node_threshold": job["node_threshold"],
+                             "edge_threshold": job["edge_threshold"]},
+        **({"feature_details": details} if details else {}),
+    }  # fmt: skip
+
+
+def _logit_probabilities_of(model, nodes: pa.Table) -> dict[int, float]:
+    """``logit_probabilities`` of a graph's nodes table: its prompt (the embedding nodes'
+    tokens, in node order) and its logit tokens."""
+    kinds = np.asarray(nodes.column("kind").to_pylist())
+    order = np.argsort(nodes.column("node").to_numpy())
+    tok = np.asarray(nodes.column("token").to_pylist(), dtype=object)[order]
+    kinds = kinds[order]
+    return logit_probabilities(model, [int(t) for t in tok[kinds == "embedding"]],
+                               [int(t) for t in tok[kinds == "logit"]])  # fmt: skip
+
+
 def export_graphs(config: GraphExportConfig, *,
                   storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """Every attributed prompt of ``config.graphs`` as ``{slug}.json`` in ``config.out``,
     ``graph-metadata.json`` last, with ``features`` each feature node's feature JSON in
     ``features/``; the directory is published whole. Returns ``{"graphs": n, "out": ...,
     "slugs": [...]}`` (and ``features``, ``features_missing`` with ``features``)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..dataset import DatasetLocation
     from ..dataset.publish import staged_output
+    from ..features.neuronpedia import read_labels
     from .job import PROMPTS_TABLE, SUMMARY
 
     options = dict(storage_options or {})
@@ -250,21 +265,7 @@ def export_graphs(config: GraphExportConfig, *,
     )
     scan = config.scan or Path(model_dir).name
     labels = read_labels(config.labels)
-    details = {k: v for k, v in (("feature_json_base_url", config.feature_json_base_url),
-                                 ("neuronpedia_source_set", config.neuronpedia_source_set)) if v}  # fmt: skip
-    extra = {
-        "node_threshold": job["node_threshold"],
-        "info": {"generator": {"name": "pyspark-safetensors", "version": __version__},
-                 "source_urls": list(job.get("transcoders", [])),
-                 "create_time_ms": int(time.time() * 1000)},
-        "generation_settings": {"max_n_logits": job["max_logits"],
-                                "desired_logit_prob": job["logit_probability"],
-                                "batch_size": job["batch_size"],
-                                "max_feature_nodes": job.get("max_feature_nodes", 0)},
-        "pruning_settings": {"node_threshold": job["node_threshold"],
-                             "edge_threshold": job["edge_threshold"]},
-        **({"feature_details": details} if details else {}),
-    }  # fmt: skip
+    extra = _metadata(config, job)
     prompts = _read_parquet(src, PROMPTS_TABLE).to_pylist()
     model, slugs, metas, docs = None, [], [], []
     target = DatasetLocation.of(config.out, storage_options=options)
@@ -278,22 +279,12 @@ def export_graphs(config: GraphExportConfig, *,
             edges = (_read_parquet(src, edge_file) if src.has(edge_file)
                      else pa.table({"source": [], "target": [], "weight": []}))  # fmt: skip
             probabilities = None
-            if "probability" not in nodes.column_names:
-                if model is None:
-                    from transformers import AutoModelForCausalLM
-
-                    model = AutoModelForCausalLM.from_pretrained(
-                        model_dir, local_files_only=True
-                    ).eval()
-                kinds = np.asarray(nodes.column("kind").to_pylist())
-                order = np.argsort(nodes.column("node").to_numpy())
-                tok = np.asarray(nodes.column("token").to_pylist(), dtype=object)[order]
-                kinds = kinds[order]
-                probabilities = logit_probabilities(
-                    model,
-                    [int(t) for t in tok[kinds == "embedding"]],
-                    [int(t) for t in tok[kinds == "logit"]],
+            if "probability" not in nodes.column_names:  # a job from before the column
+                model = (
+                    model
+                    or AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
                 )
+                probabilities = _logit_probabilities_of(model, nodes)
             slug = f"{config.slug_prefix}-{pid}"
             doc = graph_json(nodes, edges, prompt=row["prompt"], slug=slug, scan=scan,
                              n_layers=n_layers, token_text=lambda t: tokenizer.decode([t]),

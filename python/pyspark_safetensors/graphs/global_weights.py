@@ -458,9 +458,11 @@ class GlobalWeightsConfig:
             raise InvalidArgumentError(f"top_k must be >= 0 (0: every pair), got {self.top_k}")
 
 
-def run_global_weights(spark, config: GlobalWeightsConfig) -> dict:
+def run_global_weights(spark, config: GlobalWeightsConfig, *,
+                       storage_options: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """Virtual weights (when a model and dictionary are known) and expected attributions
-    (when ``graphs`` is given) into ``config.out``; returns both summaries."""
+    (when ``graphs`` is given) into ``config.out`` (a local path or a URI, as
+    ``graphs``); returns both summaries."""
     import json
 
     from ..dataset import DatasetLocation
@@ -468,7 +470,7 @@ def run_global_weights(spark, config: GlobalWeightsConfig) -> dict:
 
     model, transcoders = config.model, tuple(config.transcoders)
     if config.graphs:
-        src = DatasetLocation.of(config.graphs)
+        src = DatasetLocation.of(config.graphs, storage_options=dict(storage_options or {}))
         if not src.has(SUMMARY):
             raise InvalidArgumentError(f"{src.display(SUMMARY)}: not a finished graph job's output")
         job = json.loads(src.read_bytes(SUMMARY))["config"]
@@ -480,8 +482,10 @@ def run_global_weights(spark, config: GlobalWeightsConfig) -> dict:
     if model and transcoders:
         dictionary = transcoders[0] if len(transcoders) == 1 else list(transcoders)
         out["virtual_weights"] = virtual_weights(model, dictionary, config.out, top_k=config.top_k,
-                                                 rule=config.rule)  # fmt: skip
+                                                 rule=config.rule,
+                                                 storage_options=storage_options)  # fmt: skip
     if config.graphs:
         out["expected_attributions"] = expected_attributions(spark, config.graphs, config.out,
-                                                             partitions=config.partitions)  # fmt: skip
+                                                             partitions=config.partitions,
+                                                             storage_options=storage_options)  # fmt: skip
     return out
