@@ -23,8 +23,9 @@ ALL = [
     "storage",
 ]
 # Run by name only: sae_quality (minutes, and the optional 'baselines' extra), lines
-# (half an hour: every Spark line installed by `./dev test-spark LINE`) and reader_scale
-# (writes 8 GB; minutes).
+# (half an hour: every Spark line installed by `./dev test-spark LINE`), reader_scale
+# (writes 8 GB; minutes) and synth (ours against SAELens' SynthSAEBench runner: sae-lens,
+# minutes of CPU).
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 

@@ -1,0 +1,381 @@
+"""Our SAE trainer against SAELens' SynthSAEBench runner (sae-lens 6.54,
+``sae_lens.synthetic``) on one synthetic model and the same samples, every SAE graded by
+one function (``evaluate_ground_truth``, equal to SAELens' ``eval_sae_on_synthetic_data``
+to 1e-4) on one evaluation set.
+
+    python -m benchmarks synth                  # needs sae-lens: .venv-baselines
+    SYNTH_SAMPLES=65536 SYNTH_FAMILIES=topk SYNTH_LRS=3e-4,3e-3 python -m benchmarks synth
+
+Environment: ``SYNTH_SAMPLES`` training samples (default 524,288; a multiple of the batch;
+4,194,304 or more runs the same way, a data set of about 7 GB under ``out/bench_synth`` and
+about eight times the CPU of the default), ``SYNTH_FAMILIES`` (``topk``, ``batchtopk``,
+``jumprelu``, ``matryoshka``), ``SYNTH_LRS`` (SAELens' sweep, default
+``3e-4,1e-3,3e-3,1e-2``; its runner's shipped rate, 3e-4, is always trained),
+``SYNTH_EVAL`` (evaluation samples, default 50,000).
+
+The model: SynthSAEBench-16k's recipe scaled down as ``docs/evaluation.md`` gives it,
+4,096 true features in 256 dimensions (Zipfian firing, 128 trees of branching 4 and depth
+2 with mutually exclusive children, orthogonalised directions, a rank-32 correlation of
+the firings), model seed 0. Its samples are drawn in this process as
+``write_synthetic_dataset`` draws them (partition ``p`` of 65,536 rows from the generator
+of ``(seed, p)``, ``job.draw_rows``), so the rows are the ones that Spark job writes, and
+written once as a synthetic dataset (training seed 0, evaluation seed 1) under
+``out/bench_synth/model-{hash}`` (the model, then a folder per set and size), reused by
+later runs.
+
+The same samples in the same order: our ``Trainer`` reads the training set through its
+``ActivationLoader`` (seed 1, batch 1,024, one pass: every sample once, as the runner
+draws a fresh sample every step). SAELens' runner draws its batches from the model
+in-process (``SyntheticActivationIterator``); here its ``SAETrainer`` gets, in place of
+that iterator, an iterator over the same loader built with the same arguments (seed 1,
+batch 1,024, ``drop_last``), and everything else of the runner as it ships: the trainer
+configuration of ``SyntheticSAERunnerConfig(...).to_sae_trainer_config()`` (Adam 0.9/0.999,
+constant rate, batch 1,024, no warm-up, decay or normalisation) and the SAE built as the
+runner builds it (``get_sae_training_class``). Both trainers' batches are hashed as they
+are consumed and the two sequences must be equal: the run fails otherwise.
+
+Both trainers train at width 1,024 and k 12, seed 1 (not the model's 0: with it our
+decoder would start at the model's random directions). Ours at its shipped defaults
+(rate ``2.8e-3 / sqrt(1024 / 16384)``, Adam 0.8/0.98, warm-up and decay, AuxK,
+geometric-median ``b_dec``; Matryoshka's prefixes n/16 ... n) but the batch, 1,024 like
+SAELens' runner, not its 4,096, so that both take the same steps. JumpReLU: ours pulls
+its mean L0 to k by its penalty ``(L0 / k - 1)^2``; SAELens' by its ``quadratic``
+sparsity loss (Gemma Scope 2's) at ``target_l0 = 12`` and its default coefficient 1:
+neither needs a search to land near 12. SAELens' Matryoshka is its
+``matryoshka_batchtopk`` with our prefixes as its widths (64, 128, 256, 512, 1,024).
+
+Speed: samples per second of CPU time of the process (``time.process_time()``) over each
+trainer's whole training call (construction, initialisation and steps, the shared
+loader's reads included for both), with ``torch.set_num_threads(1)``, so other jobs on
+the machine do not change the ratio; the wall time is printed beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from .common import table
+
+F, H, N_LATENTS, K, BATCH = 4096, 256, 1024, 12, 1024
+MODEL_SEED, TRAIN_DATA_SEED, EVAL_DATA_SEED, TRAINER_SEED = 0, 0, 1, 1
+ROWS_PER_PARTITION, ROWS_PER_SHARD = 65_536, 16_384
+SHIPPED_LR = 3e-4  # SyntheticSAERunnerConfig.lr
+FAMILIES = ("topk", "batchtopk", "jumprelu", "matryoshka")
+CACHE = Path(__file__).resolve().parent.parent / "out" / "bench_synth"
+
+
+def model_config():
+    """SynthSAEBench-16k's recipe at 4,096 features in 256 dimensions (``docs/evaluation.md``)."""
+    from pyspark_safetensors.evaluation import (
+        HierarchyConfig,
+        LowRankCorrelationConfig,
+        OrthogonalizationConfig,
+        SyntheticModelConfig,
+    )
+
+    return SyntheticModelConfig(
+        num_features=F, hidden_dim=H, seed=MODEL_SEED,
+        hierarchy=HierarchyConfig(total_root_nodes=128, branching_factor=4, max_depth=2,
+                                  mutually_exclusive_portion=1.0),
+        orthogonalization=OrthogonalizationConfig(),
+        correlation=LowRankCorrelationConfig(),
+    )  # fmt: skip
+
+
+def write_samples(model, out: Path, rows: int, seed: int) -> None:
+    """``rows`` samples of ``model`` as ``write_synthetic_dataset`` draws and lays them out
+    (same partitions, generators, ``max_active`` and columns), written from this process."""
+    import numpy as np
+
+    from pyspark_safetensors.dataset.build import DatasetBuilder
+    from pyspark_safetensors.evaluation.job import choose_max_active, draw_rows
+
+    max_active = choose_max_active(model, seed)
+    metadata = {"synthetic_model": json.dumps(model.config.to_dict()),
+                "synthetic_seed": str(seed), "max_active": str(max_active)}  # fmt: skip
+    with DatasetBuilder(out, batch_size=ROWS_PER_SHARD, metadata=metadata, overwrite=True) as b:
+        for p in range(-(-rows // ROWS_PER_PARTITION)):
+            start = p * ROWS_PER_PARTITION
+            stop = min(start + ROWS_PER_PARTITION, rows)
+            parts = []
+            for columns in draw_rows(model, seed, p, start, stop, max_active):
+                parts.append(columns)
+                if sum(len(c["row"]) for c in parts) >= ROWS_PER_SHARD:
+                    b.add_batch({k: np.concatenate([c[k] for c in parts]) for k in columns})
+                    parts = []
+            if parts:
+                b.add_batch({k: np.concatenate([c[k] for c in parts]) for k in parts[0]})
+
+
+def data(samples: int, eval_rows: int) -> dict[str, Path]:
+    """The model (built once: its orthogonalisation takes minutes of one core) and its
+    training and evaluation sets (once per size)."""
+    from pyspark_safetensors.evaluation import SyntheticModel
+
+    config = model_config()
+    key = hashlib.sha256(json.dumps(config.to_dict()).encode()).hexdigest()[:12]
+    root = CACHE / f"model-{key}"
+    paths = {"model": root / "model", "train": root / f"train-{samples}-seed{TRAIN_DATA_SEED}",
+             "eval": root / f"eval-{eval_rows}-seed{EVAL_DATA_SEED}"}  # fmt: skip
+    started = time.perf_counter()
+    if not (paths["model"] / "synthetic_model.safetensors").is_file():
+        SyntheticModel.build(config).save(paths["model"])
+    model = SyntheticModel.load(paths["model"])
+    for split, rows, seed in (("eval", eval_rows, EVAL_DATA_SEED),
+                              ("train", samples, TRAIN_DATA_SEED)):  # fmt: skip
+        if not (paths[split] / "dataset_manifest.json").is_file():
+            write_samples(model, paths[split], rows, seed)
+    print(f"data: {time.perf_counter() - started:.0f} s", flush=True)
+    return paths
+
+
+class Recorded:
+    """An iterable of batches that records a CRC of each batch's bytes as it is consumed."""
+
+    def __init__(self, batches, digests: list[int], key: str | None = None):
+        self.batches, self.digests, self.key = batches, digests, key
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getattr__(self, name):  # the loader's state_dict and the rest
+        return getattr(self.batches, name)
+
+    def __iter__(self):
+        for batch in self.batches:
+            x = batch[self.key] if self.key else batch
+            self.digests.append(zlib.crc32(x.contiguous().numpy().tobytes()))
+            yield batch
+
+
+def stream(train: Path, steps: int):
+    """``steps`` batches of the training set in the order our ``Trainer`` reads them
+    (its loader, its arguments for one process)."""
+    from pyspark_safetensors.torch import ActivationLoader, open_dataset
+
+    loader = ActivationLoader(open_dataset(train), BATCH, columns=["activation"],
+                              seed=TRAINER_SEED, drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
+    for step, batch in enumerate(loader):
+        if step == steps:
+            return
+        yield batch["activation"]
+
+
+def train_ours(family: str, train: Path, samples: int, out: Path, digests: list[int]):
+    from pyspark_safetensors.sae import SAEConfig, load_sae_model
+    from pyspark_safetensors.sae.train import Trainer
+
+    config = SAEConfig(dataset=str(train), architecture=family, n_latents=N_LATENTS, k=K,
+                       batch_size=BATCH, tokens=samples, seed=TRAINER_SEED, out_dir=str(out),
+                       checkpoints=0, progress=False, plots=False, log_every=100_000)  # fmt: skip
+    trainer = Trainer(config)
+    trainer.loader = Recorded(trainer.loader, digests, "activation")
+    trainer.fit()
+    return trainer.config.learning_rate, lambda: load_sae_model(out / "sae.safetensors")
+
+
+def saelens_sae_config(family: str):
+    from sae_lens import (
+        BatchTopKTrainingSAEConfig,
+        JumpReLUTrainingSAEConfig,
+        MatryoshkaBatchTopKTrainingSAEConfig,
+        TopKTrainingSAEConfig,
+    )
+
+    from pyspark_safetensors.sae.config import default_prefixes
+
+    if family == "topk":
+        return TopKTrainingSAEConfig(d_in=H, d_sae=N_LATENTS, k=K)
+    if family == "batchtopk":
+        return BatchTopKTrainingSAEConfig(d_in=H, d_sae=N_LATENTS, k=K)
+    if family == "jumprelu":
+        return JumpReLUTrainingSAEConfig(d_in=H, d_sae=N_LATENTS, target_l0=K,
+                                         jumprelu_sparsity_loss_mode="quadratic")  # fmt: skip
+    return MatryoshkaBatchTopKTrainingSAEConfig(
+        d_in=H, d_sae=N_LATENTS, k=K, matryoshka_widths=list(default_prefixes(N_LATENTS, K))
+    )
+
+
+def train_saelens(family: str, lr: float, model_dir: Path, train: Path, samples: int, out: Path,
+                  digests: list[int]):  # fmt: skip
+    """SAELens' SynthSAEBench runner's training (``SyntheticSAERunner.run`` up to its
+    ``trainer.fit()``) with our stream in place of its in-process draws."""
+    from sae_lens.config import LoggingConfig
+    from sae_lens.registry import get_sae_training_class
+    from sae_lens.synthetic import SyntheticSAERunnerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    from pyspark_safetensors.sae import load_sae_model
+
+    cfg = SyntheticSAERunnerConfig(synthetic_model=str(model_dir), sae=saelens_sae_config(family),
+                                   training_samples=samples, batch_size=BATCH, lr=lr,
+                                   output_path=None, checkpoint_path=None, eval_samples=0,
+                                   logger=LoggingConfig(log_to_wandb=False))  # fmt: skip
+    torch.manual_seed(TRAINER_SEED)
+    sae_class, _ = get_sae_training_class(cfg.sae.architecture())
+    sae = sae_class(cfg.sae)
+    batches = iter(Recorded(stream(train, samples // BATCH), digests))
+    SAETrainer(cfg=cfg.to_sae_trainer_config(), sae=sae, data_provider=batches).fit()
+    sae.save_inference_model(str(out))
+    return lr, lambda: load_sae_model(out)
+
+
+def timed(fn, *args):
+    """``fn(*args)``'s result, its process CPU seconds and its wall seconds."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = fn(*args)
+    return result, time.process_time() - cpu, time.perf_counter() - wall
+
+
+HEADER = ["family", "trainer", "lr", "MCC", "F1", "L0", "dead", "explained var.",
+          "samples/s (CPU)", "ours / SAELens (CPU)", "wall s"]  # fmt: skip
+
+
+def run() -> str:
+    import numpy as np
+
+    from pyspark_safetensors.evaluation import (
+        SyntheticModel,
+        evaluate_ground_truth,
+        ground_truth_batches,
+    )
+
+    torch.set_num_threads(1)
+    if importlib.util.find_spec("sae_lens") is None:
+        raise ModuleNotFoundError(
+            "synth trains SAELens' runner: run it with sae-lens 6.54 installed "
+            "(.venv-baselines/bin/python -m benchmarks synth; bench_clt_quality.SETUP)"
+        )
+    # imported before any timing: neither trainer's first call pays for its imports
+    import sae_lens.synthetic
+    import sae_lens.training.sae_trainer  # noqa: F401
+
+    import pyspark_safetensors.sae.train  # noqa: F401
+
+    samples = int(os.environ.get("SYNTH_SAMPLES", 524_288)) // BATCH * BATCH
+    eval_rows = int(os.environ.get("SYNTH_EVAL", 50_000))
+    families = [f for f in os.environ.get("SYNTH_FAMILIES", ",".join(FAMILIES)).split(",") if f]
+    lrs = [float(v) for v in os.environ.get("SYNTH_LRS", "3e-4,1e-3,3e-3,1e-2").split(",") if v]
+    lrs = sorted(set(lrs) | {SHIPPED_LR})
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"SYNTH_FAMILIES: unknown {sorted(unknown)}; choose among {FAMILIES}")
+    paths = data(samples, eval_rows)
+    model = SyntheticModel.load(paths["model"])
+    evals = list(ground_truth_batches(paths["eval"], batch=4096))  # read once, in memory
+    true_l0 = None
+
+    def grade(load):
+        nonlocal true_l0
+        m = evaluate_ground_truth(load(), model.feature_vectors, evals, parent_of=model.parent_of)
+        true_l0 = m.true_l0
+        return m
+
+    results = []  # (family, trainer, lr, metrics, cpu s, wall s)
+    for family in families:
+        with tempfile.TemporaryDirectory() as tmp:
+            ours: list[int] = []
+            (lr, load), cpu, wall = timed(train_ours, family, paths["train"], samples,
+                                          Path(tmp) / "ours", ours)  # fmt: skip
+            results.append((family, "ours (defaults)", lr, grade(load), cpu, wall))
+            print(results[-1][:3], results[-1][3].mcc, f"{cpu:.0f} s CPU", flush=True)
+            for lr in lrs:
+                theirs: list[int] = []
+                (_, load), cpu, wall = timed(train_saelens, family, lr, paths["model"],
+                                             paths["train"], samples, Path(tmp) / f"sl-{lr:g}",
+                                             theirs)  # fmt: skip
+                if theirs != ours:
+                    raise AssertionError(
+                        f"{family}: SAELens read {len(theirs)} batches, ours {len(ours)}, not "
+                        "the same rows in the same order"
+                    )
+                results.append((family, "SAELens", lr, grade(load), cpu, wall))
+                print(results[-1][:3], results[-1][3].mcc, f"{cpu:.0f} s CPU", flush=True)
+
+    rows, words = [], []
+    for family in families:
+        mine = [r for r in results if r[0] == family and r[1].startswith("ours")]
+        peer = [r for r in results if r[0] == family and r[1] == "SAELens"]
+        shipped = next(r for r in peer if r[2] == SHIPPED_LR)
+        best = max(peer, key=lambda r: r[3].mcc)
+        for r in mine + peer:
+            fam, who, lr, m, cpu, wall = r
+            label = who
+            if who == "SAELens":
+                marks = [s for s, hit in (("shipped lr", r is shipped), ("best MCC", r is best))
+                         if hit]  # fmt: skip
+                label += f" ({', '.join(marks)})" if marks else ""
+            ratio = "" if who == "SAELens" else f"{shipped[4] / cpu:.2f}"
+            rows.append([fam, label, f"{lr:.2g}", f"{m.mcc:.3f}", f"{m.f1:.3f}",
+                         f"{m.sae_l0:.1f}", m.dead_latents, f"{m.explained_variance:.3f}",
+                         f"{samples / cpu:,.0f}", ratio, f"{wall:.0f}"])  # fmt: skip
+        m0, mb = mine[0][3], best[3]
+        words.append(
+            f"- {family}: MCC {m0.mcc:.3f} against SAELens' best {mb.mcc:.3f} (lr "
+            f"{best[2]:.2g}; {m0.mcc / mb.mcc - 1:+.1%}) and its shipped rate's "
+            f"{shipped[3].mcc:.3f} ({m0.mcc / shipped[3].mcc - 1:+.1%}); F1 {m0.f1:.3f} "
+            f"against {mb.f1:.3f}; explained variance {m0.explained_variance:.3f} against "
+            f"{mb.explained_variance:.3f}; {shipped[4] / mine[0][4]:.2f}x "
+            f"SAELens' CPU speed."
+        )
+    trail = []  # (family, figure, ours, SAELens' best MCC row's or shipped rate's speed)
+    edge = []
+    for family in families:
+        mine = next(r for r in results if r[0] == family and r[1].startswith("ours"))
+        peer = [r for r in results if r[0] == family and r[1] == "SAELens"]
+        best = max(peer, key=lambda r: r[3].mcc)
+        shipped = next(r for r in peer if r[2] == SHIPPED_LR)
+        for name, attr in (("MCC", "mcc"), ("F1", "f1"), ("explained variance",
+                                                          "explained_variance")):  # fmt: skip
+            a, b = getattr(mine[3], attr), getattr(best[3], attr)
+            if a < b:
+                trail.append(f"{family} {name} {a:.3f} against {b:.3f} ({a / b - 1:+.1%})")
+        if mine[3].dead_latents > best[3].dead_latents:
+            trail.append(f"{family} dead latents {mine[3].dead_latents} against "
+                         f"{best[3].dead_latents}")  # fmt: skip
+        if mine[4] > shipped[4]:
+            trail.append(f"{family} CPU speed {shipped[4] / mine[4]:.2f}x SAELens'")
+        if best[2] == max(lrs) and len(lrs) > 1:
+            edge.append(family)
+    words.append(
+        "- Where we trail (against SAELens' best-MCC rate; speed against its shipped one): "
+        + ("; ".join(trail) if trail else "nowhere")
+        + "."
+    )
+    if edge:
+        words.append(
+            f"- SAELens' best rate is the sweep's largest ({max(lrs):g}) for "
+            f"{', '.join(edge)}: a larger one might do better still."
+        )
+    words.append(
+        f"- {samples // BATCH} steps is a short budget (SynthSAEBench trains on ~10^8 "
+        "samples); SYNTH_SAMPLES=4194304 or more runs the same grid, not measured here."
+    )
+    speed = np.median([samples / r[4] for r in results if r[1].startswith("ours")])
+    return (
+        f"## SAE trainers on SynthSAEBench's synthetic model: ours against SAELens\n\n"
+        f"`python -m benchmarks synth` (sae-lens installed: `.venv-baselines`; "
+        f"SYNTH_SAMPLES={samples}, SYNTH_FAMILIES={','.join(families)}, "
+        f"SYNTH_LRS={','.join(f'{v:g}' for v in lrs)}). The model: SynthSAEBench-16k's recipe "
+        f"at {F:,} features in {H} dimensions (mean true L0 {true_l0:.1f} on the evaluation "
+        f"set), {samples:,} training samples read once by both trainers in the same order "
+        f"(checked batch by batch), {N_LATENTS:,} latents, k = {K} (JumpReLU: its target "
+        f"L0), batch {BATCH}; ours at its shipped defaults, SAELens' runner at its shipped "
+        f"rate ({SHIPPED_LR:g}) and at each rate of the sweep. Every SAE graded by "
+        f"`evaluate_ground_truth` on the same {eval_rows:,} evaluation samples (another "
+        f"seed). Samples/s: process CPU time of the training call with one torch thread "
+        f"(ours: median {speed:,.0f}); the ratio is against SAELens at its shipped rate. "
+        f"How the samples are shared and each family set up: the module's docstring.\n\n"
+        + table(HEADER, rows)
+        + "\n\n"
+        + "\n".join(words)
+    )
