@@ -34,8 +34,8 @@ constant rate, batch 1,024, no warm-up, decay or normalisation) and the SAE buil
 runner builds it (``get_sae_training_class``). Both trainers' batches are hashed as they
 are consumed and the two sequences must be equal: the run fails otherwise.
 
-Both trainers train at width 1,024 and k 12, seed 1 (not the model's 0: with it our
-decoder would start at the model's random directions). Ours at its shipped defaults
+Both trainers train at width 1,024 and k 12, seed 1 (the model's is 0; our trainer's
+initial weights are drawn apart from any other use of a seed, ``init_generator``). Ours at its shipped defaults
 (rate ``2.8e-3 / sqrt(1024 / 16384)``, Adam 0.8/0.98, warm-up and decay, AuxK,
 geometric-median ``b_dec``; Matryoshka's prefixes n/16 ... n) but the batch, 1,024 like
 SAELens' runner, not its 4,096, so that both take the same steps. JumpReLU: ours pulls
