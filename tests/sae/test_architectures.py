@@ -80,6 +80,45 @@ def test_jumprelu_threshold_gets_the_rectangle_kernel_pseudo_derivatives():
     )
 
 
+def _dense_jumprelu_loss(sae, x, target):
+    """The training loss of ``sae`` on ``x`` by the dense formulation (the paper's), every
+    (row, latent) at once: the code ``pre * 1[pre > θ]``, its gradient to ``pre`` where it
+    fired, and θ's rectangle-kernel pseudo-derivatives of the reconstruction and of the L0
+    penalty ``l0_coef (L0 / k - 1)^2``, added as a term of value 0 whose gradient is theirs."""
+    theta = sae.log_threshold.exp().float()
+    eps = sae.bandwidth
+    pre = (x - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias
+    fired = (pre > theta).float()
+    kernel = ((pre - theta).abs() / eps < 0.5).float()
+    code = pre * fired
+    mse = (code @ sae.decoder_weight + sae.decoder_bias - target).pow(2).sum()
+    grad_code = torch.autograd.grad(mse, code, retain_graph=True)[0]
+    d_mse = (-(theta.detach() / eps) * kernel * grad_code).sum(0)
+    slope = 2 * sae.l0_coef * (float(fired.sum()) / len(x) / sae.k - 1) / sae.k
+    d_l0 = slope * (-(1 / eps) * kernel).sum(0) / len(x)
+    return mse + ((theta - theta.detach()) * (d_mse + d_l0)).sum()
+
+
+def test_jumprelu_step_gradients_equal_the_dense_formulation():
+    """The training forward lists the entries above θ less half the kernel's width and
+    back-propagates through them only (``EntryEncode``, ``ThresholdCode``, ``Fires``):
+    every parameter's gradient equals the dense formulation's."""
+    sae = _jumprelu()
+    sae.bandwidth = 0.3
+    sae.train()
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(5))
+    target = torch.randn_like(x)
+    out = sae(x)
+    loss = (out.x_hat - target).pow(2).sum() + sae.sparsity_loss(out)
+    sparse = torch.autograd.grad(loss, list(sae.parameters()))
+    dense = torch.autograd.grad(_dense_jumprelu_loss(sae, x, target), list(sae.parameters()))
+    names = [name for name, _ in sae.named_parameters()]
+    assert "log_threshold" in names
+    for name, a, b in zip(names, sparse, dense, strict=True):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-4, atol=1e-5, msg=name)
+
+
 def _config(activations, out_dir, **kw):
     base = dict(dataset=str(activations), n_latents=64, k=4, batch_size=256, tokens=256 * 100,
                 architecture="jumprelu", out_dir=str(out_dir), log_every=10, checkpoints=0,

@@ -56,7 +56,7 @@ tokens again (a loader of its own),
 from the frequency-matched thresholds (L0 = k; starting from the least-error ones, the
 first steps went to climbing back to k), the loss the training's (pooled FVU) of the
 code ``z = pre * 1[pre > theta]`` plus ``l0_coef * sum_l (L0_l / k - 1)^2`` over the
-global batch (each layer's L0 held at k). The step has no gradient: ``_ThresholdCode``
+global batch (each layer's L0 held at k). The step has no gradient: ``ThresholdCode``
 passes the gradient to ``pre`` where the latent fired and to ``theta`` through the
 rectangle kernel, ``-(theta / eps) K((pre - theta) / eps)``, the L0 penalty through
 ``-(1 / eps) K(...)`` (``jumprelu.py``'s estimators), ``eps`` per layer
@@ -67,7 +67,7 @@ whatever the layer's scale), the dictionary at ``clt_threshold_dictionary_lr`` o
 learning rate (the encoder stepped about ``input_mean`` as in training), both warmed up
 and decayed as the training's rate. A forward lists each layer's entries above ``theta
 - eps / 2`` (the fired ones and those within the kernel's reach), so the encoder's
-backward touches only those (``_EntryEncode``) and the decoders sum them by row
+backward touches only those (``EntryEncode``) and the decoders sum them by row
 (``embedding_bag`` with offsets). Measured (``docs/BENCHMARKS.md``): on the
 ``clt_quality`` layers the threshold code's held-out FVU falls from 0.337 to 0.229 at
 L0 15.9 (0.5 of the tokens; 0.253 at 0.25, 0.207 at 1, 0.166 after 4 with the
@@ -121,6 +121,7 @@ from ..mesh import (
 )
 from .base import SAEOutput, SparseAutoencoder
 from .batchtopk import BATCH_TOPK_ROW_CAP
+from .jumprelu import EntryEncode, Fires, ThresholdCode
 from .topk import _TopKEncode
 
 #: Training rows the per-latent thresholds are calibrated on (module docstring).
@@ -131,73 +132,6 @@ ACTIVATIONS = ("topk", "batchtopk")
 _BY_LATENT = DimMap({MODEL: 1})  # [L, n] tensors: each layer's latents split over "model"
 _DECODER = DimMap({MODEL: 0})  # [n, S, d_out]: the source layer's latents split
 _REPLICATED = DimMap({})
-
-
-def _rectangle(u: torch.Tensor) -> torch.Tensor:
-    return ((u > -0.5) & (u < 0.5)).to(u.dtype)
-
-
-class _ThresholdCode(torch.autograd.Function):
-    """``v * 1[v > theta]`` elementwise (``theta``, ``eps``: each candidate's latent's
-    threshold and kernel width): the gradient passes to ``v`` where it fired, and to
-    ``theta`` through the rectangle kernel, ``-(theta / eps) K((v - theta) / eps)``
-    (``jumprelu.py``'s, per element)."""
-
-    @staticmethod
-    def forward(ctx, vals, theta, eps):
-        ctx.save_for_backward(vals, theta, eps)
-        return vals * (vals > theta)
-
-    @staticmethod
-    def backward(ctx, grad):
-        vals, theta, eps = ctx.saved_tensors
-        grad_theta = -(theta / eps) * _rectangle((vals - theta) / eps) * grad
-        return grad * (vals > theta), grad_theta, None
-
-
-class _EntryEncode(torch.autograd.Function):
-    """The pre-activations ``x W^T + b`` at the entries ``(rows, latents)`` (``values``,
-    computed outside the graph), with a backward that touches only those entries' latents
-    (``_TopKEncode``'s sparse backward: O(entries d), not the dense O(B n d)); the input
-    gets no gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, rows, latents, values):
-        ctx.save_for_backward(x, rows, latents)
-        ctx.n = weight.shape[0]
-        return values.clone()  # computed without the graph: the entries' pre-activations
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, rows, latents = ctx.saved_tensors
-        grad_w = grad_b = None
-        if ctx.needs_input_grad[1]:  # grad_W[i] = sum over i's entries (r, g) of g x[r]
-            order = latents.argsort(stable=True)
-            counts = torch.bincount(latents, minlength=ctx.n)
-            offsets = torch.zeros(ctx.n + 1, dtype=torch.long, device=x.device)
-            torch.cumsum(counts, 0, out=offsets[1:])
-            grad_w = F.embedding_bag(rows[order], x, offsets, mode="sum",
-                                     per_sample_weights=grad[order].to(x.dtype),
-                                     include_last_offset=True)  # fmt: skip
-        if ctx.needs_input_grad[2]:
-            grad_b = torch.zeros(ctx.n, dtype=grad.dtype, device=grad.device)
-            grad_b.index_add_(0, latents, grad)
-        return None, grad_w, grad_b, None, None, None
-
-
-class _Fires(torch.autograd.Function):
-    """``1[v > theta]``, elementwise; only ``theta`` gets a pseudo-derivative,
-    ``-(1 / eps) K((v - theta) / eps)``."""
-
-    @staticmethod
-    def forward(ctx, vals, theta, eps):
-        ctx.save_for_backward(vals, theta, eps)
-        return (vals > theta).to(vals.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        vals, theta, eps = ctx.saved_tensors
-        return None, -(1 / eps) * _rectangle((vals - theta) / eps) * grad, None
 
 
 def decoder_name(layer: int) -> str:
@@ -537,7 +471,7 @@ class CrossLayerTranscoder(SparseAutoencoder):
         entries (a row's count varies, and a few rows fire hundreds); ``values`` /
         ``indices`` hold each layer's fired latents in as many slots as its busiest row
         needs (zeros after), detached. While the thresholds train, straight through
-        (``_ThresholdCode``): the entries also hold each row's latents within half the
+        (``ThresholdCode``): the entries also hold each row's latents within half the
         kernel's width below their thresholds (their gradient), kept for the L0 penalty
         (``sparsity_loss``)."""
         tuning = self.training and self.tuning_thresholds
@@ -555,13 +489,13 @@ class CrossLayerTranscoder(SparseAutoencoder):
                 rows, latents = flat // pre.shape[1], flat % pre.shape[1]
                 counts = torch.bincount(rows, minlength=B)
                 offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
-            v = _EntryEncode.apply(x_l, w_enc[layer], b_enc[layer], rows, latents,
+            v = EntryEncode.apply(x_l, w_enc[layer], b_enc[layer], rows, latents,
                                    pre.flatten()[flat])  # fmt: skip
             th = theta[latents]
             if tuning:
                 eps = self.bandwidth[layer].to(v).expand_as(v)
                 self._tuned.append((v.detach(), th, eps))
-                code = _ThresholdCode.apply(v, th, eps)
+                code = ThresholdCode.apply(v, th, eps)
             else:
                 code = v * (v > th)
             w = self.decoder_weights()[layer]
@@ -870,7 +804,7 @@ class CrossLayerTranscoder(SparseAutoencoder):
         if not self._tuned or not self.l0_coef:
             self._tuned = None
             return None
-        counts = torch.stack([_Fires.apply(*t).sum() for t in self._tuned])  # [L], this rank's
+        counts = torch.stack([Fires.apply(*t).sum() for t in self._tuned])  # [L], this rank's
         rows = len(out.values)
         self._tuned = None
         stats = torch.cat([counts.detach().double(), counts.new_tensor([rows]).double()])

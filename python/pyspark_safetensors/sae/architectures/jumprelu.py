@@ -11,6 +11,15 @@ from the reconstruction and ``-(1/ε) K((pre-θ)/ε)`` from the L0 penalty, ``K(
 the target instead of a λ to sweep). The threshold is trained as ``log_threshold`` (it
 stays positive) and stored in checkpoints as ``threshold``, as SAELens does.
 
+A forward forms the dense pre-activations without the graph, lists the entries above
+their thresholds (in training: above ``θ - ε/2``, the kernel's reach, whose code is 0
+below θ) and back-propagates through those alone (``EntryEncode``, ``ThresholdCode``,
+``Fires``: O(entries d) instead of the dense O(B n d)); the decoder sums each row's
+entries (``embedding_bag``). Every gradient equals the dense formulation's (a test); a
+step costs about a TopK step (15.6 against 11.8 ms for 1,024 rows, 1,024 latents, width
+256 at L0 14, one thread; the dense code's took 45.9). The cross-layer transcoder's
+trained thresholds use the same three functions.
+
 The threshold is per latent, so it shards with the encoder rows; no collective is needed
 to pick the code. A row's number of active latents varies, so ``values``/``indices`` hold
 as many slots as the busiest row of the batch has on this rank (zeros elsewhere). The
@@ -22,6 +31,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ...format.errors import InvalidArgumentError
 from ..mesh import DATA, MODEL, all_reduce, copy_to_model, mesh_dim_size, reduce_from_model
@@ -39,41 +49,74 @@ def _rectangle(u: torch.Tensor) -> torch.Tensor:
     return ((u > -0.5) & (u < 0.5)).to(u.dtype)
 
 
-class _JumpReLU(torch.autograd.Function):
-    """``pre * 1[pre > θ]``: the gradient passes to ``pre`` where it fired, and to θ
-    through the rectangle-kernel pseudo-derivative."""
+class ThresholdCode(torch.autograd.Function):
+    """``v * 1[v > theta]`` elementwise (``theta``, ``eps``: each entry's latent's
+    threshold and kernel width): the gradient passes to ``v`` where it fired, and to
+    ``theta`` through the rectangle kernel, ``-(theta / eps) K((v - theta) / eps)``."""
 
     @staticmethod
-    def forward(ctx, pre, theta, bandwidth):
-        ctx.save_for_backward(pre, theta)
-        ctx.bandwidth = bandwidth
-        return pre * (pre > theta)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, theta = ctx.saved_tensors
-        eps = ctx.bandwidth
-        grad_pre = grad * (pre > theta)
-        kernel = _rectangle((pre - theta) / eps)
-        grad_theta = (-(theta / eps) * kernel * grad).sum(0)
-        return grad_pre, grad_theta.to(theta.dtype), None
-
-
-class _Step(torch.autograd.Function):
-    """``1[pre > θ]``, the L0 of each (row, latent); only θ gets a pseudo-derivative."""
-
-    @staticmethod
-    def forward(ctx, pre, theta, bandwidth):
-        ctx.save_for_backward(pre, theta)
-        ctx.bandwidth = bandwidth
-        return (pre > theta).to(pre.dtype)
+    def forward(ctx, vals, theta, eps):
+        ctx.save_for_backward(vals, theta, eps)
+        return vals * (vals > theta)
 
     @staticmethod
     def backward(ctx, grad):
-        pre, theta = ctx.saved_tensors
-        eps = ctx.bandwidth
-        grad_theta = (-(1.0 / eps) * _rectangle((pre - theta) / eps) * grad).sum(0)
-        return None, grad_theta.to(theta.dtype), None
+        vals, theta, eps = ctx.saved_tensors
+        grad_theta = -(theta / eps) * _rectangle((vals - theta) / eps) * grad
+        return grad * (vals > theta), grad_theta, None
+
+
+class Fires(torch.autograd.Function):
+    """``1[v > theta]``, elementwise; only ``theta`` gets a pseudo-derivative,
+    ``-(1 / eps) K((v - theta) / eps)``."""
+
+    @staticmethod
+    def forward(ctx, vals, theta, eps):
+        ctx.save_for_backward(vals, theta, eps)
+        return (vals > theta).to(vals.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        vals, theta, eps = ctx.saved_tensors
+        return None, -(1 / eps) * _rectangle((vals - theta) / eps) * grad, None
+
+
+class EntryEncode(torch.autograd.Function):
+    """The pre-activations ``x W^T + b`` at the entries ``(rows, latents)``, listed row by
+    row (``values``, computed outside the graph), with a backward that touches only those
+    entries' latents and rows (``topk.py``'s sparse backward: O(entries d), not the dense
+    O(B n d))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rows, latents, values):
+        ctx.save_for_backward(x, weight, rows, latents)
+        return values.clone()  # computed without the graph: the entries' pre-activations
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rows, latents = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        n = weight.shape[0]
+        if ctx.needs_input_grad[0]:  # grad_x[r] = sum over r's entries (i, g) of g W[i]
+            grad_x = F.embedding_bag(latents, weight, _offsets(rows, len(x)), mode="sum",
+                                     per_sample_weights=grad.to(weight.dtype),
+                                     include_last_offset=True).to(x.dtype)  # fmt: skip
+        if ctx.needs_input_grad[1]:  # grad_W[i] = sum over i's entries (r, g) of g x[r]
+            order = latents.argsort(stable=True)
+            grad_w = F.embedding_bag(rows[order], x, _offsets(latents[order], n), mode="sum",
+                                     per_sample_weights=grad[order].to(x.dtype),
+                                     include_last_offset=True).to(weight.dtype)  # fmt: skip
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(n, dtype=grad.dtype, device=grad.device)
+            grad_b.index_add_(0, latents, grad)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _offsets(sorted_keys: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n + 1]`` bag offsets of ``n`` bags over entries sorted by their bag."""
+    offsets = torch.zeros(n + 1, dtype=torch.long, device=sorted_keys.device)
+    torch.cumsum(torch.bincount(sorted_keys, minlength=n), 0, out=offsets[1:])
+    return offsets
 
 
 class JumpReLUSAE(SparseAutoencoder):
@@ -110,7 +153,8 @@ class JumpReLUSAE(SparseAutoencoder):
         # float64, so that a threshold read from a file comes back bit for bit through exp(log)
         start = torch.full((self.n_local,), math.log(init_threshold), dtype=torch.float64)
         self.log_threshold = torch.nn.Parameter(start.to(self.encoder_weight.device))
-        self._pre: torch.Tensor | None = None
+        #: The training forward's entries (values, thresholds, kernel widths) for the penalty.
+        self._tuned: tuple[torch.Tensor, ...] | None = None
         self.last_penalty = 0.0
 
     @classmethod
@@ -123,43 +167,71 @@ class JumpReLUSAE(SparseAutoencoder):
         """This rank's thresholds ``[n_local]``, in the encoder's dtype."""
         return self.log_threshold.exp().to(self.encoder_weight.dtype)
 
-    def _pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+    def _code_entries(self, x: torch.Tensor, tuning: bool):
+        """Encode ``x [B, d]``: ``(rows, latents, code)`` of the entries whose
+        pre-activation is above the latent's threshold (``tuning``: above it less half the
+        kernel's width, where the threshold's gradient reaches; their code is 0 below the
+        threshold), listed row by row, the code straight through (``ThresholdCode``). The
+        dense pre-activations are formed without the graph, so the backward touches only
+        the entries (``EntryEncode``)."""
         xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
-        return torch.addmm(self.encoder_bias, xc, self.encoder_weight.t())
-
-    def _code(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(values, indices)`` of the fired latents of ``z``, each row padded with zeros
-        to the batch's largest count (global indices)."""
+        theta = self.threshold
         with torch.no_grad():
-            slots = max(1, int((z > 0).sum(1).max()))
-            values, indices = z.detach().topk(slots, dim=1, sorted=False)
-        return values, indices + self.offset
+            pre = torch.addmm(self.encoder_bias, xc, self.encoder_weight.t())
+            reach = theta - self.bandwidth / 2 if tuning else theta
+            flat = (pre > reach).flatten().nonzero().squeeze(1)  # row-major
+            rows, latents = flat // pre.shape[1], flat % pre.shape[1]
+        v = EntryEncode.apply(xc, self.encoder_weight, self.encoder_bias, rows, latents,
+                              pre.flatten()[flat])  # fmt: skip
+        th = theta[latents]
+        if not tuning:
+            return rows, latents, v * (v > th)
+        eps = v.new_full((), self.bandwidth).expand_as(v)
+        self._tuned = (v.detach(), th, eps)
+        return rows, latents, ThresholdCode.apply(v, th, eps)
 
     def forward(self, x: torch.Tensor, *, k=None, dead=None, k_aux=0, aux_rows=None) -> SAEOutput:
         """Encode and decode ``x [B, d]`` (``k`` and the AuxK arguments are accepted for the
-        trainer's sake and unused: the thresholds decide)."""
-        pre = self._pre_activation(x)
-        z = _JumpReLU.apply(pre, self.threshold, self.bandwidth)
-        x_hat = reduce_from_model(z @ self.decoder_weight.to(z.dtype), self.mesh)
-        x_hat = x_hat + self.decoder_bias
-        self._pre = pre if self.training and torch.is_grad_enabled() else None
-        values, indices = self._code(z)
+        trainer's sake and unused: the thresholds decide); the decoder sums each row's
+        fired latents (``embedding_bag``), never a dense ``[B, n]`` code."""
+        self._tuned = None
+        rows, latents, code = self._code_entries(x, self.training and torch.is_grad_enabled())
+        offsets = torch.searchsorted(rows, torch.arange(len(x), device=rows.device))
+        part = F.embedding_bag(latents, self.decoder_weight, offsets, mode="sum",
+                               per_sample_weights=code.to(self.decoder_weight.dtype))  # fmt: skip
+        x_hat = reduce_from_model(part, self.mesh) + self.decoder_bias
+        values, indices = self._slots(rows, latents, code.detach(), len(x))
         aux_values, aux_indices = self._empty_aux(values, indices)
         return SAEOutput(x_hat, values, indices, aux_values, aux_indices)
 
     def encode(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The code of ``x [B, d]`` as ``forward`` gives it, without decoding (``k`` unused)."""
-        return self._code(_JumpReLU.apply(self._pre_activation(x), self.threshold, self.bandwidth))
+        """The code of ``x [B, d]`` as ``forward`` gives it, without decoding (``k`` unused):
+        ``(values, indices)``, each row padded with zeros to the batch's largest count
+        (global indices)."""
+        rows, latents, code = self._code_entries(x, tuning=False)
+        return self._slots(rows, latents, code.detach(), len(x))
+
+    @torch.no_grad()
+    def _slots(self, rows, latents, code, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, indices)`` of the fired entries, each row's in as many slots as the
+        busiest row has, the rest zeros at latents that did not fire (global indices): a
+        scatter of them gives the dense code."""
+        z = code.new_zeros(n_rows, self.n_local)
+        z[rows, latents] = code
+        slots = max(1, int((z > 0).sum(1).max()))
+        values, indices = z.topk(slots, dim=1, sorted=False)
+        return values, indices + self.offset
 
     def sparsity_loss(self, out: SAEOutput) -> torch.Tensor | None:
         """A term whose gradient is that of ``l0_coef * (L0 / k - 1)^2`` over the global
         batch once the data ranks' gradients are averaged: the global L0 is all-reduced
-        (a constant), this rank's step counts carry the gradient to its thresholds. The
-        penalty's value is kept in ``last_penalty``."""
-        if self._pre is None or not self.l0_coef:
+        (a constant), this rank's firing counts carry the gradient to its thresholds
+        (``Fires`` over the training forward's entries, which hold every one within the
+        kernel's reach). The penalty's value is kept in ``last_penalty``."""
+        if self._tuned is None or not self.l0_coef:
             return None
-        counts = _Step.apply(self._pre, self.threshold, self.bandwidth).sum()
-        self._pre = None
+        counts = Fires.apply(*self._tuned).sum()
+        self._tuned = None
         stats = torch.stack(
             [counts.detach().double(), counts.new_tensor(out.values.shape[0]).double()]
         )
