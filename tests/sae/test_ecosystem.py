@@ -330,22 +330,22 @@ def test_batch_topk_saes_go_to_saelens_as_jumprelu_at_their_threshold(tmp_path, 
     """SAELens saves its own BatchTopK and Matryoshka SAEs so: the same code wherever a row
     has at most BATCH_TOPK_ROW_CAP * k pre-activations over the threshold (here every row:
     N = 32 latents, the cap 16, the threshold high enough)."""
-    path = _batch_topk_file(tmp_path / "sae.safetensors", architecture, 0.75)
+    path = _batch_topk_file(tmp_path / "sae.safetensors", architecture, 1.0)
     tensors, info = read_sae(path)
-    assert info["architecture"] == architecture and info["threshold"] == 0.75
+    assert info["architecture"] == architecture and info["threshold"] == 1.0
     ours = load_sae_model(path)
-    assert float(ours.threshold) == 0.75
+    assert float(ours.threshold) == 1.0
     out = export_sae(path, tmp_path / "saelens", "saelens")
     assert json.loads((out / "cfg.json").read_text())["architecture"] == "jumprelu"
     back, back_info = read_sae(out)
     assert back_info["architecture"] == "jumprelu"
-    assert torch.equal(back["threshold"], torch.full((N,), 0.75))
+    assert torch.equal(back["threshold"], torch.full((N,), 1.0))
     for name in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
         assert torch.equal(back[name], tensors[name]), name
     x = torch.randn(256, D, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         pre = (x - tensors["decoder_bias"]) @ tensors["encoder_weight"].T + tensors["encoder_bias"]
-        assert int((pre > 0.75).sum(1).max()) <= 4 * K  # the cap binds on no row
+        assert int((pre > 1.0).sum(1).max()) <= 4 * K  # the cap binds on no row
         want = ours.encode_dense(x)
         assert int((want > 0).sum()) > 256  # latents fire
         torch.testing.assert_close(load_sae_model(out).encode_dense(x), want)
