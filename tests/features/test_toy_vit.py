@@ -14,10 +14,10 @@ latent beat the blind one by 0.01 (-0.009 and 0.003). The SAE is 2x wide, k = 8.
 with ``tests/margins.py`` on the pinned CPU path (``tests/cpu_path.py``), seeds 0-4 at 2
 threads:
 
-- colour's best AUROC: 0.999 / 0.978 / 0.992 / 0.998 / 0.925 (margin +2.8 %);
-- shape's best AUROC: 0.971 / 0.961 / 0.978 / 0.973 / 0.958 (margin +6.4 %);
-- the best shape detector over the blind latent: 0.068 / 0.037 / 0.085 / 0.079 / 0.045
-  (margin +23 %). A blind latent scores 0 by construction: the threshold leaves room for
+- colour's best AUROC: 0.940 / 0.972 / 0.997 / 1.000 / 0.932 (margin +3.5 %);
+- shape's best AUROC: 0.957 / 0.962 / 0.969 / 0.966 / 0.970 (margin +5.4 %);
+- the best shape detector over the blind latent: 0.053 / 0.067 / 0.077 / 0.072 / 0.063
+  (margin +51 %). A blind latent scores 0 by construction: the threshold leaves room for
   the chance excess of the best of 128 latents over 80 held-out images (a latent firing
   inside every shape reached 0.015 in one run of a 4x wider SAE).
 """

@@ -294,7 +294,7 @@ def test_lm_loss_with_the_transcoder_replacing_the_mlp(toy, figure):
     # reported, not checked: the tiny toy's block barely matters (zero-ablating it moves the
     # CE by -0.007 to +0.18 nats over seeds 0-4, against a clean 4.4), so the ratio of those
     # differences is noise. Spread (tests/margins.py, seeds 0-4, the pinned CPU path): KL
-    # spliced 0.3-1.5 % of zero ablation's (< 20 %, margin +92 %), the LUT's alike
+    # spliced 0.3-1.7 % of zero ablation's (< 20 %, margin +92 %), the LUT's alike
     figure("kl_spliced_over_zero", row["kl_spliced"] / row["kl_zero_ablated"], below=0.2)
     # the block's LUT is the transcoder in float16, run at BOS too: close, not equal
     assert row["ce_lut"] == pytest.approx(row["ce_spliced"], abs=0.01)

@@ -212,9 +212,9 @@ def test_a_transcoder_trains_on_pairs_and_loads_back(
     family_data, tmp_path, architecture, seed, figure
 ):
     """Spread over seeds 0-4 on the pinned CPU path, identical at 1 and 2 threads
-    (tests/margins.py): the last training batch's FVU 0.430-0.508 of the first (< 0.6,
-    margin +15 %; skip: 0.364-0.437), held-out FVU 0.247-0.267 (< 0.4, +33 %; skip:
-    0.146-0.188). The ratio of two single batches is the noisier figure: 0.5 failed at
+    (tests/margins.py): the last training batch's FVU 0.422-0.484 of the first (< 0.6,
+    margin +19 %; skip: 0.354-0.424), held-out FVU 0.245-0.280 (< 0.4, +30 %; skip:
+    0.145-0.183). The ratio of two single batches is the noisier figure: 0.5 failed at
     seed 3."""
     trainer = Trainer(_config(family_data, tmp_path / "run", architecture, seed=seed))
     assert (trainer.config.d, trainer.config.d_out) == (D_IN, D_OUT)
@@ -238,7 +238,7 @@ def test_a_transcoder_trains_on_pairs_and_loads_back(
 @pytest.mark.trained
 def test_matryoshka_reports_each_prefix(family_data, tmp_path, seed, figure):
     """Spread over seeds 0-4 on the pinned CPU path, identical at 1 and 2 threads
-    (tests/margins.py): the last FVU 0.730-0.761 of the first (< 0.8, margin +4.9 %)."""
+    (tests/margins.py): the last FVU 0.747-0.796 of the first (< 0.8, margin +0.5 %)."""
     trainer = Trainer(_config(family_data, tmp_path / "run", "matryoshka",
                               matryoshka_prefixes=(12, 48, 96), seed=seed))  # fmt: skip
     metrics = trainer.fit()
@@ -256,8 +256,8 @@ def test_matryoshka_reports_each_prefix(family_data, tmp_path, seed, figure):
 @pytest.mark.trained
 def test_a_crosscoder_reports_each_hook_point(family_data, tmp_path, seed, figure):
     """Spread over seeds 0-4 on the pinned CPU path, identical at 1 and 2 threads
-    (tests/margins.py): the last FVU 0.536-0.607 of the first (< 0.7, margin +13 %),
-    held-out FVU 0.287-0.333 and 0.289-0.316 per hook point (< 0.5, +33 %)."""
+    (tests/margins.py): the last FVU 0.556-0.586 of the first (< 0.7, margin +16 %),
+    held-out FVU 0.299-0.330 and 0.287-0.337 per hook point (< 0.5, +33 %)."""
     trainer = Trainer(_config(family_data, tmp_path / "run", "crosscoder", n_latents=128,
                               seed=seed))  # fmt: skip
     assert trainer.config.d == 2 * D_IN
