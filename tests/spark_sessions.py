@@ -83,6 +83,20 @@ def spark_session(name: str = "local"):
     return session
 
 
+class Unstopped:
+    """A shared session handed to code that stops the session it starts (the CLI, the
+    pipeline's stages): ``stop`` does nothing, everything else is the session's."""
+
+    def __init__(self, spark):
+        self._spark = spark
+
+    def __getattr__(self, name):
+        return getattr(self._spark, name)
+
+    def stop(self):
+        pass
+
+
 def stop_all() -> None:
     """Stop the shared session, if one runs, and remove its catalog directory."""
     while _current:

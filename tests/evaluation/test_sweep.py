@@ -32,13 +32,6 @@ MODEL = SyntheticModelConfig(
 
 
 @pytest.fixture(scope="module")
-def spark():
-    from spark_sessions import spark_session
-
-    return spark_session("local")
-
-
-@pytest.fixture(scope="module")
 def sweep(spark, tmp_path_factory):
     config = SweepConfig(
         out=str(tmp_path_factory.mktemp("sweep")), model=MODEL, train_rows=2048,

@@ -33,13 +33,6 @@ CONFIG = SyntheticModelConfig(
 
 
 @pytest.fixture(scope="module")
-def spark():
-    from spark_sessions import spark_session
-
-    return spark_session("local")
-
-
-@pytest.fixture(scope="module")
 def data(spark, tmp_path_factory):
     root = tmp_path_factory.mktemp("synthetic")
     return synthetic_datasets(spark, CONFIG, root, train_rows=2500, eval_rows=600,

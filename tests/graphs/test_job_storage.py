@@ -28,6 +28,7 @@ from pyspark_safetensors.graphs import job
 from pyspark_safetensors.graphs.global_weights import expected_attributions
 from pyspark_safetensors.graphs.job import GraphsConfig, run_graphs
 from pyspark_safetensors.torch import open_dataset
+from spark_sessions import Unstopped
 
 # the adjacency dataset reaches s3:// through the Python source (the JVM one needs hadoop-aws)
 pytestmark = [pytest.mark.spark, pytest.mark.python_source]
@@ -146,7 +147,7 @@ def test_graphs_from_and_to_s3_on_separate_executors(cluster, toy, dictionaries,
     assert_nothing_local(before, after)
 
     # the CLI replaces it whole with two prompts' graphs, on the same session
-    monkeypatch.setattr(session, "local_session", lambda *a, **k: _Unstopped(cluster))
+    monkeypatch.setattr(session, "local_session", lambda *a, **k: Unstopped(cluster))
     bucket.put_bytes("two.txt", b"def main():\n\n")
     argv = ["--model", config.model, "--transcoders", config.transcoders[0], "--prompts",
             f"{s3_bucket}/two.txt", "--output", config.output, "--partitions", "2",
@@ -170,19 +171,6 @@ def assert_nothing_local(before: dict[str, set[str]], after: dict[str, set[str]]
     assert set(after) == set(executors)
     for cwd, names in after.items():
         assert names - executors[cwd] <= {"pyspark-safetensors-remote"}, cwd
-
-
-class _Unstopped:
-    """The shared session, handed to the CLI, which stops what it started."""
-
-    def __init__(self, spark):
-        self._spark = spark
-
-    def __getattr__(self, name):
-        return getattr(self._spark, name)
-
-    def stop(self):
-        pass
 
 
 def _killed_after_a_graph(marker: str):

@@ -17,25 +17,13 @@ import pytest
 
 from pyspark_safetensors.extract.toy_lm import TINY
 from pyspark_safetensors.pipeline.run import Pipeline, PipelineConfig, TrainingRun, prepare_out_dir
+from spark_sessions import Unstopped
 
 pytestmark = pytest.mark.spark
 
 L = TINY.num_layers
 BLOCKS = [f"model.layers.{i}.mlp" for i in range(L)]
 HELD_OUT = ["The quick brown fox jumps over the lazy dog", "def main(): return 0"]
-
-
-class _Unstopped:
-    """The shared session, handed to the stages, which stop what they start."""
-
-    def __init__(self, spark):
-        self._spark = spark
-
-    def __getattr__(self, name):
-        return getattr(self._spark, name)
-
-    def stop(self):
-        pass
 
 
 def _config(out: Path, dictionaries=("clt",)) -> PipelineConfig:
@@ -65,7 +53,7 @@ def run(spark, toy, dictionaries, tmp_path_factory):
     for name, key in (("extract", "e"), (clt.stage, "c")):  # the stages before, as done
         pipeline.summary["stages"][name] = {"dir": f"{name}-{key}", "hash": key, "reused": True}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(session, "local_session", lambda *a, **k: _Unstopped(spark))
+        patch.setattr(session, "local_session", lambda *a, **k: Unstopped(spark))
         pipeline.graphs({clt: dictionaries["clt"]})
         pipeline.clt_features(clt, dictionaries["clt"], extract)
         pipeline.global_weights()

@@ -40,11 +40,6 @@ from ..dataset.publish import publishing
 from ..format.errors import InvalidArgumentError
 from .synthetic import HierarchyConfig, SyntheticModelConfig
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 #: The SAE families a sweep trains (``SAEConfig.architecture``).
 FAMILIES = ("topk", "batchtopk", "jumprelu", "matryoshka")
 #: ``SAEConfig`` fields the grid sets; the ``[sae]`` table may not.
@@ -157,11 +152,9 @@ class SweepConfig:
         errors naming the known ones."""
         values: dict = {}
         if path is not None:
-            with open(path, "rb") as f:
-                try:
-                    data = tomllib.load(f)
-                except tomllib.TOMLDecodeError as e:
-                    raise InvalidArgumentError(f"{path}: not TOML ({e})") from None
+            from ..sae.config import read_toml
+
+            data = read_toml(path)
             values = {**data.get("sweep", {}), **{k: v for k, v in data.items() if k != "sweep"}}
         values.update(overrides)
         known = {f.name for f in dataclasses.fields(cls)}

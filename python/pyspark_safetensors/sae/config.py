@@ -476,11 +476,7 @@ class SAEConfig:
                 raise InvalidArgumentError(f"{path}: not JSON ({e})") from None
             values.update(data)
         elif path is not None:
-            with open(path, "rb") as f:
-                try:
-                    data = tomllib.load(f)
-                except tomllib.TOMLDecodeError as e:
-                    raise InvalidArgumentError(f"{path}: not TOML ({e})") from None
+            data = read_toml(path)
             values.update(data.get("sae", data))
         for item in overrides:
             key, sep, raw = item.partition("=")
@@ -506,6 +502,15 @@ class SAEConfig:
 CLT_THRESHOLD_DEFAULTS = {
     f.name: f.default for f in dataclasses.fields(SAEConfig) if f.name.startswith("clt_threshold")
 }
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's tables; a file that is not TOML is an ``InvalidArgumentError`` naming it."""
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidArgumentError(f"{path}: not TOML ({e})") from None
 
 
 def _parse(key: str, raw: str):
