@@ -1,7 +1,8 @@
 """A sweep (``evaluation/sweep.py``) of a tiny grid: four SAEs of 120 steps on a synthetic
 dataset, evaluated in one Spark job; its results table is whole, its report and plots are
-written, the Spark job's figures equal the same evaluation in one process, a rerun reuses
-every stage, and a bad configuration is refused before anything runs."""
+written (SAEBench's core figures among them), the Spark job's figures equal the same
+evaluation in one process, a rerun reuses every stage, and a bad configuration is refused
+before anything runs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from pyspark_safetensors.cli import main
 from pyspark_safetensors.evaluation import HierarchyConfig, SyntheticModelConfig
 from pyspark_safetensors.evaluation.sweep import (
+    CORE_FIGURES,
     SweepConfig,
     evaluate_in_loop,
     prepare_evaluation,
@@ -55,6 +57,9 @@ def test_the_results_table_report_and_plots_are_written(sweep):
             assert r[key] is not None and math.isfinite(r[key]), (r["name"], key)
         assert 0 < r["mcc"] <= 1 and 0 <= r["probe_top_1"] <= 1 and r["samples"] == 2048
         assert r["fvu"] == pytest.approx(1 - r["explained_variance"])
+        for key, _, _ in CORE_FIGURES:  # SAEBench's core figures beside them
+            assert r[key] is not None and math.isfinite(r[key]), (r["name"], key)
+        assert 0 < r["frac_alive"] <= 1 and -1 <= r["average_max_decoder_cosine_sim"] <= 1
     assert all(0 < r["sae_l0"] <= 3 for r in rows if r["family"] == "topk")
     doc = json.loads((out / "results.json").read_text())
     assert len(doc["saes"]) == 4 and set(doc["baseline"]) == {"top_1", "top_2", "full", "tasks"}
@@ -62,6 +67,7 @@ def test_the_results_table_report_and_plots_are_written(sweep):
     report = (out / "report.md").read_text()
     assert "| family | width | k | seeds | L0 | MCC |" in report
     assert "| topk | 32 | 3 | 2 |" in report and " ± " in report
+    assert "## SAEBench's core figures" in report and "| family | width | k | cos sim |" in report
     for name in ("mcc", "f1", "fvu", "absorption", "probe-top-1"):
         png = out / f"pareto-{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png.name})" in report
@@ -77,6 +83,8 @@ def test_the_spark_job_equals_the_loop_in_one_process(sweep):
         for key, value in mine.items():
             if isinstance(value, float) and key != "eval_seconds":
                 assert theirs[key] == pytest.approx(value, abs=1e-6), key
+        for key, _, _ in CORE_FIGURES:
+            assert theirs[key] == pytest.approx(mine["core"][key], abs=1e-6), key
         for task, accuracies in mine["probe"]["tasks"].items():
             assert accuracies == pytest.approx(theirs["probe"]["tasks"][task], abs=1e-6)
         assert mine["per_parent_absorption"] == pytest.approx(theirs["per_parent_absorption"],

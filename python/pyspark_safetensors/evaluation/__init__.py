@@ -3,7 +3,8 @@
 SAELens' file layout), datasets of its samples with their true feature activations written
 by Spark (``job.py``), and the ground-truth metrics (``groundtruth.py``: MCC, uniqueness,
 per-latent precision / recall / F1, explained variance, L0, dead latents, shrinkage,
-absorption), SAEBench's sparse probing (``probing.py``) and sweeps of many SAEs trained
+absorption), SAEBench's sparse probing (``probing.py``) and core figures (``core.py``:
+reconstruction, shrinkage, sparsity, firing, the dictionary's layout), and sweeps of many SAEs trained
 on a synthetic dataset and evaluated in one Spark job (``sweep.py``). Every name loads its
 module (and torch) on first use."""
 
@@ -35,8 +36,16 @@ _SUBMODULE = {
         "groundtruth",
     ),
     **dict.fromkeys(
-        ("ProbeTask", "probe_tasks", "sparse_probing", "synthetic_probe_tasks"), "probing"
-    ),
+        (
+            "ProbeTask",
+            "factor_probe_tasks",
+            "probe_tasks",
+            "sparse_probing",
+            "synthetic_probe_tasks",
+        ),
+        "probing",
+    ),  # fmt: skip
+    **dict.fromkeys(("CoreMetrics", "CoreSums", "core_metrics"), "core"),
     **dict.fromkeys(
         ("EvalSpec", "SweepConfig", "evaluate_in_loop", "evaluate_in_spark", "run_sweep"),
         "sweep",

@@ -127,11 +127,13 @@ def evaluate_ground_truth(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     *,
     parent_of: np.ndarray | None = None,
+    core=None,
 ) -> GroundTruthMetrics:
     """The figures of ``sae`` (any architecture of ``sae/architectures`` but the cross-layer
     transcoder, in eval mode: a BatchTopK SAE encodes by its threshold) against the true
     ``feature_vectors [F, H]`` on ``batches`` (module docstring); ``parent_of [F]``
-    (``SyntheticModel.parent_of``; None: no hierarchy) gives the absorption."""
+    (``SyntheticModel.parent_of``; None: no hierarchy) gives the absorption. ``core``: a
+    ``core.CoreSums`` fed the same passes (SAEBench's core figures without a second one)."""
     decoder = sae.decoder_weight.detach().float().cpu()
     features = feature_vectors.detach().float().cpu()
     n, f = decoder.shape[0], features.shape[0]
@@ -152,19 +154,22 @@ def evaluate_ground_truth(
     sae.eval()
     try:
         for x, idx, vals in batches:
-            _add_batch(sums, sae, x, idx, vals, f, best_t, parents)
+            _add_batch(sums, sae, x, idx, vals, f, best_t, parents, core)
     finally:
         sae.train(was_training)
     return _result(sums, mcc, best, latent_of, parents)
 
 
-def _add_batch(sums: _Sums, sae, x, idx, vals, f: int, best: torch.Tensor, parents) -> None:
+def _add_batch(sums: _Sums, sae, x, idx, vals, f: int, best: torch.Tensor, parents,
+               core) -> None:  # fmt: skip
     x = x.float()
     out = sae(x.to(sae.encoder_weight.device))
     x_hat = out.x_hat.float().cpu()
     dense = torch.zeros(x.shape[0], sae.latents_total)
     dense.scatter_add_(1, out.indices.cpu().long(), out.values.float().cpu())
     fires = dense != 0
+    if core is not None:
+        core.add(x, x_hat, dense)
     truth = dense_truth(idx, vals, f)
     active = truth > 0
     sums.n_samples += x.shape[0]

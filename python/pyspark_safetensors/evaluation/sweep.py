@@ -54,6 +54,18 @@ FIGURES = (
     ("absorption", "absorption", False),
 )
 
+#: SAEBench's core figures in a sweep's rows and report: (key, heading, format).
+CORE_FIGURES = (
+    ("cossim", "cos sim", ".3f"),
+    ("l2_ratio", "L2 ratio", ".3f"),
+    ("relative_reconstruction_bias", "rel. bias", ".3f"),
+    ("l1", "L1", ".2f"),
+    ("frac_alive", "alive", ".3f"),
+    ("freq_over_1_percent", "> 1 %", ".3f"),
+    ("average_max_encoder_cosine_sim", "max enc. cos", ".3f"),
+    ("average_max_decoder_cosine_sim", "max dec. cos", ".3f"),
+)
+
 
 def _default_model() -> SyntheticModelConfig:
     return SyntheticModelConfig(
@@ -380,6 +392,7 @@ def _evaluate(spec: EvalSpec, i: int) -> dict:
     import torch
 
     from ..sae import load_sae_model
+    from .core import CoreSums
     from .groundtruth import evaluate_ground_truth, ground_truth_batches
     from .job import _model
     from .probing import dense_codes, probe_tasks
@@ -388,16 +401,18 @@ def _evaluate(spec: EvalSpec, i: int) -> dict:
     model = _model(spec.model)
     sae = load_sae_model(spec.sae_paths[i], device="cpu")
     pool: list = []
+    core = CoreSums(sae.latents_total)
     metrics = evaluate_ground_truth(
         sae, model.feature_vectors,
         _keeping(ground_truth_batches(spec.eval_dataset, rows=spec.eval_rows, batch=spec.batch),
                  spec.probe_rows, pool),
-        parent_of=model.parent_of,
+        parent_of=model.parent_of, core=core,
     )  # fmt: skip
     probes = probe_tasks(dense_codes(sae, torch.cat(pool), spec.batch), spec.tasks,
                          ks=spec.probe_ks)  # fmt: skip
     return {"index": i, **metrics.to_dict(), "fvu": 1 - metrics.explained_variance,
-            "probe": probes, "eval_seconds": time.perf_counter() - started}  # fmt: skip
+            "probe": probes, "core": core.result(sae).to_dict(),
+            "eval_seconds": time.perf_counter() - started}  # fmt: skip
 
 
 def _keeping(batches, rows: int, kept: list):
@@ -517,15 +532,17 @@ def _link(link: Path, target: str) -> None:
 
 def result_rows(saes: Sequence[TrainedSAE], results: Sequence[dict]) -> list[dict]:
     """One flat row per SAE: what made it and its figures (probe accuracies as
-    ``probe_top_{k}`` and ``probe_full``, the means over the tasks)."""
+    ``probe_top_{k}`` and ``probe_full``, the means over the tasks; SAEBench's core
+    figures, ``CORE_FIGURES``, under their names)."""
     rows = []
     for sae, r in zip(saes, results, strict=True):
         row = {"name": sae.name, "family": sae.family, "width": sae.width, "k": sae.k,
                "seed": sae.seed, "key": sae.key, "path": sae.path,
                "train_seconds": sae.train_seconds}  # fmt: skip
         row.update({k: v for k, v in r.items()
-                    if k not in ("index", "probe", "per_parent_absorption")})  # fmt: skip
+                    if k not in ("index", "probe", "core", "per_parent_absorption")})  # fmt: skip
         row.update({f"probe_{k}": v for k, v in r["probe"].items() if k != "tasks"})
+        row.update({k: r["core"][k] for k, _, _ in CORE_FIGURES})
         rows.append(row)
     return rows
 
@@ -548,6 +565,19 @@ def write_results(out: Path, config: SweepConfig, saes: Sequence[TrainedSAE],
     plots = plot_pareto(rows, out, probe_key=f"probe_top_{config.probe_ks[0]}")
     (out / "report.md").write_text(render_report(config, rows, baseline, tasks_info, plots,
                                                  seconds))  # fmt: skip
+
+
+def core_table(rows: Sequence[dict]) -> list[str]:
+    """SAEBench's core figures of each (family, width, k), mean ± sd over its seeds, in
+    the leaderboard's order."""
+    header = ["family", "width", "k", *(h for _, h, _ in CORE_FIGURES)]
+    groups = sorted(_groups(rows).items(), key=lambda kv: -_spread([r["mcc"] for r in kv[1]])[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (family, width, k), members in groups:
+        cells = [family, str(width), str(k)]
+        cells += [_cell([r[key] for r in members], spec) for key, _, spec in CORE_FIGURES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _groups(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
@@ -689,6 +719,14 @@ def render_report(config: SweepConfig, rows: Sequence[dict], baseline: dict,
         "Probes on the raw activations (SAEBench's baseline): "
         + ", ".join(f"{p.replace('probe_', '').replace('_', '-')} {baseline[p[6:]]:.3f}"
                     for p in probes if p[6:] in baseline) + ".", "",
+        "## SAEBench's core figures", "",
+        "Mean ± sd over the seeds (evaluation/core.py): cos sim, the mean cosine of a row "
+        "and its reconstruction; L2 ratio, the mean |x_hat| / |x|; rel. bias, E|x_hat|^2 / "
+        "E<x, x_hat> (1: no shrinkage); L1, the mean sum of the code; alive, the share of "
+        "latents that fire; > 1 %, the share firing on more than 1 % of the rows; max enc. / "
+        "dec. cos, the mean over the latents of the cosine to the closest other latent's "
+        "encoder / decoder row (high: duplicates).", "",
+        *core_table(rows), "",
         "## Pareto plots", "",
         *(f"![L0 against {label}]({name})" for label, name in plots.items()), "",
         "## Every SAE", "",
