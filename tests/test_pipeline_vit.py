@@ -101,3 +101,27 @@ def test_the_feature_browser_has_ground_truth_and_the_report_shows_it(run):
     assert "## Classifier with the SAEs spliced in" in report and "toy ViT" in report
     assert f"Ground truth of `{HOOK}`" in report
     assert "## Language-model loss" not in report and "## LUT layers" not in report
+
+
+def test_every_sae_is_probed_on_the_image_factors(run):
+    """SAEBench's sparse probing of each SAE on the held-out images' factors, a task per
+    factor value (or named as left out), beside the raw activations, in the report."""
+    import pyarrow.parquet as pq
+
+    summary = json.loads((run / "summary.json").read_text())
+    pr = summary["evaluation"]["probing"]
+    assert pr["images"] == 48 and pr["train_images"] == 24 and pr["tasks"]
+    labels = pq.read_table(run / summary["stages"]["images"]["dir"] / "held_out" / "labels.parquet")
+    values = {f"{f}={v}" for f in ("shape", "colour", "texture", "size", "background")
+              for v in labels.column(f).to_pylist()}  # fmt: skip
+    assert set(pr["tasks"]) | set(pr["skipped"]) == values
+    assert set(pr["saes"]) == {HOOK, f"{HOOK} (CLS)"}
+    for r in pr["saes"].values():
+        for side in ("sae", "activations"):
+            assert set(r[side]["tasks"]) == set(pr["tasks"])
+            assert all(0 <= r[side][k] <= 1 for k in ("top_1", "top_2", "top_5", "full"))
+    report = (run / "report.md").read_text()
+    assert (
+        "## Sparse probing of the image factors" in report
+        and "| SAE | tokens | SAE top-1" in report
+    )

@@ -13,6 +13,7 @@ import torch
 from pyspark_safetensors.evaluation.probing import (
     balanced_task,
     dense_codes,
+    factor_probe_tasks,
     fit_logistic,
     mean_pool,
     probe_tasks,
@@ -135,3 +136,47 @@ def test_probe_features_are_checked():
     with pytest.raises(InvalidArgumentError, match="must leave test rows"):
         synthetic_probe_tasks(active, train_rows=200)
     assert [t.name for t in synthetic_probe_tasks(active, train_rows=100)] == ["feature_0"]
+
+
+def test_factor_tasks_one_value_against_the_rest():
+    colour = ["red", "blue", "green", "red"] * 25 + [None] * 4  # None: no label
+    size = ["small"] * 103 + ["large"]  # one large image: too few to probe
+    tasks, skipped = factor_probe_tasks({"colour": colour, "size": size}, train_examples=50,
+                                        min_positives=5)  # fmt: skip
+    assert [t.name for t in tasks] == ["colour=blue", "colour=green", "colour=red"]
+    assert skipped == ["size=large", "size=small"]
+    red = tasks[2]
+    labels = np.asarray(colour, dtype=object) == "red"
+    assert (labels[red.train_index] == red.train_labels.astype(bool)).all()
+    assert red.train_labels.sum() * 2 == len(red.train_index)  # balanced
+    assert red.train_index.max() < 50 <= red.test_index.min()
+    with pytest.raises(InvalidArgumentError, match="must leave test examples"):
+        factor_probe_tasks({"colour": colour}, train_examples=len(colour))
+
+
+def test_image_factors_are_probed_from_pooled_patch_latents():
+    """Images whose patches carry their colour on one direction: the SAE latent on that
+    direction probes "is it red" from the patches' mean, as do the raw activations; its
+    CLS token carries nothing, so a CLS SAE's probe stays near chance."""
+    from types import SimpleNamespace
+
+    from pyspark_safetensors.pipeline.vision import factor_probing
+
+    rng = np.random.default_rng(0)
+    n, patches, h = 400, 4, 8
+    colour = rng.choice(["red", "blue"], n)
+    acts = rng.normal(scale=0.3, size=(n, 1 + patches, h)).astype(np.float32)
+    acts[:, 1:, 2] += np.where(colour == "red", 1.0, 0.0)[:, None]
+    sae = JumpReLUSAE(h, h, 4)
+    sae.load_full_state({"encoder_weight": torch.eye(h), "encoder_bias": torch.zeros(h),
+                         "decoder_weight": torch.eye(h), "decoder_bias": torch.zeros(h),
+                         "threshold": torch.full((h,), 0.5)})  # fmt: skip
+    layout = SimpleNamespace(n_cls=1, n_prefix=1, n_tokens=1 + patches)
+    got = factor_probing({"hook": acts}, {"patches": ("hook", "image", sae),
+                                          "cls": ("hook", "cls", sae)},
+                         layout, {"colour": colour.tolist()})  # fmt: skip
+    assert got["tasks"] == ["colour=blue", "colour=red"] and got["train_images"] == n // 2
+    patch = got["saes"]["patches"]
+    assert patch["sae"]["top_1"] > 0.95 and patch["activations"]["top_1"] > 0.95
+    assert set(patch["sae"]["tasks"]) == {"colour=blue", "colour=red"}
+    assert abs(got["saes"]["cls"]["sae"]["full"] - 0.5) < 0.12

@@ -26,7 +26,7 @@ to the lower index (torch's stable sort), SAEBench leaves them to an unstable on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,3 +215,34 @@ def synthetic_probe_tasks(active_PF: np.ndarray, *, train_rows: int, n_tasks: in
         picks = np.unique(np.linspace(0, len(order) - 1, min(n_tasks, len(order))).round())
         chosen = [int(order[int(i)]) for i in picks]
     return [balanced_task(f"feature_{f}", active[:, f], train, test, seed + f) for f in chosen]
+
+
+def factor_probe_tasks(labels: Mapping[str, Sequence], *, train_examples: int,
+                       min_positives: int = 5,
+                       seed: int = 0) -> tuple[list[ProbeTask], list[str]]:  # fmt: skip
+    """SAEBench's tasks over categorical labels (``labels``: ``{factor: a value per
+    example}``, e.g. the toy ViT's ``colour`` of each image): for each factor and each of
+    its values, "is the factor this value", one class against the rest (balanced as
+    ``balanced_task``); examples ``[0, train_examples)`` the training split, the rest the
+    test split. Returns the tasks, named ``factor=value``, and the names of those left out
+    because a split holds fewer than ``min_positives`` positives or negatives."""
+    n = len(next(iter(labels.values()), ()))
+    if not 0 < train_examples < n:
+        raise InvalidArgumentError(
+            f"probe train_examples={train_examples} must leave test examples of {n}"
+        )
+    train, test = np.arange(train_examples), np.arange(train_examples, n)
+    tasks, skipped = [], []
+    for factor, column in labels.items():
+        column = np.asarray(column, dtype=object)
+        if len(column) != n:
+            raise InvalidArgumentError(f"factor {factor!r}: {len(column)} labels, not {n}")
+        for value in sorted({v for v in column if v is not None}, key=str):
+            fires = column == value
+            name = f"{factor}={value}"
+            least = min(min(fires[s].sum(), (~fires[s]).sum()) for s in (train, test))
+            if least < min_positives:
+                skipped.append(name)
+                continue
+            tasks.append(balanced_task(name, fires, train, test, seed + len(tasks)))
+    return tasks, skipped

@@ -15,7 +15,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def render_report(summary: dict) -> str:
     """The markdown report of one pipeline run."""
     sections = (_overview, _stages, _extraction, _saes, _transcoders, _crosscoders, _lm_loss,
-                _mlp_replacement, _whole_network, _graphs, _global_weights, _classifier, _lut_errors, _lut_latency, _mlp_latency,
+                _mlp_replacement, _whole_network, _graphs, _global_weights, _classifier, _probing, _lut_errors, _lut_latency, _mlp_latency,
                 _embeddings, _features, _configuration)  # fmt: skip
     return "\n".join(line for section in sections for line in section(summary))
 
@@ -563,6 +563,39 @@ def _classifier(summary: dict) -> list[str]:
         "(CE zero − CE clean); KL of the class distributions to the clean ones. Where "
         "ablating the tokens leaves the classifier unchanged (patches after the last block "
         "that reads them: the classifier reads the CLS token), nothing is left to recover.",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
+def _probing(summary: dict) -> list[str]:
+    """SAEBench's sparse probing of each image SAE on the factors, beside the raw
+    activations."""
+    pr = summary["evaluation"].get("probing")
+    if not pr or not pr["saes"]:
+        return []
+    keys = [k for k in next(iter(pr["saes"].values()))["sae"] if k != "tasks"]
+    heads = [k.replace("top_", "top-") for k in keys]
+    rows = []
+    for name, r in pr["saes"].items():
+        rows.append([f"`{name}`", r["tokens"]]
+                    + [f"**{r['sae'][k]:.3f}**" for k in keys]
+                    + [f"{r['activations'][k]:.3f}" for k in keys])  # fmt: skip
+    header = (["SAE", "tokens"] + [f"SAE {h}" for h in heads]
+              + [f"activations {h}" for h in heads])  # fmt: skip
+    skipped = (f" Left out (too few images of the value in a split): "
+               f"{', '.join(pr['skipped'])}." if pr["skipped"] else "")  # fmt: skip
+    return [
+        "## Sparse probing of the image factors",
+        "",
+        f"SAEBench's sparse probing on the held-out images' known factors: {len(pr['tasks'])} "
+        'tasks, one per factor value ("is the colour red", one against the rest, '
+        "balanced), each image the mean of the tokens an SAE reads and of its latents; "
+        f"probes trained on {pr['train_images']} images and tested on the other "
+        f"{pr['images'] - pr['train_images']}. Test accuracy, mean over the tasks, of an L2 "
+        "logistic regression on the k latents whose class means differ most (top-k) and on "
+        "all of them (full), beside the same probes on the raw activations." + skipped,
         "",
         *_table(header, rows),
         "",

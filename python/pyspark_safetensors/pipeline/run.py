@@ -916,15 +916,16 @@ class Pipeline:
 
     def evaluate_images(self, trained: dict[TrainingRun, Path]) -> None:
         """Stage ``evaluation`` of an image run (``vision.evaluate_vision``): each SAE on the
-        held-out images' tokens it reads, the classifier with each spliced in."""
+        held-out images' tokens it reads, the classifier with each spliced in, sparse
+        probing of the image factors."""
         from .vision import evaluate_vision
 
         c = self.config
         keys = [self.summary["stages"][run.stage]["hash"] for run in trained]
-        key = digest(keys, self.summary["stages"]["images"]["hash"])
-        self.announce(
-            f"evaluate on {c.held_out_images} held-out images (SAEs, the classifier's loss)"
-        )
+        # "probing": the stage's figures grew the factor probes; earlier ones are rebuilt
+        key = digest(keys, self.summary["stages"]["images"]["hash"], "probing")
+        self.announce(f"evaluate on {c.held_out_images} held-out images (SAEs, the "
+                      "classifier's loss, factor probes)")  # fmt: skip
 
         def build(tmp: Path) -> None:
             figures = evaluate_vision(

@@ -7,6 +7,8 @@ reconstruction spliced in at its hook point (on the tokens it was trained on: th
 patches, or the CLS token), against the same tokens zero- and mean-ablated;
 ``loss_recovered`` = (CE zero − CE spliced) / (CE zero − CE clean), 1 = as good as the
 model, 0 = as bad as zero ablation; KL of the class distributions to the clean ones.
+Beside it, SAEBench's sparse probing on the images' known factors: how well k of an SAE's
+latents tell each factor's values apart, against the raw activations.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from .errors import PipelineError
 
 TOKEN_SETS = ("image", "cls")
 """What an image SAE trains on, as the saev views name it: the patches, or the CLS token."""
+POOL_IMAGES = 64
+"""Images whose tokens the factor probes encode at once."""
 
 
 def image_set(out_dir: Path, config, *, images: int, held_out: int) -> None:
@@ -165,6 +169,57 @@ def classifier_evaluation(
     return figures
 
 
+def factor_probing(
+    acts: Mapping[str, np.ndarray],
+    saes: Mapping[str, tuple[str, str, object]],
+    layout,
+    factors: Mapping[str, list],
+    *,
+    min_positives: int = 5,
+    seed: int = 0,
+) -> dict:
+    """SAEBench's sparse probing (``evaluation.probing``) of each SAE on the held-out
+    images' factors: one task per factor value ("is the shape red", one against the rest,
+    balanced), each image its tokens' mean (the patches an SAE reads, or its CLS token),
+    the SAE's latents pooled the same way; the first half of the images train the probes,
+    the second half test them. Beside each SAE, the same probes on its tokens' raw
+    activations (SAEBench's baseline). ``saes``: ``{name: (hook, tokens, sae)}``;
+    ``acts[hook] [images, tokens, H]``; ``factors``: ``{factor: a value per image}``."""
+    from ..evaluation.probing import dense_codes, factor_probe_tasks, probe_tasks
+
+    n = len(next(iter(acts.values())))
+    tasks, skipped = factor_probe_tasks(factors, train_examples=n // 2,
+                                        min_positives=min_positives, seed=seed)  # fmt: skip
+    out = {"images": n, "train_images": n // 2, "tasks": [t.name for t in tasks],
+           "skipped": skipped, "saes": {}}  # fmt: skip
+    if not tasks:
+        return out
+    baselines: dict[tuple[str, str], dict] = {}
+    for name, (hook, tokens, sae) in saes.items():
+        x = torch.from_numpy(acts[hook][:, token_positions(layout, tokens)].astype(np.float32))
+        # a few images' codes at a time: [images, tokens, latents] whole could be large
+        pooled = torch.cat([dense_codes(sae, part.reshape(-1, part.shape[-1]))
+                            .reshape(len(part), part.shape[1], -1).mean(1)
+                            for part in x.split(POOL_IMAGES)])  # fmt: skip
+        if (hook, tokens) not in baselines:
+            baselines[hook, tokens] = probe_tasks(x.mean(1), tasks)
+        out["saes"][name] = {"hook": hook, "tokens": tokens,
+                             "sae": probe_tasks(pooled, tasks),
+                             "activations": baselines[hook, tokens]}  # fmt: skip
+    return out
+
+
+def held_out_factors(directory: Path) -> dict[str, list]:
+    """``{factor: a value per image}`` of a ``write_image_set`` directory, in its labels'
+    order (the factors of ``extract.toy_vit.FACTORS`` it holds)."""
+    import pyarrow.parquet as pq
+
+    from ..extract.toy_vit import FACTORS
+
+    table = pq.read_table(directory / "labels.parquet")
+    return {f: table.column(f).to_pylist() for f in FACTORS if f in table.column_names}
+
+
 def evaluate_vision(
     *,
     model_dir: str | os.PathLike,
@@ -173,8 +228,9 @@ def evaluate_vision(
     out_dir: Path,
 ) -> dict:
     """Every held-out figure of an image run: each SAE's FVU, L0, dead and dense latents on
-    the held-out images' tokens it reads (``saes``: ``{name: (hook, tokens, file)}``), and
-    the classifier with each spliced in (``classifier_evaluation``); writes
+    the held-out images' tokens it reads (``saes``: ``{name: (hook, tokens, file)}``), the
+    classifier with each spliced in (``classifier_evaluation``), and sparse probing of the
+    image factors (``factor_probing``); writes
     ``latent_frequency.png`` into ``out_dir``."""
     from ..extract.vision import VisionExtractor
     from ..sae import load_sae_model
@@ -194,9 +250,11 @@ def evaluate_vision(
     # the fewest tokens any SAE was measured on: a CLS SAE's, one per image
     plot_frequencies(freqs, len(images), out_dir / "latent_frequency.png")
     classifier = classifier_evaluation(extractor, images, labels, loaded, acts)
+    probing = factor_probing(acts, loaded, extractor.layout, held_out_factors(held_out_dir))
     return {
         "held_out_images": len(images),
         "token_layout": extractor.layout.to_dict(),
         "sae": figures,
         "classifier": classifier,
+        "probing": probing,
     }
