@@ -119,6 +119,33 @@ def test_jumprelu_step_gradients_equal_the_dense_formulation():
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_jumprelu_auxk_trains_the_dead_latents_top_pre_activations():
+    """AuxK's code of a JumpReLU SAE: per row, the ``k_aux`` largest pre-activations of
+    the dead latents, whatever their thresholds, 0 where negative; its gradient equals the
+    dense computation's and reaches the dead latents' encoder rows alone."""
+    sae = _jumprelu(seed=2)
+    sae.train()
+    x = torch.randn(32, D, generator=torch.Generator().manual_seed(7))
+    dead = torch.zeros(N, dtype=torch.bool)
+    dead[::3] = True
+    out = sae(x, dead=dead, k_aux=5, aux_rows=20)
+    assert out.aux_values.shape == (20, 5) and dead[out.aux_indices[out.aux_values > 0]].all()
+    residual = torch.randn(20, D, generator=torch.Generator().manual_seed(8))
+    aux = sae.decode_latents(out.aux_values, out.aux_indices)
+    got = torch.autograd.grad((aux - residual).pow(2).sum(), sae.encoder_weight)[0]
+    pre = (x[:20] - sae.decoder_bias) @ sae.encoder_weight.T + sae.encoder_bias
+    top = pre.masked_fill(~dead, float("-inf")).topk(5, dim=1)
+    dense = torch.zeros_like(pre).scatter(1, top.indices, top.values.clamp_min(0))
+    torch.testing.assert_close(
+        out.aux_values.sort(1).values, dense.topk(5, 1).values.sort(1).values
+    )
+    want = torch.autograd.grad(
+        (dense @ sae.decoder_weight - residual).pow(2).sum(), sae.encoder_weight
+    )[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got[~dead].abs().max() == 0 and got[dead].abs().max() > 0
+
+
 def _config(activations, out_dir, **kw):
     base = dict(dataset=str(activations), n_latents=64, k=4, batch_size=256, tokens=256 * 100,
                 architecture="jumprelu", out_dir=str(out_dir), log_every=10, checkpoints=0,

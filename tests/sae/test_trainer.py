@@ -333,6 +333,32 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
         Trainer(_config(activations, tmp_path, warmup_steps=2, tokens=256 * 4))
 
 
+def test_a_long_runs_default_rate_falls_with_its_length(tmp_path, activations):
+    """The default rate holds up to 512 steps, then falls as 1 / steps down to sparsify's
+    long-run rate; a rate set by hand is kept; a JumpReLU SAE's thresholds keep the
+    short-run rate, in an optimizer group of their own on the same schedule."""
+    c = SAEConfig(d=384, n_latents=4096)
+    assert c.learning_rate_at(100) == c.learning_rate_at(512) == pytest.approx(5.6e-3)
+    assert c.learning_rate_at(4096) == pytest.approx(5.6e-3 / 8)
+    assert c.learning_rate_at(10**6) == pytest.approx(4e-4)  # 2e-4 at 16,384 latents
+    assert SAEConfig(lr=1e-3).learning_rate_at(10**6) == 1e-3
+    long = Trainer(_config(activations, tmp_path, architecture="jumprelu", tokens=256 * 2048,
+                           lr=0.0))  # fmt: skip
+    assert long.learning_rate == pytest.approx(long.config.learning_rate / 4)
+    long.step = 1000  # past the warm-up
+    long._schedule()
+    encoder, rest, thresholds = long.optimizer.param_groups
+    assert thresholds["params"] == [long.sae.log_threshold]
+    assert rest["lr"] == pytest.approx(long.learning_rate)
+    assert thresholds["lr"] == pytest.approx(long.config.learning_rate)
+    set_by_hand = Trainer(_config(activations, tmp_path, architecture="jumprelu",
+                                  jumprelu_threshold_lr=0.05, tokens=256 * 10))  # fmt: skip
+    set_by_hand._schedule()
+    assert set_by_hand.optimizer.param_groups[2]["lr"] == pytest.approx(
+        0.05 * set_by_hand.lr_at(0) / set_by_hand.learning_rate
+    )
+
+
 def test_the_tied_encoder_starts_at_the_least_squares_scale(tmp_path, activations):
     """The encoder starts as the decoder's transpose times the scale that makes the first
     reconstruction least-squares right (the FVU at it is below the unscaled tied SAE's and

@@ -34,6 +34,7 @@ from ..torch import ActivationLoader
 from .architectures import (
     CrosscoderSAE,
     CrossLayerTranscoder,
+    JumpReLUSAE,
     SparseAutoencoder,
     build_sae,
 )
@@ -224,12 +225,17 @@ class Trainer:
         self.dp = config.data_parallel_size
         self.sae = self._build_sae()
         encoder = [self.sae.encoder_weight]
-        rest = [p for p in self.sae.parameters() if p is not self.sae.encoder_weight]
+        # a JumpReLU SAE's thresholds: a group of their own, at their own rate
+        thresholds = [self.sae.log_threshold] if isinstance(self.sae, JumpReLUSAE) else []
+        rest = [p for p in self.sae.parameters()
+                if p is not self.sae.encoder_weight and all(p is not t for t in thresholds)]  # fmt: skip
         #: The encoder's learning rate relative to the rest's (``init_encoder_scale``).
         self.encoder_lr_scale = 1.0
         self.optimizer = torch.optim.Adam(
-            [{"params": encoder}, {"params": rest}],  # the encoder's group first
-            lr=config.learning_rate,
+            # the encoder's group first, the thresholds' last
+            [{"params": encoder}, {"params": rest}]
+            + ([{"params": thresholds}] if thresholds else []),
+            lr=config.learning_rate,  # each step sets its groups' rates (_schedule)
             betas=config.adam_betas,
             eps=config.adam_eps,
             # one fused kernel per step: on CPU 6x faster than the per-tensor loop at
@@ -260,6 +266,8 @@ class Trainer:
                 max_samples=self.total_steps * config.batch_size,
             )  # fmt: skip
         self.warmup_steps = config.warmup_steps or round(config.warmup_fraction * self.total_steps)
+        #: The peak learning rate of this run's length (``SAEConfig.learning_rate_at``).
+        self.learning_rate = config.learning_rate_at(self.total_steps)
         self.dead_tokens = config.dead_window(self.total_steps * config.batch_size)
         self._warn_about_schedule()
         n_local = self.sae.n_local
@@ -320,7 +328,7 @@ class Trainer:
         decay_steps = int(self.total_steps * c.decay_fraction)
         if decay_steps and step >= self.total_steps - decay_steps:
             scale *= max(0.0, (self.total_steps - step) / decay_steps)
-        return c.learning_rate * scale
+        return self.learning_rate * scale
 
     def k_at(self, step: int) -> int:
         c = self.config
@@ -415,7 +423,7 @@ class Trainer:
         y = x if autoencoder else y.to(self.device, torch.float32)
         k, lr = self._schedule()
         dead, n_dead = self._dead_latents()
-        use_aux = n_dead > 0 and self.config.aux_coef > 0 and self.sae.USES_AUX
+        use_aux = n_dead > 0 and self.config.aux_coef > 0
         out, err, residual, aux_err = self._forward(x, y, k, dead if use_aux else None, n_dead)
         losses = self._losses(out, y, err, residual, aux_err)
         fvu = float(losses.totals[0] / losses.var_x)
@@ -432,8 +440,10 @@ class Trainer:
         (the encoder's scaled by ``encoder_lr_scale``)."""
         k = self.k_at(self.step)
         lr = self.lr_at(self.step)
-        encoder, rest = self.optimizer.param_groups
+        encoder, rest, *thresholds = self.optimizer.param_groups
         encoder["lr"], rest["lr"] = lr * self.encoder_lr_scale, lr
+        for group in thresholds:  # the same schedule at the thresholds' rate
+            group["lr"] = lr * self.config.threshold_learning_rate / self.learning_rate
         return k, lr
 
     def _dead_latents(self) -> tuple[torch.Tensor, int]:
@@ -723,7 +733,7 @@ class Trainer:
         c, sae = self.config, self.sae
         groups = [{"params": [sae.log_threshold], "lr": c.clt_threshold_lr}]
         dictionary = [p for n, p in sae.named_parameters() if n != "log_threshold"]
-        lr = c.clt_threshold_dictionary_lr * c.learning_rate
+        lr = c.clt_threshold_dictionary_lr * self.learning_rate
         if lr:
             rest = [p for p in dictionary if p is not sae.encoder_weight]
             groups += [{"params": [sae.encoder_weight], "lr": lr * self.encoder_lr_scale},

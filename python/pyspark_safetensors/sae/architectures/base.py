@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...format.errors import InvalidArgumentError
-from ..mesh import MODEL, DimMap, mesh_dim_size, mesh_rank, reduce_from_model
+from ..mesh import MODEL, DimMap, all_gather_cat, mesh_dim_size, mesh_rank, reduce_from_model
 
 #: Floor of a variance or norm we divide by (an all-constant batch, a zero row).
 TINY = 1e-12
@@ -85,8 +85,6 @@ class SparseAutoencoder(nn.Module):
     EXTRA_TENSORS: ClassVar[tuple[str, ...]] = ()
     #: Why the LUT's per-row top-k cannot reproduce this architecture's code ("" = it can).
     LUT_REFUSAL: ClassVar[str] = ""
-    #: Whether the trainer's AuxK loss applies (dead latents revived through a top-k).
-    USES_AUX: ClassVar[bool] = True
     #: Whether encoding selects the top k (so a stored SAE must record its k).
     SELECTS_TOP_K: ClassVar[bool] = True
     #: Whether the encoder starts as the decoder's transpose (an autoencoder of its input;
@@ -230,6 +228,17 @@ class SparseAutoencoder(nn.Module):
 
     def _empty_aux(self, values: torch.Tensor, indices: torch.Tensor):
         return values[:, :0], indices[:, :0]
+
+    def _global_top(self, vals: torch.Tensor, k: int) -> torch.Tensor:
+        """Zero this rank's candidates ``vals [B, m]`` that lose the top k of their row
+        over every model rank (one all-gather; alone, all of them win)."""
+        if mesh_dim_size(self.mesh, MODEL) == 1:
+            return vals
+        cand = all_gather_cat(vals.detach(), self.mesh, MODEL, dim=1)  # [B, tp * m]
+        win = torch.zeros_like(cand, dtype=torch.bool)
+        win.scatter_(1, cand.topk(k, dim=1, sorted=False).indices, True)
+        rank = mesh_rank(self.mesh, MODEL)
+        return vals * win[:, rank * vals.shape[1] : (rank + 1) * vals.shape[1]]
 
     # --- the trainer's hooks ---------------------------------------------------------------
 

@@ -125,7 +125,6 @@ class JumpReLUSAE(SparseAutoencoder):
 
     ARCHITECTURE = "jumprelu"
     EXTRA_TENSORS = ("threshold",)
-    USES_AUX = False
     SELECTS_TOP_K = False  # thresholds pick the code; k is only training's L0 target
     LUT_REFUSAL = (
         "a JumpReLU SAE fires every latent above its own threshold, so a row's number of "
@@ -173,7 +172,8 @@ class JumpReLUSAE(SparseAutoencoder):
         kernel's width, where the threshold's gradient reaches; their code is 0 below the
         threshold), listed row by row, the code straight through (``ThresholdCode``). The
         dense pre-activations are formed without the graph, so the backward touches only
-        the entries (``EntryEncode``)."""
+        the entries (``EntryEncode``). Also returns the centred input and the dense
+        pre-activations (outside the graph), for ``_aux_code``."""
         xc = copy_to_model(x.to(self.encoder_weight.dtype) - self.decoder_bias, self.mesh)
         theta = self.threshold
         with torch.no_grad():
@@ -185,30 +185,55 @@ class JumpReLUSAE(SparseAutoencoder):
                               pre.flatten()[flat])  # fmt: skip
         th = theta[latents]
         if not tuning:
-            return rows, latents, v * (v > th)
+            return rows, latents, v * (v > th), xc, pre
         eps = v.new_full((), self.bandwidth).expand_as(v)
         self._tuned = (v.detach(), th, eps)
-        return rows, latents, ThresholdCode.apply(v, th, eps)
+        return rows, latents, ThresholdCode.apply(v, th, eps), xc, pre
+
+    def _aux_code(self, xc: torch.Tensor, pre: torch.Tensor, dead: torch.Tensor, k_aux: int,
+                  aux_rows: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """AuxK's code (as ``topk.py``'s): on the first ``aux_rows`` rows, the ``k_aux``
+        largest pre-activations of the dead latents, whatever their thresholds (0 where
+        negative), the global top over the model ranks; the gradient reaches those
+        entries' encoder rows alone (``EntryEncode``), so a dead latent learns to explain
+        what the live ones miss until it crosses its threshold again."""
+        with torch.no_grad():
+            cand = pre[:aux_rows].masked_fill(~dead, 0)
+            idx = cand.topk(k_aux, dim=1, sorted=False).indices
+            rows = torch.arange(aux_rows, device=pre.device).repeat_interleave(k_aux)
+            latents = idx.flatten()
+        v = EntryEncode.apply(xc, self.encoder_weight, self.encoder_bias, rows, latents,
+                              pre[rows, latents])  # fmt: skip
+        v = (v * (v > 0)).view(aux_rows, k_aux)
+        return self._global_top(v, k_aux), idx + self.offset
 
     def forward(self, x: torch.Tensor, *, k=None, dead=None, k_aux=0, aux_rows=None) -> SAEOutput:
-        """Encode and decode ``x [B, d]`` (``k`` and the AuxK arguments are accepted for the
-        trainer's sake and unused: the thresholds decide); the decoder sums each row's
-        fired latents (``embedding_bag``), never a dense ``[B, n]`` code."""
+        """Encode and decode ``x [B, d]`` (``k`` is accepted for the trainer's sake and
+        unused: the thresholds decide); the decoder sums each row's fired latents
+        (``embedding_bag``), never a dense ``[B, n]`` code. ``dead`` (bool ``[n_local]``)
+        with ``k_aux`` also gives AuxK's code of the first ``aux_rows`` rows
+        (``_aux_code``)."""
         self._tuned = None
-        rows, latents, code = self._code_entries(x, self.training and torch.is_grad_enabled())
+        tuning = self.training and torch.is_grad_enabled()
+        rows, latents, code, xc, pre = self._code_entries(x, tuning)
         offsets = torch.searchsorted(rows, torch.arange(len(x), device=rows.device))
         part = F.embedding_bag(latents, self.decoder_weight, offsets, mode="sum",
                                per_sample_weights=code.to(self.decoder_weight.dtype))  # fmt: skip
         x_hat = reduce_from_model(part, self.mesh) + self.decoder_bias
         values, indices = self._slots(rows, latents, code.detach(), len(x))
-        aux_values, aux_indices = self._empty_aux(values, indices)
+        if dead is not None and k_aux > 0:
+            aux_values, aux_indices = self._aux_code(
+                xc, pre, dead, min(k_aux, self.n_local), len(x) if aux_rows is None else aux_rows
+            )
+        else:
+            aux_values, aux_indices = self._empty_aux(values, indices)
         return SAEOutput(x_hat, values, indices, aux_values, aux_indices)
 
     def encode(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The code of ``x [B, d]`` as ``forward`` gives it, without decoding (``k`` unused):
         ``(values, indices)``, each row padded with zeros to the batch's largest count
         (global indices)."""
-        rows, latents, code = self._code_entries(x, tuning=False)
+        rows, latents, code, _, _ = self._code_entries(x, tuning=False)
         return self._slots(rows, latents, code.detach(), len(x))
 
     @torch.no_grad()

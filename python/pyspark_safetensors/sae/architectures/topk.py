@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..mesh import MODEL, all_gather_cat, copy_to_model, mesh_dim_size, mesh_rank
+from ..mesh import copy_to_model
 from .base import SAEOutput, SparseAutoencoder
 
 
@@ -89,19 +89,8 @@ class TopKSAE(SparseAutoencoder):
         """Candidates each rank keeps per row before the global selection."""
         return min(k, self.n_local)
 
-    def _select(self, vals: torch.Tensor, k: int) -> torch.Tensor:
-        """Zero this rank's candidates that lose the global top-k (one all-gather)."""
-        if mesh_dim_size(self.mesh, MODEL) == 1:
-            return vals
-        cand = all_gather_cat(vals.detach(), self.mesh, MODEL, dim=1)  # [B, tp * k_local]
-        win = torch.zeros_like(cand, dtype=torch.bool)
-        win.scatter_(1, cand.topk(k, dim=1, sorted=False).indices, True)
-        rank = mesh_rank(self.mesh, MODEL)
-        mine = win[:, rank * vals.shape[1] : (rank + 1) * vals.shape[1]]
-        return vals * mine
-
     def _select_code(self, vals: torch.Tensor, k: int) -> torch.Tensor:
-        return self._select(vals, k)
+        return self._global_top(vals, k)
 
     def forward(
         self,
@@ -126,7 +115,7 @@ class TopKSAE(SparseAutoencoder):
         vals = self._select_code(vals, k)
         idx = idx + self.offset
         if use_aux:
-            aux_vals, aux_idx = self._select(aux_vals, k_aux), aux_idx + self.offset
+            aux_vals, aux_idx = self._global_top(aux_vals, k_aux), aux_idx + self.offset
         return self._output(x, vals, idx, aux_vals, aux_idx)
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
