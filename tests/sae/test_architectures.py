@@ -144,6 +144,7 @@ def test_jumprelu_auxk_trains_the_dead_latents_top_pre_activations():
     )[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert got[~dead].abs().max() == 0 and got[dead].abs().max() > 0
+    assert sae(x, dead=dead, k_aux=5, aux_rows=64).aux_values.shape == (32, 5)  # all rows
 
 
 def _config(activations, out_dir, **kw):
@@ -157,10 +158,10 @@ def _config(activations, out_dir, **kw):
 def test_jumprelu_trains_its_fvu_falls_and_its_l0_tracks_the_target(
     tmp_path, activations, seed, figure
 ):
-    """Spread (``tests/margins.py``, seeds 0-4 on the pinned CPU path, identical at 1 and 2
-    threads): FVU 0.325-0.363 (< 0.6, margin +40 %), L0 off k by 5-16 % (< 25 %), the late
-    FVU falling to 0.83-0.87 of its first value (< 1, margin +13 %), penalty 0.002-0.026
-    (< 0.1)."""
+    """Spread (``tests/margins.py``, seeds 0-4 on the pinned CPU path, with AuxK; 1 and 2
+    threads and the native kernels agree to 4 digits, not to the bit): FVU 0.326-0.362
+    (< 0.6, margin +40 %), L0 off k by 4-16 % (< 25 %, +36 %), the late FVU falling to
+    0.835-0.878 of its first value (< 1, margin +12 %), penalty 0.002-0.026 (< 0.1)."""
     trainer = Trainer(_config(activations, tmp_path / "run", seed=seed))
     trainer.fit()
     first, last = trainer.history[0], trainer.history[-1]

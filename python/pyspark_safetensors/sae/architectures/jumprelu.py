@@ -197,6 +197,7 @@ class JumpReLUSAE(SparseAutoencoder):
         negative), the global top over the model ranks; the gradient reaches those
         entries' encoder rows alone (``EntryEncode``), so a dead latent learns to explain
         what the live ones miss until it crosses its threshold again."""
+        aux_rows = min(aux_rows, len(pre))  # the trainer's aux_rows may exceed a small batch
         with torch.no_grad():
             cand = pre[:aux_rows].masked_fill(~dead, 0)
             idx = cand.topk(k_aux, dim=1, sorted=False).indices
