@@ -5,13 +5,18 @@ to 1e-4) on one evaluation set.
 
     python -m benchmarks synth                  # needs sae-lens: .venv-baselines
     SYNTH_SAMPLES=65536 SYNTH_FAMILIES=topk SYNTH_LRS=3e-4,3e-3 python -m benchmarks synth
+    SYNTH_SEEDS=1,2,3 SYNTH_JOBS=2 python -m benchmarks synth     # the seed spread
 
 Environment: ``SYNTH_SAMPLES`` training samples (default 524,288; a multiple of the batch;
 4,194,304 or more runs the same way, a data set of about 7 GB under ``out/bench_synth`` and
 about eight times the CPU of the default), ``SYNTH_FAMILIES`` (``topk``, ``batchtopk``,
 ``jumprelu``, ``matryoshka``), ``SYNTH_LRS`` (SAELens' sweep, default
 ``3e-4,1e-3,3e-3,1e-2``; its runner's shipped rate, 3e-4, is always trained),
-``SYNTH_EVAL`` (evaluation samples, default 50,000).
+``SYNTH_EVAL`` (evaluation samples, default 50,000), ``SYNTH_SEEDS`` (the trainers'
+seeds, default 1: each seed draws both trainers' initial weights and sample order, and the
+table gives mean ± sd over them), ``SYNTH_JOBS`` (training processes at a time, default 1;
+each trains one family and seed, ours then SAELens at each rate). The default size
+updates the doc's ``synth`` block, another size its own (``synth-4194304``).
 
 The model: SynthSAEBench-16k's recipe scaled down as ``docs/evaluation.md`` gives it,
 4,096 true features in 256 dimensions (Zipfian firing, 128 trees of branching 4 and depth
@@ -34,7 +39,7 @@ constant rate, batch 1,024, no warm-up, decay or normalisation) and the SAE buil
 runner builds it (``get_sae_training_class``). Both trainers' batches are hashed as they
 are consumed and the two sequences must be equal: the run fails otherwise.
 
-Both trainers train at width 1,024 and k 12, seed 1 (the model's is 0; our trainer's
+Both trainers train at width 1,024 and k 12, seed 1 by default (the model's is 0; our trainer's
 initial weights are drawn apart from any other use of a seed, ``init_generator``). Ours at its shipped defaults
 (rate ``2.8e-3 / sqrt(1024 / 16384)``, Adam 0.8/0.98, warm-up and decay, AuxK,
 geometric-median ``b_dec``; Matryoshka's prefixes n/16 ... n) but the batch, 1,024 like
@@ -157,30 +162,31 @@ class Recorded:
             yield batch
 
 
-def stream(train: Path, steps: int):
+def stream(train: Path, steps: int, seed: int):
     """``steps`` batches of the training set in the order our ``Trainer`` reads them
     (its loader, its arguments for one process)."""
     from pyspark_safetensors.torch import ActivationLoader, open_dataset
 
     loader = ActivationLoader(open_dataset(train), BATCH, columns=["activation"],
-                              seed=TRAINER_SEED, drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
+                              seed=seed, drop_last=True, dp_rank=0, dp_size=1)  # fmt: skip
     for step, batch in enumerate(loader):
         if step == steps:
             return
         yield batch["activation"]
 
 
-def train_ours(family: str, train: Path, samples: int, out: Path, digests: list[int]):
+def train_ours(family: str, train: Path, samples: int, out: Path, digests: list[int],
+               seed: int):  # fmt: skip
     from pyspark_safetensors.sae import SAEConfig, load_sae_model
     from pyspark_safetensors.sae.train import Trainer
 
     config = SAEConfig(dataset=str(train), architecture=family, n_latents=N_LATENTS, k=K,
-                       batch_size=BATCH, tokens=samples, seed=TRAINER_SEED, out_dir=str(out),
+                       batch_size=BATCH, tokens=samples, seed=seed, out_dir=str(out),
                        checkpoints=0, progress=False, plots=False, log_every=100_000)  # fmt: skip
     trainer = Trainer(config)
     trainer.loader = Recorded(trainer.loader, digests, "activation")
     trainer.fit()
-    return trainer.config.learning_rate, lambda: load_sae_model(out / "sae.safetensors")
+    return trainer.learning_rate, lambda: load_sae_model(out / "sae.safetensors")
 
 
 def saelens_sae_config(family: str):
@@ -206,7 +212,7 @@ def saelens_sae_config(family: str):
 
 
 def train_saelens(family: str, lr: float, model_dir: Path, train: Path, samples: int, out: Path,
-                  digests: list[int]):  # fmt: skip
+                  digests: list[int], seed: int):  # fmt: skip
     """SAELens' SynthSAEBench runner's training (``SyntheticSAERunner.run`` up to its
     ``trainer.fit()``) with our stream in place of its in-process draws."""
     from sae_lens.config import LoggingConfig
@@ -220,10 +226,10 @@ def train_saelens(family: str, lr: float, model_dir: Path, train: Path, samples:
                                    training_samples=samples, batch_size=BATCH, lr=lr,
                                    output_path=None, checkpoint_path=None, eval_samples=0,
                                    logger=LoggingConfig(log_to_wandb=False))  # fmt: skip
-    torch.manual_seed(TRAINER_SEED)
+    torch.manual_seed(seed)
     sae_class, _ = get_sae_training_class(cfg.sae.architecture())
     sae = sae_class(cfg.sae)
-    batches = iter(Recorded(stream(train, samples // BATCH), digests))
+    batches = iter(Recorded(stream(train, samples // BATCH, seed), digests))
     SAETrainer(cfg=cfg.to_sae_trainer_config(), sae=sae, data_provider=batches).fit()
     sae.save_inference_model(str(out))
     return lr, lambda: load_sae_model(out)
@@ -238,113 +244,193 @@ def timed(fn, *args):
 
 HEADER = ["family", "trainer", "lr", "MCC", "F1", "L0", "dead", "explained var.",
           "samples/s (CPU)", "ours / SAELens (CPU)", "wall s"]  # fmt: skip
+_GRADER = {}  # per process: the model and the evaluation set, read once
 
 
-def run() -> str:
-    import numpy as np
-
+def grade(paths: dict[str, Path], load):
     from pyspark_safetensors.evaluation import (
         SyntheticModel,
         evaluate_ground_truth,
         ground_truth_batches,
     )
 
+    if not _GRADER:
+        _GRADER["model"] = SyntheticModel.load(paths["model"])
+        _GRADER["evals"] = list(ground_truth_batches(paths["eval"], batch=4096))
+    model = _GRADER["model"]
+    return evaluate_ground_truth(load(), model.feature_vectors, _GRADER["evals"],
+                                 parent_of=model.parent_of)  # fmt: skip
+
+
+def train_family(family: str, seed: int, samples: int, lrs: list[float],
+                 paths: dict[str, Path]) -> list[tuple]:  # fmt: skip
+    """Ours and SAELens at each rate on one family and seed, each graded: rows of
+    ``(family, trainer, lr, seed, metrics, cpu s, wall s)``."""
     torch.set_num_threads(1)
-    if importlib.util.find_spec("sae_lens") is None:
-        raise ModuleNotFoundError(
-            "synth trains SAELens' runner: run it with sae-lens 6.54 installed "
-            "(.venv-baselines/bin/python -m benchmarks synth; bench_clt_quality.SETUP)"
-        )
     # imported before any timing: neither trainer's first call pays for its imports
     import sae_lens.synthetic
     import sae_lens.training.sae_trainer  # noqa: F401
 
     import pyspark_safetensors.sae.train  # noqa: F401
 
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ours: list[int] = []
+        (lr, load), cpu, wall = timed(train_ours, family, paths["train"], samples,
+                                      Path(tmp) / "ours", ours, seed)  # fmt: skip
+        rows.append((family, "ours (defaults)", lr, seed, grade(paths, load), cpu, wall))
+        print(family, "ours", seed, f"MCC {rows[-1][4].mcc:.3f}", f"{cpu:.0f} s CPU", flush=True)
+        for lr in lrs:
+            theirs: list[int] = []
+            (_, load), cpu, wall = timed(train_saelens, family, lr, paths["model"],
+                                         paths["train"], samples, Path(tmp) / f"sl-{lr:g}",
+                                         theirs, seed)  # fmt: skip
+            if theirs != ours:
+                raise AssertionError(
+                    f"{family}: SAELens read {len(theirs)} batches, ours {len(ours)}, not "
+                    "the same rows in the same order"
+                )
+            rows.append((family, "SAELens", lr, seed, grade(paths, load), cpu, wall))
+            print(family, f"SAELens {lr:g}", seed, f"MCC {rows[-1][4].mcc:.3f}",
+                  f"{cpu:.0f} s CPU", flush=True)  # fmt: skip
+    return rows
+
+
+def spread(values, digits: int, sep: bool = False) -> str:
+    """``mean`` or ``mean ± sd`` over seeds."""
+    import numpy as np
+
+    mean = float(np.mean(values))
+    text = f"{mean:,.{digits}f}" if sep else f"{mean:.{digits}f}"
+    if len(values) > 1:
+        sd = float(np.std(values, ddof=1))
+        text += f" ± {sd:,.{digits}f}" if sep else f" ± {sd:.{digits}f}"
+    return text
+
+
+def block() -> str:
+    """This run's block of ``docs/BENCHMARKS.md``: ``synth`` at the default size, else
+    ``synth-{samples}``, so that each size's table stays."""
+    samples = settings()[0]
+    return "synth" if samples == 524_288 else f"synth-{samples}"
+
+
+def settings():
     samples = int(os.environ.get("SYNTH_SAMPLES", 524_288)) // BATCH * BATCH
+    seeds = [int(v) for v in os.environ.get("SYNTH_SEEDS", str(TRAINER_SEED)).split(",") if v]
     eval_rows = int(os.environ.get("SYNTH_EVAL", 50_000))
     families = [f for f in os.environ.get("SYNTH_FAMILIES", ",".join(FAMILIES)).split(",") if f]
     lrs = [float(v) for v in os.environ.get("SYNTH_LRS", "3e-4,1e-3,3e-3,1e-2").split(",") if v]
-    lrs = sorted(set(lrs) | {SHIPPED_LR})
+    jobs = int(os.environ.get("SYNTH_JOBS", 1))
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"SYNTH_FAMILIES: unknown {sorted(unknown)}; choose among {FAMILIES}")
+    return samples, seeds, eval_rows, families, sorted(set(lrs) | {SHIPPED_LR}), jobs
+
+
+def remember(paths: dict[str, Path], samples: int, results: list[tuple]) -> list[tuple]:
+    """This run's rows with those of the families and seeds an earlier run measured at
+    this size and this one did not (``results-{samples}.json`` beside the data), so that
+    families can be measured one run at a time; the metrics as attributes."""
+    from types import SimpleNamespace
+
+    file = paths["train"].parent / f"results-{samples}.json"
+    old = json.loads(file.read_text()) if file.is_file() else []
+    new = [{"family": f, "trainer": t, "lr": lr, "seed": s, "metrics": m.to_dict(), "cpu": c,
+            "wall": w} for f, t, lr, s, m, c, w in results]  # fmt: skip
+    measured = {(r["family"], r["seed"]) for r in new}
+    kept = [r for r in old if (r["family"], r["seed"]) not in measured] + new
+    file.write_text(json.dumps(kept, indent=1) + "\n")
+    return [(r["family"], r["trainer"], r["lr"], r["seed"], SimpleNamespace(**r["metrics"]),
+             r["cpu"], r["wall"]) for r in kept]  # fmt: skip
+
+
+def run() -> str:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import numpy as np
+
+    if importlib.util.find_spec("sae_lens") is None:
+        raise ModuleNotFoundError(
+            "synth trains SAELens' runner: run it with sae-lens 6.54 installed "
+            "(.venv-baselines/bin/python -m benchmarks synth; bench_clt_quality.SETUP)"
+        )
+    samples, seeds, eval_rows, families, lrs, jobs = settings()
+    ran, rates = families, lrs
     paths = data(samples, eval_rows)
-    model = SyntheticModel.load(paths["model"])
-    evals = list(ground_truth_batches(paths["eval"], batch=4096))  # read once, in memory
-    true_l0 = None
+    # the slowest family first, so that the processes finish together
+    tasks = sorted(((f, s) for f in families for s in seeds),
+                   key=lambda t: -FAMILIES.index(t[0]))  # fmt: skip
+    results = []
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(train_family, f, s, samples, lrs, paths) for f, s in tasks]
+            for future in futures:
+                results += future.result()
+    else:
+        for f, s in tasks:
+            results += train_family(f, s, samples, lrs, paths)
+    results = remember(paths, samples, results)
+    families = [f for f in FAMILIES if any(r[0] == f for r in results)]
+    true_l0 = results[0][4].true_l0
 
-    def grade(load):
-        nonlocal true_l0
-        m = evaluate_ground_truth(load(), model.feature_vectors, evals, parent_of=model.parent_of)
-        true_l0 = m.true_l0
-        return m
+    def runs(family, who, lr=None):
+        return [r for r in results if r[0] == family and r[1].startswith(who)
+                and (lr is None or r[2] == lr)]  # fmt: skip
 
-    results = []  # (family, trainer, lr, metrics, cpu s, wall s)
+    def mean(rs, attr):
+        return float(np.mean([getattr(r[4], attr) for r in rs]))
+
+    def cpu(rs):
+        return float(np.mean([r[5] for r in rs]))
+
+    rows, words, trail, edge = [], [], [], []
     for family in families:
-        with tempfile.TemporaryDirectory() as tmp:
-            ours: list[int] = []
-            (lr, load), cpu, wall = timed(train_ours, family, paths["train"], samples,
-                                          Path(tmp) / "ours", ours)  # fmt: skip
-            results.append((family, "ours (defaults)", lr, grade(load), cpu, wall))
-            print(results[-1][:3], results[-1][3].mcc, f"{cpu:.0f} s CPU", flush=True)
-            for lr in lrs:
-                theirs: list[int] = []
-                (_, load), cpu, wall = timed(train_saelens, family, lr, paths["model"],
-                                             paths["train"], samples, Path(tmp) / f"sl-{lr:g}",
-                                             theirs)  # fmt: skip
-                if theirs != ours:
-                    raise AssertionError(
-                        f"{family}: SAELens read {len(theirs)} batches, ours {len(ours)}, not "
-                        "the same rows in the same order"
-                    )
-                results.append((family, "SAELens", lr, grade(load), cpu, wall))
-                print(results[-1][:3], results[-1][3].mcc, f"{cpu:.0f} s CPU", flush=True)
-
-    rows, words = [], []
-    for family in families:
-        mine = [r for r in results if r[0] == family and r[1].startswith("ours")]
-        peer = [r for r in results if r[0] == family and r[1] == "SAELens"]
-        shipped = next(r for r in peer if r[2] == SHIPPED_LR)
-        best = max(peer, key=lambda r: r[3].mcc)
-        for r in mine + peer:
-            fam, who, lr, m, cpu, wall = r
+        lrs = sorted({r[2] for r in runs(family, "SAELens")})
+        mine = runs(family, "ours")
+        shipped = runs(family, "SAELens", SHIPPED_LR)
+        best_lr = max(lrs, key=lambda lr: mean(runs(family, "SAELens", lr), "mcc"))
+        best = runs(family, "SAELens", best_lr)
+        for who, group in [("ours (defaults)", mine)] + [("SAELens", runs(family, "SAELens", lr))
+                                                          for lr in lrs]:  # fmt: skip
             label = who
             if who == "SAELens":
-                marks = [s for s, hit in (("shipped lr", r is shipped), ("best MCC", r is best))
-                         if hit]  # fmt: skip
+                lr = group[0][2]
+                marks = [s for s, hit in (("shipped lr", lr == SHIPPED_LR),
+                                          ("best MCC", lr == best_lr)) if hit]  # fmt: skip
                 label += f" ({', '.join(marks)})" if marks else ""
-            ratio = "" if who == "SAELens" else f"{shipped[4] / cpu:.2f}"
-            rows.append([fam, label, f"{lr:.2g}", f"{m.mcc:.3f}", f"{m.f1:.3f}",
-                         f"{m.sae_l0:.1f}", m.dead_latents, f"{m.explained_variance:.3f}",
-                         f"{samples / cpu:,.0f}", ratio, f"{wall:.0f}"])  # fmt: skip
-        m0, mb = mine[0][3], best[3]
+            ratio = "" if who == "SAELens" else spread([cpu(shipped) / r[5] for r in group], 2)
+            rows.append([
+                family, label, f"{group[0][2]:.2g}",
+                spread([r[4].mcc for r in group], 3), spread([r[4].f1 for r in group], 3),
+                spread([r[4].sae_l0 for r in group], 1),
+                spread([r[4].dead_latents for r in group], 0),
+                spread([r[4].explained_variance for r in group], 3),
+                spread([samples / r[5] for r in group], 0, sep=True), ratio,
+                f"{np.mean([r[6] for r in group]):.0f}",
+            ])  # fmt: skip
+        m = {a: mean(mine, a) for a in ("mcc", "f1", "explained_variance", "dead_latents")}
+        b = {a: mean(best, a) for a in m}
         words.append(
-            f"- {family}: MCC {m0.mcc:.3f} against SAELens' best {mb.mcc:.3f} (lr "
-            f"{best[2]:.2g}; {m0.mcc / mb.mcc - 1:+.1%}) and its shipped rate's "
-            f"{shipped[3].mcc:.3f} ({m0.mcc / shipped[3].mcc - 1:+.1%}); F1 {m0.f1:.3f} "
-            f"against {mb.f1:.3f}; explained variance {m0.explained_variance:.3f} against "
-            f"{mb.explained_variance:.3f}; {shipped[4] / mine[0][4]:.2f}x "
-            f"SAELens' CPU speed."
+            f"- {family}: MCC {m['mcc']:.3f} against SAELens' best {b['mcc']:.3f} (lr "
+            f"{best_lr:.2g}; {m['mcc'] / b['mcc'] - 1:+.1%}) and its shipped rate's "
+            f"{mean(shipped, 'mcc'):.3f} ({m['mcc'] / mean(shipped, 'mcc') - 1:+.1%}); F1 "
+            f"{m['f1']:.3f} against {b['f1']:.3f}; explained variance "
+            f"{m['explained_variance']:.3f} against {b['explained_variance']:.3f}; "
+            f"{cpu(shipped) / cpu(mine):.2f}x SAELens' CPU speed."
         )
-    trail = []  # (family, figure, ours, SAELens' best MCC row's or shipped rate's speed)
-    edge = []
-    for family in families:
-        mine = next(r for r in results if r[0] == family and r[1].startswith("ours"))
-        peer = [r for r in results if r[0] == family and r[1] == "SAELens"]
-        best = max(peer, key=lambda r: r[3].mcc)
-        shipped = next(r for r in peer if r[2] == SHIPPED_LR)
-        for name, attr in (("MCC", "mcc"), ("F1", "f1"), ("explained variance",
-                                                          "explained_variance")):  # fmt: skip
-            a, b = getattr(mine[3], attr), getattr(best[3], attr)
-            if a < b:
-                trail.append(f"{family} {name} {a:.3f} against {b:.3f} ({a / b - 1:+.1%})")
-        if mine[3].dead_latents > best[3].dead_latents:
-            trail.append(f"{family} dead latents {mine[3].dead_latents} against "
-                         f"{best[3].dead_latents}")  # fmt: skip
-        if mine[4] > shipped[4]:
-            trail.append(f"{family} CPU speed {shipped[4] / mine[4]:.2f}x SAELens'")
-        if best[2] == max(lrs) and len(lrs) > 1:
+        for name, attr in (("MCC", "mcc"), ("F1", "f1"),
+                           ("explained variance", "explained_variance")):  # fmt: skip
+            if m[attr] < b[attr]:
+                trail.append(f"{family} {name} {m[attr]:.3f} against {b[attr]:.3f} "
+                             f"({m[attr] / b[attr] - 1:+.1%})")  # fmt: skip
+        if m["dead_latents"] > b["dead_latents"]:
+            trail.append(f"{family} dead latents {m['dead_latents']:.0f} against "
+                         f"{b['dead_latents']:.0f}")  # fmt: skip
+        if cpu(mine) > cpu(shipped):
+            trail.append(f"{family} CPU speed {cpu(shipped) / cpu(mine):.2f}x SAELens'")
+        if best_lr == max(lrs) and len(lrs) > 1:
             edge.append(family)
     words.append(
         "- Where we trail (against SAELens' best-MCC rate; speed against its shipped one): "
@@ -356,25 +442,31 @@ def run() -> str:
             f"- SAELens' best rate is the sweep's largest ({max(lrs):g}) for "
             f"{', '.join(edge)}: a larger one might do better still."
         )
-    words.append(
-        f"- {samples // BATCH} steps is a short budget (SynthSAEBench trains on ~10^8 "
-        "samples); SYNTH_SAMPLES=4194304 or more runs the same grid, not measured here."
-    )
-    speed = np.median([samples / r[4] for r in results if r[1].startswith("ours")])
+    words.append(f"- {samples // BATCH:,} steps (SynthSAEBench trains on ~10^8 samples).")
+    speed = np.median([samples / r[5] for r in results if r[1].startswith("ours")])
+    others = [f for f in families if f not in ran]
+    earlier = (f"; {', '.join(others)} from an earlier run at this size (`SYNTH_FAMILIES`), "
+               f"kept in `results-{samples}.json` beside the data" if others else "")  # fmt: skip
+    seeded = (f"seeds {', '.join(map(str, seeds))} (each: both trainers' initial weights and "
+              f"sample order; mean ± sd over the seeds)" if len(seeds) > 1
+              else f"seed {seeds[0]}")  # fmt: skip
     return (
-        f"## SAE trainers on SynthSAEBench's synthetic model: ours against SAELens\n\n"
-        f"`python -m benchmarks synth` (sae-lens installed: `.venv-baselines`; "
-        f"SYNTH_SAMPLES={samples}, SYNTH_FAMILIES={','.join(families)}, "
-        f"SYNTH_LRS={','.join(f'{v:g}' for v in lrs)}). The model: SynthSAEBench-16k's recipe "
-        f"at {F:,} features in {H} dimensions (mean true L0 {true_l0:.1f} on the evaluation "
-        f"set), {samples:,} training samples read once by both trainers in the same order "
-        f"(checked batch by batch), {N_LATENTS:,} latents, k = {K} (JumpReLU: its target "
-        f"L0), batch {BATCH}; ours at its shipped defaults, SAELens' runner at its shipped "
-        f"rate ({SHIPPED_LR:g}) and at each rate of the sweep. Every SAE graded by "
+        f"## SAE trainers on SynthSAEBench's synthetic model: ours against SAELens "
+        f"({samples:,} samples{f', {len(seeds)} seeds' if len(seeds) > 1 else ''})\n\n"
+        f"`SYNTH_SAMPLES={samples} SYNTH_SEEDS={','.join(map(str, seeds))} "
+        f"SYNTH_FAMILIES={','.join(ran)} SYNTH_LRS={','.join(f'{v:g}' for v in rates)} "
+        f"SYNTH_JOBS={jobs} python -m benchmarks synth` (sae-lens installed: "
+        f"`.venv-baselines`){earlier}. The model: SynthSAEBench-16k's recipe at {F:,} features in {H} "
+        f"dimensions (mean true L0 {true_l0:.1f} on the evaluation set), {samples:,} training "
+        f"samples read once by both trainers in the same order (checked batch by batch), "
+        f"{N_LATENTS:,} latents, k = {K} (JumpReLU: its target L0), batch {BATCH}, {seeded}; "
+        f"ours at its shipped defaults, SAELens' runner at its shipped rate ({SHIPPED_LR:g}) "
+        f"and at each rate of the sweep (its best: the highest mean MCC). Every SAE graded by "
         f"`evaluate_ground_truth` on the same {eval_rows:,} evaluation samples (another "
         f"seed). Samples/s: process CPU time of the training call with one torch thread "
-        f"(ours: median {speed:,.0f}); the ratio is against SAELens at its shipped rate. "
-        f"How the samples are shared and each family set up: the module's docstring.\n\n"
+        f"(ours: median {speed:,.0f}), {jobs} training process{'es' if jobs > 1 else ''} at "
+        f"a time; the ratio is against SAELens at its shipped rate. How the samples are "
+        f"shared and each family set up: the module's docstring.\n\n"
         + table(HEADER, rows)
         + "\n\n"
         + "\n".join(words)

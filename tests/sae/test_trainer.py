@@ -347,7 +347,7 @@ def test_a_long_runs_default_rate_falls_with_its_length(tmp_path, activations):
     assert long.learning_rate == pytest.approx(long.config.learning_rate / 4)
     long.step = 1000  # past the warm-up
     long._schedule()
-    encoder, rest, thresholds = long.optimizer.param_groups
+    _, rest, thresholds = long.optimizer.param_groups
     assert thresholds["params"] == [long.sae.log_threshold]
     assert rest["lr"] == pytest.approx(long.learning_rate)
     assert thresholds["lr"] == pytest.approx(long.config.learning_rate)

@@ -44,7 +44,7 @@ _SUBMODULE = {
             "synthetic_probe_tasks",
         ),
         "probing",
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("CoreMetrics", "CoreSums", "core_metrics"), "core"),
     **dict.fromkeys(
         ("EvalSpec", "SweepConfig", "evaluate_in_loop", "evaluate_in_spark", "run_sweep"),
