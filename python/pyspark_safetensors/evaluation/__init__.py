@@ -4,9 +4,9 @@ SAELens' file layout), datasets of its samples with their true feature activatio
 by Spark (``job.py``), and the ground-truth metrics (``groundtruth.py``: MCC, uniqueness,
 per-latent precision / recall / F1, explained variance, L0, dead latents, shrinkage,
 absorption), SAEBench's sparse probing (``probing.py``) and core figures (``core.py``:
-reconstruction, shrinkage, sparsity, firing, the dictionary's layout), and sweeps of many SAEs trained
-on a synthetic dataset and evaluated in one Spark job (``sweep.py``). Every name loads its
-module (and torch) on first use."""
+reconstruction, shrinkage, sparsity, firing, the dictionary's layout), and sweeps of many
+SAEs trained on a synthetic dataset and evaluated in one Spark job (``sweep.py``). Every
+name loads its module (and torch) on first use."""
 
 import importlib
 

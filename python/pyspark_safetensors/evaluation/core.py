@@ -78,6 +78,13 @@ class CoreMetrics:
         return out
 
 
+def dense_code(out, n_latents: int) -> torch.Tensor:
+    """``[B, n_latents]`` on the CPU: an SAE forward's sparse code (``out.values`` at
+    ``out.indices``) scattered out, 0 where a latent is silent."""
+    code = torch.zeros(out.values.shape[0], n_latents)
+    return code.scatter_add_(1, out.indices.cpu().long(), out.values.float().cpu())
+
+
 def max_cosine_to_others(rows_NH: torch.Tensor, chunk: int = COSINE_CHUNK) -> torch.Tensor:
     """``[N]``: each row's largest cosine with any other row (``-1`` when alone), in
     chunks of ``chunk`` rows, never an ``N x N`` matrix."""
@@ -195,9 +202,7 @@ def core_metrics(sae, batches: Iterable[torch.Tensor]) -> CoreMetrics:
     try:
         for x in batches:
             out = sae(x.float().to(sae.encoder_weight.device))
-            code = torch.zeros(x.shape[0], sae.latents_total)
-            code.scatter_add_(1, out.indices.cpu().long(), out.values.float().cpu())
-            sums.add(x, out.x_hat.float().cpu(), code)
+            sums.add(x, out.x_hat.float().cpu(), dense_code(out, sae.latents_total))
     finally:
         sae.train(was_training)
     return sums.result(sae)

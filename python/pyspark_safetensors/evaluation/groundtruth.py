@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..format.errors import InvalidArgumentError
+from .core import dense_code
 
 #: Samples whose input norm is below this are left out of the shrinkage (SAELens').
 MIN_INPUT_NORM = 1e-6
@@ -165,8 +166,7 @@ def _add_batch(sums: _Sums, sae, x, idx, vals, f: int, best: torch.Tensor, paren
     x = x.float()
     out = sae(x.to(sae.encoder_weight.device))
     x_hat = out.x_hat.float().cpu()
-    dense = torch.zeros(x.shape[0], sae.latents_total)
-    dense.scatter_add_(1, out.indices.cpu().long(), out.values.float().cpu())
+    dense = dense_code(out, sae.latents_total)
     fires = dense != 0
     if core is not None:
         core.add(x, x_hat, dense)
