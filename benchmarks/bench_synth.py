@@ -15,8 +15,12 @@ about eight times the CPU of the default), ``SYNTH_FAMILIES`` (``topk``, ``batch
 ``SYNTH_EVAL`` (evaluation samples, default 50,000), ``SYNTH_SEEDS`` (the trainers'
 seeds, default 1: each seed draws both trainers' initial weights and sample order, and the
 table gives mean ± sd over them), ``SYNTH_JOBS`` (training processes at a time, default 1;
-each trains one family and seed, ours then SAELens at each rate). The default size
-updates the doc's ``synth`` block, another size its own (``synth-4194304``).
+each trains one family and seed, ours then SAELens at each rate), ``SYNTH_TRAINERS``
+(``ours,saelens`` by default; ``ours`` retrains ours alone after a change to our trainer
+and keeps SAELens' rows of the same family, seed and size from an earlier run: SAELens'
+figures do not depend on our code, and both read the same rows in the same order by
+construction, which the earlier run checked). The default size updates the doc's
+``synth`` block, another size its own (``synth-4194304``).
 
 The model: SynthSAEBench-16k's recipe scaled down as ``docs/evaluation.md`` gives it,
 4,096 true features in 256 dimensions (Zipfian firing, 128 trees of branching 4 and depth
@@ -264,8 +268,8 @@ def grade(paths: dict[str, Path], load):
 
 def train_family(family: str, seed: int, samples: int, lrs: list[float],
                  paths: dict[str, Path]) -> list[tuple]:  # fmt: skip
-    """Ours and SAELens at each rate on one family and seed, each graded: rows of
-    ``(family, trainer, lr, seed, metrics, cpu s, wall s)``."""
+    """Ours and SAELens at each rate (no rates: ours alone) on one family and seed, each
+    graded: rows of ``(family, trainer, lr, seed, metrics, cpu s, wall s)``."""
     torch.set_num_threads(1)
     # imported before any timing: neither trainer's first call pays for its imports
     import sae_lens.synthetic
@@ -322,24 +326,38 @@ def settings():
     families = [f for f in os.environ.get("SYNTH_FAMILIES", ",".join(FAMILIES)).split(",") if f]
     lrs = [float(v) for v in os.environ.get("SYNTH_LRS", "3e-4,1e-3,3e-3,1e-2").split(",") if v]
     jobs = int(os.environ.get("SYNTH_JOBS", 1))
+    trainers = {t for t in os.environ.get("SYNTH_TRAINERS", "ours,saelens").split(",") if t}
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"SYNTH_FAMILIES: unknown {sorted(unknown)}; choose among {FAMILIES}")
-    return samples, seeds, eval_rows, families, sorted(set(lrs) | {SHIPPED_LR}), jobs
+    if "ours" not in trainers or trainers - {"ours", "saelens"}:
+        raise ValueError(f"SYNTH_TRAINERS: 'ours' or 'ours,saelens', got {sorted(trainers)}")
+    lrs = sorted(set(lrs) | {SHIPPED_LR}) if "saelens" in trainers else []
+    return samples, seeds, eval_rows, families, lrs, jobs
+
+
+def results_file(paths: dict[str, Path], samples: int) -> Path:
+    """Where every row measured at this size is kept, beside the data."""
+    return paths["train"].parent / f"results-{samples}.json"
 
 
 def remember(paths: dict[str, Path], samples: int, results: list[tuple]) -> list[tuple]:
-    """This run's rows with those of the families and seeds an earlier run measured at
-    this size and this one did not (``results-{samples}.json`` beside the data), so that
-    families can be measured one run at a time; the metrics as attributes."""
+    """This run's rows with those of the families, seeds and trainers an earlier run
+    measured at this size and this one did not (``results-{samples}.json`` beside the
+    data), so that families, and ours alone, can be measured one run at a time; the
+    metrics as attributes."""
     from types import SimpleNamespace
 
-    file = paths["train"].parent / f"results-{samples}.json"
+    file = results_file(paths, samples)
     old = json.loads(file.read_text()) if file.is_file() else []
     new = [{"family": f, "trainer": t, "lr": lr, "seed": s, "metrics": m.to_dict(), "cpu": c,
             "wall": w} for f, t, lr, s, m, c, w in results]  # fmt: skip
-    measured = {(r["family"], r["seed"]) for r in new}
-    kept = [r for r in old if (r["family"], r["seed"]) not in measured] + new
+
+    def key(r):
+        return r["family"], r["seed"], r["trainer"].startswith("ours")
+
+    measured = {key(r) for r in new}
+    kept = [r for r in old if key(r) not in measured] + new
     file.write_text(json.dumps(kept, indent=1) + "\n")
     return [(r["family"], r["trainer"], r["lr"], r["seed"], SimpleNamespace(**r["metrics"]),
              r["cpu"], r["wall"]) for r in kept]  # fmt: skip
@@ -358,7 +376,16 @@ def run() -> str:
         )
     samples, seeds, eval_rows, families, lrs, jobs = settings()
     ran, rates = families, lrs
+    only_ours = "" if lrs else "SYNTH_TRAINERS=ours "
     paths = data(samples, eval_rows)
+    if only_ours:  # SAELens' rows of every family and seed must be on file, before training
+        file = results_file(paths, samples)
+        kept = json.loads(file.read_text()) if file.is_file() else []
+        have = {(r["family"], r["seed"]) for r in kept if r["trainer"] == "SAELens"}
+        missing = [f"{f} seed {s}" for f in families for s in seeds if (f, s) not in have]
+        if missing:
+            raise ValueError(f"no SAELens rows at {samples:,} samples for {', '.join(missing)}:"
+                             " run with SYNTH_TRAINERS=ours,saelens first")  # fmt: skip
     # the slowest family first, so that the processes finish together
     tasks = sorted(((f, s) for f in families for s in seeds),
                    key=lambda t: -FAMILIES.index(t[0]))  # fmt: skip
@@ -447,6 +474,12 @@ def run() -> str:
     others = [f for f in families if f not in ran]
     earlier = (f"; {', '.join(others)} from an earlier run at this size (`SYNTH_FAMILIES`), "
                f"kept in `results-{samples}.json` beside the data" if others else "")  # fmt: skip
+    if not rates:  # SYNTH_TRAINERS=ours
+        rates = sorted({r[2] for r in results if r[1] == "SAELens"})
+        earlier += (f"; SAELens' rows from an earlier run at this size and seeds "
+                    f"(`SYNTH_TRAINERS=ours`: ours retrained alone, SAELens' kept in "
+                    f"`results-{samples}.json`)")  # fmt: skip
+
     seeded = (f"seeds {', '.join(map(str, seeds))} (each: both trainers' initial weights and "
               f"sample order; mean ± sd over the seeds)" if len(seeds) > 1
               else f"seed {seeds[0]}")  # fmt: skip
@@ -455,10 +488,11 @@ def run() -> str:
         f"({samples:,} samples{f', {len(seeds)} seeds' if len(seeds) > 1 else ''})\n\n"
         f"`SYNTH_SAMPLES={samples} SYNTH_SEEDS={','.join(map(str, seeds))} "
         f"SYNTH_FAMILIES={','.join(ran)} SYNTH_LRS={','.join(f'{v:g}' for v in rates)} "
-        f"SYNTH_JOBS={jobs} python -m benchmarks synth` (sae-lens installed: "
+        f"SYNTH_JOBS={jobs} {only_ours}python -m benchmarks synth` (sae-lens installed: "
         f"`.venv-baselines`){earlier}. The model: SynthSAEBench-16k's recipe at {F:,} features in {H} "
         f"dimensions (mean true L0 {true_l0:.1f} on the evaluation set), {samples:,} training "
-        f"samples read once by both trainers in the same order (checked batch by batch), "
+        f"samples read once by both trainers in the same order (checked batch by batch"
+        f"{' in the run that trained SAELens' if only_ours else ''}), "
         f"{N_LATENTS:,} latents, k = {K} (JumpReLU: its target L0), batch {BATCH}, {seeded}; "
         f"ours at its shipped defaults, SAELens' runner at its shipped rate ({SHIPPED_LR:g}) "
         f"and at each rate of the sweep (its best: the highest mean MCC). Every SAE graded by "

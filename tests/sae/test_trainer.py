@@ -321,7 +321,11 @@ def test_schedule_and_dead_window_follow_the_run_length(tmp_path, activations):
     assert short.lr_at(0) == pytest.approx(short.config.learning_rate / 10)
     assert short.lr_at(50) == short.config.learning_rate
     assert short.lr_at(199) < short.config.learning_rate / 20  # decayed at the end
-    assert short.dead_tokens == 256 * 200 // 10
+    assert short.dead_tokens == 256 * 200 // 10  # a tenth of a short run
+    # at most 1,024 times the average latent's interval between firings, n / k tokens
+    assert SAEConfig(n_latents=1024, k=12).dead_window(4_194_304) == 1024 * 1024 // 12
+    assert SAEConfig(n_latents=1024, k=4, batch_size=4096).dead_window(10**4) == 4096
+    assert SAEConfig(n_latents=10**6, k=1).dead_window(10**10) == 10_000_000
     assert SAEConfig(d=384, n_latents=16384).learning_rate == pytest.approx(2.8e-3)
     assert SAEConfig(d=384, n_latents=4096).learning_rate == pytest.approx(5.6e-3)
     # a transcoder's is an SAE's at every input width (it steps about its inputs' mean)

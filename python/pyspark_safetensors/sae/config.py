@@ -35,6 +35,16 @@ LR_BASE_STEPS = 512
 #: tokens: the default's floor however long the run.
 LR_LONG = 2e-4
 
+#: A latent is dead (AuxK trains it) once it has not fired for this many times the
+#: interval at which the average latent fires (n / k tokens), or for a tenth of the run
+#: if that is shorter. On SynthSAEBench's model (1,024 latents, k 12, 4,096 steps of
+#: 1,024 rows) a tenth of the run alone (4,915 intervals) left 9 to 52 latents that never
+#: fired on the evaluation set (JumpReLU, BatchTopK, Matryoshka), 1,024 intervals 0 to 3.
+#: Shorter windows recovered more there, but raised the FVU of short runs on MiniLM
+#: (12,288 latents: 0.016 at 124 intervals, 0.018 at 43) and the dead JumpReLU latents of
+#: the shipped sweep (``docs/sae.md``).
+DEAD_INTERVALS = 1024
+
 #: Adam's betas. A latent's gradient is non-zero only on the tokens that select it, and
 #: which latents those are keeps changing; a 1000-step second-moment memory (0.999)
 #: outlasts short runs and keeps the scales of the first steps. A 50-step memory and
@@ -179,8 +189,9 @@ class SAEConfig:
     of a batch of 4,096 it added 0.7 s to a 0.85 s CPU step (d = 768, 16,384 latents)."""
     dead_tokens: int = 0
     """A latent that has not fired for this many tokens is dead (and AuxK trains it);
-    0 = a tenth of the training tokens, at least one batch and at most 10M (the window
-    of Gao et al.), so that short runs see their dead latents too."""
+    0 = a tenth of the training tokens (so that short runs see their dead latents too), at
+    most DEAD_INTERVALS times n_latents / k (the average latent's interval between
+    firings) and 10M (the window of Gao et al.), at least one batch."""
     init_from: str = ""
     """An SAE to fine-tune instead of a fresh one: our file, run or checkpoint directory,
     or a SAELens / sparsify directory (its shape must match ``d`` and ``n_latents``)."""
@@ -443,7 +454,10 @@ class SAEConfig:
 
     def dead_window(self, total_tokens: int) -> int:
         """Tokens without firing after which a latent counts as dead."""
-        return self.dead_tokens or min(10_000_000, max(self.batch_size, total_tokens // 10))
+        # the average latent fires every n / k tokens
+        typical = DEAD_INTERVALS * self.latents // max(self.k, 1)
+        return self.dead_tokens or max(self.batch_size,
+                                       min(typical, total_tokens // 10, 10_000_000))  # fmt: skip
 
     @property
     def aux_k(self) -> int:
