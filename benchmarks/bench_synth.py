@@ -480,12 +480,17 @@ def run() -> str:
                     f"(`SYNTH_TRAINERS=ours`: ours retrained alone, SAELens' kept in "
                     f"`results-{samples}.json`)")  # fmt: skip
 
-    seeded = (f"seeds {', '.join(map(str, seeds))} (each: both trainers' initial weights and "
-              f"sample order; mean ± sd over the seeds)" if len(seeds) > 1
-              else f"seed {seeds[0]}")  # fmt: skip
+    every = sorted({r[3] for r in results})  # this run's seeds and those kept from earlier
+    if every != sorted(seeds):
+        kept = [str(v) for v in every if v not in seeds]
+        earlier += (f"; seed{'s' if len(kept) > 1 else ''} {', '.join(kept)} from earlier "
+                    f"runs at this size")  # fmt: skip
+    seeded = (f"seeds {', '.join(map(str, every))} (each: both trainers' initial weights and "
+              f"sample order; mean ± sd over the seeds a row has)" if len(every) > 1
+              else f"seed {every[0]}")  # fmt: skip
     return (
         f"## SAE trainers on SynthSAEBench's synthetic model: ours against SAELens "
-        f"({samples:,} samples{f', {len(seeds)} seeds' if len(seeds) > 1 else ''})\n\n"
+        f"({samples:,} samples{f', {len(every)} seeds' if len(every) > 1 else ''})\n\n"
         f"`SYNTH_SAMPLES={samples} SYNTH_SEEDS={','.join(map(str, seeds))} "
         f"SYNTH_FAMILIES={','.join(ran)} SYNTH_LRS={','.join(f'{v:g}' for v in rates)} "
         f"SYNTH_JOBS={jobs} {only_ours}python -m benchmarks synth` (sae-lens installed: "
