@@ -336,9 +336,10 @@ def settings():
     return samples, seeds, eval_rows, families, lrs, jobs
 
 
-def results_file(paths: dict[str, Path], samples: int) -> Path:
-    """Where every row measured at this size is kept, beside the data."""
-    return paths["train"].parent / f"results-{samples}.json"
+def stored(paths: dict[str, Path], samples: int) -> tuple[Path, list[dict]]:
+    """The file that keeps every row measured at this size, beside the data, and its rows."""
+    file = paths["train"].parent / f"results-{samples}.json"
+    return file, json.loads(file.read_text()) if file.is_file() else []
 
 
 def remember(paths: dict[str, Path], samples: int, results: list[tuple]) -> list[tuple]:
@@ -348,8 +349,7 @@ def remember(paths: dict[str, Path], samples: int, results: list[tuple]) -> list
     metrics as attributes."""
     from types import SimpleNamespace
 
-    file = results_file(paths, samples)
-    old = json.loads(file.read_text()) if file.is_file() else []
+    file, old = stored(paths, samples)
     new = [{"family": f, "trainer": t, "lr": lr, "seed": s, "metrics": m.to_dict(), "cpu": c,
             "wall": w} for f, t, lr, s, m, c, w in results]  # fmt: skip
 
@@ -379,9 +379,8 @@ def run() -> str:
     only_ours = "" if lrs else "SYNTH_TRAINERS=ours "
     paths = data(samples, eval_rows)
     if only_ours:  # SAELens' rows of every family and seed must be on file, before training
-        file = results_file(paths, samples)
-        kept = json.loads(file.read_text()) if file.is_file() else []
-        have = {(r["family"], r["seed"]) for r in kept if r["trainer"] == "SAELens"}
+        have = {(r["family"], r["seed"]) for r in stored(paths, samples)[1]
+                if r["trainer"] == "SAELens"}  # fmt: skip
         missing = [f"{f} seed {s}" for f in families for s in seeds if (f, s) not in have]
         if missing:
             raise ValueError(f"no SAELens rows at {samples:,} samples for {', '.join(missing)}:"
@@ -458,7 +457,7 @@ def run() -> str:
         if cpu(mine) > cpu(shipped):
             trail.append(f"{family} CPU speed {cpu(shipped) / cpu(mine):.2f}x SAELens'")
         if best_lr == max(lrs) and len(lrs) > 1:
-            edge.append(family)
+            edge.append(f"{family} ({best_lr:g})")
     words.append(
         "- Where we trail (against SAELens' best-MCC rate; speed against its shipped one): "
         + ("; ".join(trail) if trail else "nowhere")
@@ -466,7 +465,7 @@ def run() -> str:
     )
     if edge:
         words.append(
-            f"- SAELens' best rate is the sweep's largest ({max(lrs):g}) for "
+            f"- SAELens' best rate is the largest it was trained at for "
             f"{', '.join(edge)}: a larger one might do better still."
         )
     words.append(f"- {samples // BATCH:,} steps (SynthSAEBench trains on ~10^8 samples).")
@@ -482,8 +481,8 @@ def run() -> str:
 
     every = sorted({r[3] for r in results})  # this run's seeds and those kept from earlier
     if every != sorted(seeds):
-        kept = [str(v) for v in every if v not in seeds]
-        earlier += (f"; seed{'s' if len(kept) > 1 else ''} {', '.join(kept)} from earlier "
+        before = [str(v) for v in every if v not in seeds]
+        earlier += (f"; seed{'s' if len(before) > 1 else ''} {', '.join(before)} from earlier "
                     f"runs at this size")  # fmt: skip
     seeded = (f"seeds {', '.join(map(str, every))} (each: both trainers' initial weights and "
               f"sample order; mean ± sd over the seeds a row has)" if len(every) > 1

@@ -454,10 +454,9 @@ class SAEConfig:
 
     def dead_window(self, total_tokens: int) -> int:
         """Tokens without firing after which a latent counts as dead."""
-        # the average latent fires every n / k tokens
-        typical = DEAD_INTERVALS * self.latents // max(self.k, 1)
+        rare = DEAD_INTERVALS * self.latents // self.k  # the average latent fires every n / k
         return self.dead_tokens or max(self.batch_size,
-                                       min(typical, total_tokens // 10, 10_000_000))  # fmt: skip
+                                       min(rare, total_tokens // 10, 10_000_000))  # fmt: skip
 
     @property
     def aux_k(self) -> int:
